@@ -1,0 +1,16 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="trainer",
+    version="0.1.0",
+    description="A minimal, hook-based PyTorch training loop with no overhead.",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["trainer", "trainer.*"]),
+    python_requires=">=3.9",
+    install_requires=["torch>=2.4", "numpy", "tensorboard", "tabulate"],
+    extras_require={
+        "dev": ["pytest>=7", "pytest-timeout", "ruff"],
+        "examples": ["scikit-learn"],
+    },
+)

@@ -1,0 +1,68 @@
+"""Checkpoint files: atomic writes, a ``latest.txt`` pointer and ``weights_only`` loads."""
+
+import os
+import tempfile
+from typing import Any, Optional
+
+import torch
+
+LATEST_POINTER = "latest.txt"
+
+
+def atomic_save(obj: Any, path: str) -> None:
+    """``torch.save`` that leaves ``path`` either untouched or complete, never half-written.
+
+    The data goes to a temporary file in the same folder, is flushed to disk, and replaces
+    ``path`` in one ``os.replace``; the folder is then synced so the rename itself is durable.
+    """
+    _atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def update_latest_pointer(ckpt_dir: str, file_name: str) -> None:
+    """Point ``ckpt_dir/latest.txt`` at ``file_name``, atomically (works where symlinks do not)."""
+    _atomic_write(os.path.join(ckpt_dir, LATEST_POINTER), lambda f: f.write(file_name.encode()))
+
+
+def read_latest_pointer(ckpt_dir: str) -> Optional[str]:
+    """The path ``latest.txt`` names, or None when there is no pointer yet."""
+    pointer = os.path.join(ckpt_dir, LATEST_POINTER)
+    if not os.path.isfile(pointer):
+        return None
+    with open(pointer) as f:
+        name = f.read().strip()
+    return os.path.join(ckpt_dir, name) if name else None
+
+
+def load_checkpoint_file(path: str) -> dict[str, Any]:
+    """Load a checkpoint with ``weights_only=True``: tensors and plain data only, never code."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"Checkpoint {path!r} does not exist.")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise RuntimeError(
+            f"Checkpoint {path!r} could not be loaded safely (weights_only=True): {e}"
+        ) from e
+    if not isinstance(data, dict):
+        raise RuntimeError(f"Checkpoint {path!r} holds a {type(data).__name__}, expected a dict.")
+    return data
+
+
+def _atomic_write(path: str, write) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    dir_fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)

@@ -1,0 +1,112 @@
+"""Rank helpers over ``torch.distributed``; every function also works in a single process."""
+
+import datetime
+import logging
+import os
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -> tuple[int, int]:
+    """Join the process group that ``torchrun`` describes in the environment.
+
+    Picks nccl when CUDA is available and gloo otherwise, and binds each process to the GPU of its
+    ``LOCAL_RANK``. Without torchrun's variables (a plain ``python script.py``) it does nothing.
+
+    Args:
+        backend: Force a backend (``"nccl"``, ``"gloo"``); None chooses as above.
+        timeout_s: How long a collective may wait for the other ranks before failing.
+
+    Returns:
+        ``(rank, world_size)``.
+
+    Example::
+
+        >>> init_distributed()  # a single process
+        (0, 1)
+    """
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return 0, 1
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    logger.info(f"Initialized {backend} rank {dist.get_rank()} of {dist.get_world_size()}.")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _is_distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    """This process's rank, 0 without a process group."""
+    return dist.get_rank() if _is_distributed() else 0
+
+
+def get_world_size() -> int:
+    """The number of processes, 1 without a process group."""
+    return dist.get_world_size() if _is_distributed() else 1
+
+
+def is_main_process() -> bool:
+    """Whether this is rank 0, the one that writes checkpoints and TensorBoard files."""
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    """Wait for every rank; a no-op in a single process."""
+    if get_world_size() > 1:
+        dist.barrier()
+
+
+def all_gather(obj: Any) -> list[Any]:
+    """Gather a picklable object from every rank, to every rank.
+
+    Example::
+
+        >>> all_gather({"acc": 0.9})
+        [{'acc': 0.9}]
+    """
+    if get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def gather(obj: Any, dst: int = 0) -> list[Any]:
+    """Gather a picklable object from every rank on rank ``dst``; other ranks get ``[]``."""
+    if get_world_size() == 1:
+        return [obj]
+    out: Optional[list[Any]] = [None] * get_world_size() if get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst)
+    return out if out is not None else []
+
+
+def reduce_dict(tensors: dict[str, torch.Tensor], average: bool = True) -> dict[str, torch.Tensor]:
+    """Sum (or average) a dict of same-shaped tensors over all ranks, in one collective.
+
+    Every rank gets the result. The keys must be the same on every rank.
+
+    Example::
+
+        >>> reduce_dict({"loss": torch.tensor(2.0)})
+        {'loss': tensor(2.)}
+    """
+    if get_world_size() == 1:
+        return dict(tensors)
+    names = sorted(tensors)
+    packed = torch.stack([tensors[n] for n in names])
+    dist.all_reduce(packed)
+    if average:
+        packed = packed / get_world_size()
+    return dict(zip(names, packed))

@@ -1,0 +1,79 @@
+"""Runs an evaluation function periodically and logs its results."""
+
+import logging
+import numbers
+from typing import Callable, Optional
+
+import torch
+
+from .hookbase import HookBase, Priority
+
+logger = logging.getLogger(__name__)
+
+
+class EvalHook(HookBase):
+    """Calls ``eval_func()`` every ``period`` epochs (epoch-based training) or iterations
+    (iteration-based), and at the end of training; logs the dict of numbers it returns under their
+    names, then puts the model back in train mode.
+
+    Results land in ``trainer.metric_storage`` (not smoothed), TensorBoard and the console, where
+    ``LRUpdateHook`` finds the metric that ``ReduceLROnPlateau`` judges.
+
+    Args:
+        period: Epochs or iterations between evaluations.
+        eval_func: A callable with no arguments returning ``{name: number}`` (or None).
+
+    Example::
+
+        >>> hook = EvalHook(1, lambda: {"val_acc": 0.9})
+    """
+
+    priority = Priority.EVAL
+
+    def __init__(self, period: int, eval_func: Callable[[], Optional[dict]]) -> None:
+        if not callable(eval_func):
+            raise TypeError(f"eval_func must be callable, got {type(eval_func).__name__}.")
+        self._period = period
+        self._eval_func = eval_func
+
+    def after_iter(self) -> None:
+        """Evaluate in iteration-based training."""
+        if not self.trainer.epoch_based and (
+            self.every_n_iters(self._period) or self.is_last_iter()
+        ):
+            self._evaluate()
+
+    def after_epoch(self) -> None:
+        """Evaluate in epoch-based training."""
+        if self.trainer.epoch_based and (self.every_n_epochs(self._period) or self.is_last_epoch()):
+            self._evaluate()
+
+    def _evaluate(self) -> None:
+        try:
+            results = self._eval_func()
+        finally:
+            self.trainer.model.train()
+        if results is None:
+            return
+        results = _check_results(results)
+        line = "  ".join(f"{k}: {v:.5g}" for k, v in results.items())
+        logger.info(f"Evaluation after iteration {self.trainer.cur_iter + 1}: {line}")
+        self.trainer.log(self.trainer.cur_iter, smooth=False, **results)
+
+
+def _check_results(results: object) -> dict[str, float]:
+    if not isinstance(results, dict):
+        raise TypeError(
+            f"eval_func must return a dict of numbers (or None), got {type(results).__name__}."
+        )
+    checked = {}
+    for name, value in results.items():
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            value = value.item()
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(
+                f"eval_func returned {name!r}={value!r} of type {type(value).__name__}; "
+                "every value must be a number (int, float or one-element tensor)."
+            )
+        checked[str(name)] = float(value)
+    return checked

@@ -1,0 +1,101 @@
+"""The base class of every hook, and the order hooks run in."""
+
+from typing import Any
+
+
+class Priority:
+    """When a hook runs relative to the others: lower first, ties in registration order."""
+
+    # The sampler epoch must be set before anything creates this epoch's data iterator.
+    DISTRIBUTED = 10
+    # User hooks run before the built-in ones below, so their effects are logged and saved.
+    NORMAL = 50
+    # Evaluation before the LR update, so ReduceLROnPlateau sees this epoch's metric.
+    EVAL = 60
+    LR_UPDATE = 70
+    # Checkpoint after every hook that changes training state, so resume restarts exactly here.
+    CHECKPOINT = 80
+    # Logging last, so the console and TensorBoard show what every other hook wrote.
+    LOGGER = 90
+
+
+class HookBase:
+    """Base class for hooks: override the events you need; the rest are no-ops.
+
+    The trainer calls them like this (``train_one_iter`` is fetch, forward, backward, step)::
+
+        hook.before_train()
+        for epoch in range(start_epoch, max_epochs):
+            hook.before_epoch()
+            for iter in range(start_iter, epoch_end):
+                hook.before_iter()
+                trainer.train_one_iter()
+                hook.after_iter()
+            hook.after_epoch()
+        hook.after_train()  # also when training raises
+
+    ``self.trainer`` is a ``weakref.proxy`` to the trainer, set by ``register_hook``.
+
+    Example::
+
+        >>> class PrintLR(HookBase):
+        ...     def after_epoch(self):
+        ...         print(f"epoch {self.trainer.cur_epoch}: lr={self.trainer.lr}")
+    """
+
+    priority: int = Priority.NORMAL
+    trainer: Any = None
+
+    def before_train(self) -> None:
+        """Called once, before the first iteration."""
+
+    def after_train(self) -> None:
+        """Called once, after the last iteration or when training raised."""
+
+    def before_epoch(self) -> None:
+        """Called at the start of every epoch."""
+
+    def after_epoch(self) -> None:
+        """Called at the end of every epoch."""
+
+    def before_iter(self) -> None:
+        """Called before every ``train_one_iter``."""
+
+    def after_iter(self) -> None:
+        """Called after every ``train_one_iter``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The hook's state as plain data, saved in checkpoints; empty for stateless hooks."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+
+    @property
+    def checkpointable(self) -> bool:
+        """Whether the hook overrides :meth:`state_dict` and so has state to save."""
+        return type(self).state_dict is not HookBase.state_dict
+
+    def every_n_epochs(self, n: int) -> bool:
+        """Whether the current epoch is a multiple of ``n`` (counting from 1)."""
+        return n > 0 and (self.trainer.cur_epoch + 1) % n == 0
+
+    def every_n_iters(self, n: int) -> bool:
+        """Whether the current iteration is a multiple of ``n`` (counting from 1)."""
+        return n > 0 and (self.trainer.cur_iter + 1) % n == 0
+
+    def every_n_inner_iters(self, n: int) -> bool:
+        """Whether the iteration within the epoch is a multiple of ``n`` (counting from 1)."""
+        return n > 0 and (self.trainer.inner_iter + 1) % n == 0
+
+    def is_last_epoch(self) -> bool:
+        """Whether this is the final epoch of training."""
+        return self.trainer.cur_epoch == self.trainer.max_epochs - 1
+
+    def is_last_iter(self) -> bool:
+        """Whether this is the final iteration of training."""
+        return self.trainer.cur_iter == self.trainer.max_iters - 1
+
+    def is_last_inner_iter(self) -> bool:
+        """Whether this is the final iteration of the current epoch."""
+        return self.trainer.inner_iter == self.trainer.epoch_iters - 1

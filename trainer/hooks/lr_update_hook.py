@@ -1,0 +1,52 @@
+"""Steps the warmup-wrapped LR schedule."""
+
+from typing import Any, Optional
+
+from .hookbase import HookBase, Priority
+
+
+class LRUpdateHook(HookBase):
+    """Calls ``trainer.lr_scheduler.iter_update()`` after every iteration and ``epoch_update()``
+    after every epoch. An iteration whose optimizer step the float16 GradScaler skipped does not
+    advance the schedule.
+
+    Args:
+        plateau_metric: For ReduceLROnPlateau, the metric it judges. The scheduler steps at an
+            epoch end only when a new value of this metric was logged since its last step (by an
+            :class:`EvalHook`, which runs before this hook).
+
+    Example::
+
+        >>> hook = LRUpdateHook()  # the Trainer registers one by default
+    """
+
+    priority = Priority.LR_UPDATE
+
+    def __init__(self, plateau_metric: Optional[str] = None) -> None:
+        self._plateau_metric = plateau_metric
+        self._metric_count = 0  # values of plateau_metric already fed to the scheduler
+
+    def after_iter(self) -> None:
+        """Advance the iteration schedule unless the optimizer step was skipped."""
+        if not self.trainer.step_skipped:
+            self.trainer.lr_scheduler.iter_update()
+
+    def after_epoch(self) -> None:
+        """Advance the epoch schedule, with the newest plateau metric if any."""
+        scheduler = self.trainer.lr_scheduler
+        metric = None
+        if scheduler.is_plateau:
+            storage = self.trainer.metric_storage
+            buffer = storage.get(self._plateau_metric)
+            if buffer is not None and buffer.count > self._metric_count:
+                metric = buffer.latest
+                self._metric_count = buffer.count
+        scheduler.epoch_update(metric)
+
+    def state_dict(self) -> dict[str, Any]:
+        """How many plateau metric values were used."""
+        return {"metric_count": self._metric_count}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self._metric_count = state["metric_count"]

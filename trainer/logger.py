@@ -1,0 +1,77 @@
+"""Console and file logging for the ``trainer`` package."""
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from typing import Optional
+
+_FORMAT = "[%(asctime)s %(name)s %(levelname)s]: %(message)s"
+_DATE_FORMAT = "%m/%d %H:%M:%S"
+
+
+def setup_logger(
+    name: str = "trainer", output: Optional[str] = None, rank: int = 0, level: int = logging.INFO
+) -> logging.Logger:
+    """Make logger ``name`` print to the console on rank 0 and, optionally, to a file.
+
+    Calling it again with the same arguments adds nothing twice.
+
+    Args:
+        name: The logger, e.g. ``"trainer"`` for this library or ``__name__`` for a script.
+        output: A log file (``.txt`` or ``.log``) or a folder to hold ``log.txt``. Ranks other than
+            0 write ``log_rank{rank}.txt`` beside it.
+        rank: This process's rank; only rank 0 prints to the console.
+        level: The logging level.
+
+    Example::
+
+        >>> log = setup_logger("my_script")
+        >>> log.info("hello")
+    """
+    log = logging.getLogger(name)
+    log.setLevel(level)
+    log.propagate = False
+    formatter = logging.Formatter(_FORMAT, datefmt=_DATE_FORMAT)
+    if rank == 0 and not any(getattr(h, "_trainer_console", False) for h in log.handlers):
+        console = logging.StreamHandler(sys.stdout)
+        console._trainer_console = True
+        console.setFormatter(formatter)
+        log.addHandler(console)
+    if output is not None:
+        path = log_file_path(output, rank)
+        if not any(getattr(h, "baseFilename", None) == path for h in log.handlers):
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            file_handler = logging.FileHandler(path)
+            file_handler.setFormatter(formatter)
+            log.addHandler(file_handler)
+    return log
+
+
+def log_file_path(output: str, rank: int = 0) -> str:
+    """The log file that ``output`` (a file or a folder) means for ``rank``."""
+    path = output if output.endswith((".txt", ".log")) else os.path.join(output, "log.txt")
+    if rank > 0:
+        root, ext = os.path.splitext(path)
+        path = f"{root}_rank{rank}{ext}"
+    return os.path.abspath(path)
+
+
+@contextlib.contextmanager
+def log_to_file(name: str, path: str) -> Iterator[None]:
+    """Copy logger ``name``'s records into ``path`` for the duration of the block, then close it.
+
+    The trainer uses this instead of a permanent handler so that several trainers in one process
+    each write their own log file.
+    """
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(_FORMAT, datefmt=_DATE_FORMAT))
+    log = logging.getLogger(name)
+    log.addHandler(handler)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        handler.close()

@@ -1,0 +1,197 @@
+"""Warmup on top of any ``torch.optim.lr_scheduler`` scheduler."""
+
+from typing import Any, Optional
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+_WARMUP_MODES = ("fix", "factor", "auto")
+
+
+class LRWarmupScheduler:
+    """Wraps a PyTorch LR scheduler and adds a warmup stage in front of it.
+
+    The wrapped scheduler runs its regular schedule unchanged, stepping once per epoch
+    (``by_epoch=True``) or once per iteration. Warmup only shapes the LR that the optimizer sees
+    during the first ``warmup_t`` iterations (or epochs, with ``warmup_by_epoch=True``):
+
+    - ``"fix"``: linear from ``warmup_init_lr`` to the base LR: at step ``i`` of ``T`` the LR is
+      ``warmup_init_lr * (1 - i / T) + base_lr * i / T``.
+    - ``"factor"``: the regular LR times a factor going linearly from ``warmup_factor`` to 1.
+    - ``"auto"``: linear from ``base_lr * warmup_factor`` to the regular LR at the end of warmup.
+
+    Call :meth:`iter_update` after every iteration and :meth:`epoch_update` after every epoch
+    (:class:`~trainer.hooks.LRUpdateHook` does both).
+
+    Args:
+        torch_scheduler: The scheduler to wrap, or None for a constant regular LR.
+        by_epoch: Whether ``torch_scheduler`` steps once per epoch (True) or per iteration.
+        epoch_len: Iterations per epoch; unused, kept for core-pytorch-utils compatibility.
+        warmup_t: Length of the warmup in iterations (or epochs); 0 disables warmup.
+        warmup_by_epoch: Count ``warmup_t`` in epochs and update the warmup LR per epoch.
+        warmup_mode: ``"fix"``, ``"factor"`` or ``"auto"``.
+        warmup_init_lr: The first LR of ``"fix"`` warmup.
+        warmup_factor: The starting factor of ``"factor"`` and ``"auto"`` warmup.
+        optimizer: The optimizer, needed only when ``torch_scheduler`` is None.
+
+    Example::
+
+        >>> import torch
+        >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+        >>> step = torch.optim.lr_scheduler.StepLR(opt, step_size=10)
+        >>> sched = LRWarmupScheduler(step, by_epoch=True, warmup_t=4, warmup_init_lr=0.02)
+        >>> lrs = []
+        >>> for _ in range(5):
+        ...     lrs.append(round(opt.param_groups[0]["lr"], 3))
+        ...     sched.iter_update()
+        >>> lrs
+        [0.02, 0.04, 0.06, 0.08, 0.1]
+    """
+
+    def __init__(
+        self,
+        torch_scheduler: Optional[LRScheduler],
+        by_epoch: bool = True,
+        epoch_len: Optional[int] = None,
+        warmup_t: int = 0,
+        warmup_by_epoch: bool = False,
+        warmup_mode: str = "fix",
+        warmup_init_lr: float = 0.0,
+        warmup_factor: float = 0.0,
+        *,
+        optimizer: Optional[Optimizer] = None,
+    ) -> None:
+        _check_warmup(warmup_t, warmup_mode, warmup_by_epoch, by_epoch)
+        if torch_scheduler is None and optimizer is None:
+            raise ValueError("Pass optimizer= when torch_scheduler is None.")
+        if isinstance(torch_scheduler, ReduceLROnPlateau) and not by_epoch:
+            raise ValueError(
+                "ReduceLROnPlateau steps once per evaluation, at epoch ends: use by_epoch=True "
+                "(got by_epoch=False)."
+            )
+        self.torch_scheduler = torch_scheduler
+        self.optimizer = optimizer if torch_scheduler is None else torch_scheduler.optimizer
+        self.by_epoch = by_epoch
+        self.epoch_len = epoch_len
+        self.warmup_t = warmup_t
+        self.warmup_by_epoch = warmup_by_epoch
+        self.warmup_mode = warmup_mode
+        self.warmup_init_lr = warmup_init_lr
+        self.warmup_factor = warmup_factor
+
+        self.last_iter = 0
+        self.last_epoch = 0
+        self.base_lrs = self._get_lrs()
+        # The regular schedule's LRs, kept apart from what the optimizer sees so that chainable
+        # schedulers (StepLR, ReduceLROnPlateau, ...) step from the regular LR, not the warmup LR.
+        self.regular_lrs = list(self.base_lrs)
+        self.warmup_end_lrs = self._regular_lrs_at_warmup_end() if warmup_mode == "auto" else None
+        self._apply()
+
+    @property
+    def is_plateau(self) -> bool:
+        """Whether the wrapped scheduler is ``ReduceLROnPlateau`` (needs a metric per step)."""
+        return isinstance(self.torch_scheduler, ReduceLROnPlateau)
+
+    def iter_update(self) -> None:
+        """Set the LR for the next iteration; call after every iteration."""
+        self.last_iter += 1
+        if not self.by_epoch:
+            self._step_regular()
+        self._apply()
+
+    def epoch_update(self, metric: Optional[float] = None) -> None:
+        """Set the LR for the next epoch; call after every epoch.
+
+        Args:
+            metric: The value ``ReduceLROnPlateau`` judges; ignored by other schedulers.
+        """
+        self.last_epoch += 1
+        if self.by_epoch and not (self.is_plateau and metric is None):
+            self._step_regular(metric)
+        self._apply()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The warmup state and the wrapped scheduler's state, as plain data."""
+        return {
+            "last_iter": self.last_iter,
+            "last_epoch": self.last_epoch,
+            "regular_lrs": list(self.regular_lrs),
+            "warmup_end_lrs": self.warmup_end_lrs,
+            "torch_scheduler": (
+                None if self.torch_scheduler is None else self.torch_scheduler.state_dict()
+            ),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned and set the optimizer's LRs to match."""
+        self.last_iter = state["last_iter"]
+        self.last_epoch = state["last_epoch"]
+        self.regular_lrs = list(state["regular_lrs"])
+        self.warmup_end_lrs = state["warmup_end_lrs"]
+        if self.torch_scheduler is not None:
+            self.torch_scheduler.load_state_dict(state["torch_scheduler"])
+        self._apply()
+
+    def _get_lrs(self) -> list[float]:
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    def _set_lrs(self, lrs: list[float]) -> None:
+        for group, lr in zip(self.optimizer.param_groups, lrs):
+            group["lr"] = lr
+
+    def _step_regular(self, metric: Optional[float] = None) -> None:
+        if self.torch_scheduler is None:
+            return
+        self._set_lrs(self.regular_lrs)
+        if self.is_plateau:
+            self.torch_scheduler.step(metric)
+        else:
+            self.torch_scheduler.step()
+        self.regular_lrs = self._get_lrs()
+
+    def _regular_lrs_at_warmup_end(self) -> list[float]:
+        """Run the regular schedule to the end of warmup and rewind it ("auto" mode's target)."""
+        if self.torch_scheduler is None or self.is_plateau:
+            return list(self.base_lrs)
+        saved = self.torch_scheduler.state_dict()
+        if self.by_epoch and not self.warmup_by_epoch:
+            steps = self.warmup_t // (self.epoch_len or 1)
+        else:
+            steps = self.warmup_t
+        for _ in range(steps):
+            self.torch_scheduler.step()
+        end_lrs = self._get_lrs()
+        self.torch_scheduler.load_state_dict(saved)
+        self._set_lrs(self.base_lrs)
+        return end_lrs
+
+    def _apply(self) -> None:
+        t = self.last_epoch if self.warmup_by_epoch else self.last_iter
+        if t >= self.warmup_t:
+            self._set_lrs(self.regular_lrs)
+            return
+        alpha = t / self.warmup_t
+        if self.warmup_mode == "fix":
+            lrs = [self.warmup_init_lr * (1 - alpha) + b * alpha for b in self.base_lrs]
+        elif self.warmup_mode == "factor":
+            factor = self.warmup_factor * (1 - alpha) + alpha
+            lrs = [lr * factor for lr in self.regular_lrs]
+        else:
+            lrs = [
+                b * self.warmup_factor * (1 - alpha) + end * alpha
+                for b, end in zip(self.base_lrs, self.warmup_end_lrs)
+            ]
+        self._set_lrs(lrs)
+
+
+def _check_warmup(warmup_t: int, warmup_mode: str, warmup_by_epoch: bool, by_epoch: bool) -> None:
+    if not isinstance(warmup_t, int) or warmup_t < 0:
+        raise ValueError(f"warmup_t must be an int >= 0 (0 disables warmup), got {warmup_t!r}.")
+    if warmup_mode not in _WARMUP_MODES:
+        raise ValueError(f"warmup_mode must be one of {_WARMUP_MODES}, got {warmup_mode!r}.")
+    if warmup_by_epoch and not by_epoch:
+        raise ValueError(
+            "warmup_by_epoch=True needs an epoch-based schedule: pass by_epoch=True, or count "
+            "warmup_t in iterations with warmup_by_epoch=False."
+        )

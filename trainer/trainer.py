@@ -1,0 +1,670 @@
+"""The :class:`Trainer`: the training loop; everything else is a hook."""
+
+import contextlib
+import logging
+import math
+import os
+import time
+import weakref
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+from torch.nn.parallel import DataParallel, DistributedDataParallel
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+from torch.utils.data import DataLoader
+
+from .checkpoint import (
+    atomic_save,
+    load_checkpoint_file,
+    read_latest_pointer,
+    update_latest_pointer,
+)
+from .distributed import get_rank, is_main_process
+from .env import collect_env
+from .hooks import CheckpointHook, DistributedHook, HookBase, LoggerHook, LRUpdateHook
+from .logger import log_file_path, log_to_file, setup_logger
+from .lr_scheduler import LRWarmupScheduler
+from .metric_storage import MetricStorage
+from .seed import get_rng_state, set_rng_state
+
+logger = logging.getLogger(__name__)
+
+_AMP_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class Trainer:
+    """Trains a model that returns its loss; hooks do everything around the loop.
+
+    Each iteration fetches ``accumulation_steps`` batches, runs ``model(batch)`` (or
+    ``model(**batch)``), which returns a scalar loss or a dict of scalar losses, back-propagates
+    their sum and steps the optimizer. The default hooks update the LR, save checkpoints under
+    ``work_dir/checkpoints`` and log to the console, ``work_dir/log.txt`` and TensorBoard. For
+    anything fancier, subclass and override :meth:`train_one_iter`.
+
+    Args:
+        model: Returns a scalar loss tensor or a dict of them. Moving the batch to the model's
+            device is the model's job.
+        optimizer: The optimizer of ``model``'s parameters.
+        lr_scheduler: A ``torch.optim.lr_scheduler`` scheduler (ReduceLROnPlateau included), an
+            :class:`LRWarmupScheduler`, or None for a constant LR.
+        data_loader: A data loader with a length.
+        max_epochs: Train this many epochs (pass exactly one of ``max_epochs``, ``max_iters``).
+        max_iters: Train this many iterations, crossing data-loader passes as needed.
+        work_dir: Where checkpoints, ``log.txt`` and TensorBoard files go.
+        unpack_batch_dict: Call ``model(**batch)`` instead of ``model(batch)``.
+        max_num_checkpoints: Keep only the newest N periodic checkpoints; None keeps all.
+        checkpoint_period: Save every N epochs (epoch-based) or iterations (iteration-based).
+        log_period: Turn device metrics into numbers and log them every N iterations.
+        clip_grad_norm: Clip the gradient norm to this value; 0 disables clipping.
+        enable_amp: Mixed precision through ``torch.autocast``.
+        amp_dtype: ``torch.float16`` (with a GradScaler) or ``torch.bfloat16``; None picks
+            float16 on CUDA and bfloat16 on CPU.
+        accumulation_steps: Micro-batches whose gradients are summed per optimizer step.
+        by_epoch: Whether ``lr_scheduler`` steps once per epoch (True) or per iteration.
+        warmup_t: Warmup length in iterations (or epochs with ``warmup_by_epoch``); 0 disables.
+        warmup_by_epoch: Count ``warmup_t`` in epochs.
+        warmup_mode: ``"fix"``, ``"factor"`` or ``"auto"``; see :class:`LRWarmupScheduler`.
+        warmup_init_lr: The first LR of ``"fix"`` warmup.
+        warmup_factor: The starting factor of ``"factor"`` and ``"auto"`` warmup.
+        plateau_metric: With ReduceLROnPlateau, the metric it judges (e.g. one your
+            :class:`~trainer.hooks.EvalHook` returns); it steps after each new value.
+
+    Example::
+
+        >>> import torch, tempfile
+        >>> from torch import nn
+        >>> class Regressor(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.net = nn.Linear(4, 1)
+        ...     def forward(self, batch):
+        ...         x, y = batch
+        ...         return nn.functional.mse_loss(self.net(x), y)
+        >>> data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+        >>> loader = torch.utils.data.DataLoader(data, batch_size=8)
+        >>> model = Regressor()
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+        >>> trainer = Trainer(model, optimizer, scheduler, loader, max_epochs=2,
+        ...                   work_dir=tempfile.mkdtemp(), log_period=2)
+        >>> trainer.train()
+        >>> trainer.cur_iter, trainer.metric_storage["total_loss"].count
+        (7, 8)
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer,
+        lr_scheduler: Union[LRScheduler, ReduceLROnPlateau, LRWarmupScheduler, None],
+        data_loader: DataLoader,
+        max_epochs: int = 0,
+        max_iters: int = 0,
+        *,
+        work_dir: str = "work_dir",
+        unpack_batch_dict: bool = False,
+        max_num_checkpoints: Optional[int] = None,
+        checkpoint_period: int = 1,
+        log_period: int = 50,
+        clip_grad_norm: float = 0.0,
+        enable_amp: bool = False,
+        amp_dtype: Optional[torch.dtype] = None,
+        accumulation_steps: int = 1,
+        by_epoch: bool = True,
+        warmup_t: int = 0,
+        warmup_by_epoch: bool = False,
+        warmup_mode: str = "fix",
+        warmup_init_lr: float = 0.0,
+        warmup_factor: float = 0.0,
+        plateau_metric: Optional[str] = None,
+    ) -> None:
+        _check_types(model, optimizer, lr_scheduler, data_loader)
+        _check_epochs_or_iters(max_epochs, max_iters)
+        for name, value in [
+            ("checkpoint_period", checkpoint_period),
+            ("log_period", log_period),
+            ("accumulation_steps", accumulation_steps),
+        ]:
+            _check_positive_int(name, value)
+        if max_num_checkpoints is not None:
+            _check_positive_int("max_num_checkpoints", max_num_checkpoints)
+        if not clip_grad_norm >= 0:
+            raise ValueError(f"clip_grad_norm must be >= 0 (0 disables), got {clip_grad_norm!r}.")
+        if amp_dtype is not None and amp_dtype not in _AMP_DTYPES:
+            raise ValueError(
+                f"amp_dtype must be torch.float16, torch.bfloat16 or None, got {amp_dtype!r}."
+            )
+
+        self.model = model
+        self.optimizer = optimizer
+        self.data_loader = data_loader
+        self.work_dir = work_dir
+        self.unpack_batch_dict = unpack_batch_dict
+        self.clip_grad_norm = clip_grad_norm
+        self.accumulation_steps = accumulation_steps
+        self.log_period = log_period
+
+        self.epoch_len = _check_epoch_len(data_loader, accumulation_steps)
+        self.epoch_based = max_epochs > 0
+        self.max_epochs = max_epochs if self.epoch_based else math.ceil(max_iters / self.epoch_len)
+        self.max_iters = max_epochs * self.epoch_len if self.epoch_based else max_iters
+
+        if isinstance(lr_scheduler, LRWarmupScheduler):
+            self.lr_scheduler = lr_scheduler
+        else:
+            self.lr_scheduler = LRWarmupScheduler(
+                lr_scheduler, by_epoch, self.epoch_len, warmup_t, warmup_by_epoch, warmup_mode,
+                warmup_init_lr, warmup_factor, optimizer=optimizer,
+            )  # fmt: skip
+        if self.lr_scheduler.is_plateau and plateau_metric is None:
+            raise ValueError(
+                "ReduceLROnPlateau needs a metric: pass plateau_metric='<name>', a metric that "
+                "your EvalHook's eval_func returns (e.g. plateau_metric='val_loss')."
+            )
+
+        device = _model_device(model)
+        self._device_type = device.type
+        self.enable_amp = enable_amp
+        self.amp_dtype = amp_dtype or (torch.float16 if device.type == "cuda" else torch.bfloat16)
+        # bfloat16 has float32's range, so only float16 needs loss scaling.
+        self._scaler = torch.amp.GradScaler(
+            device.type, enabled=enable_amp and self.amp_dtype == torch.float16
+        )
+        self._last_scale: Optional[float] = None
+        self.step_skipped = False  # whether the GradScaler skipped the last optimizer step
+
+        # Progress. cur_iter is the current (or last finished) iteration, counted from 0.
+        self.cur_epoch = 0
+        self.inner_iter = 0
+        self.cur_iter = -1
+        self.start_iter = 0
+        self.start_epoch = 0
+        self._position = (0, 0)  # (epoch, iterations done in it): where training goes on from
+
+        self._storage = MetricStorage()
+        self._pending: list[tuple[int, bool, dict[str, Any], bool]] = []
+        self._data_iter: Optional[Any] = None
+        self._epoch_rng: Optional[dict[str, Any]] = None
+        self._batches_to_skip = 0
+        self._data_time = 0.0
+        self._iter_start = 0.0
+        self._hooks: list[HookBase] = []
+
+        _make_writable_dir(work_dir)
+        os.makedirs(self.ckpt_dir, exist_ok=True)
+        self.register_hooks(
+            [
+                DistributedHook(),
+                LRUpdateHook(plateau_metric=plateau_metric),
+                CheckpointHook(checkpoint_period, max_num_checkpoints, by_epoch=self.epoch_based),
+                LoggerHook(log_period),
+            ]
+        )
+
+    # ----------------------------------------------------------------------------------------
+    # Properties
+
+    @property
+    def lr(self) -> float:
+        """The LR of the optimizer's first parameter group."""
+        return self.optimizer.param_groups[0]["lr"]
+
+    @property
+    def epoch_iters(self) -> int:
+        """Iterations in the current epoch (the last one may be shorter in iteration mode)."""
+        return min(self.epoch_len, self.max_iters - self.cur_epoch * self.epoch_len)
+
+    @property
+    def model_or_module(self) -> nn.Module:
+        """The model without its DistributedDataParallel / DataParallel wrapper."""
+        if isinstance(self.model, (DistributedDataParallel, DataParallel)):
+            return self.model.module
+        return self.model
+
+    @property
+    def ckpt_dir(self) -> str:
+        """``work_dir/checkpoints``."""
+        return os.path.join(self.work_dir, "checkpoints")
+
+    @property
+    def tb_log_dir(self) -> str:
+        """``work_dir/tb_logs``."""
+        return os.path.join(self.work_dir, "tb_logs")
+
+    @property
+    def log_file(self) -> str:
+        """This rank's text log: ``work_dir/log.txt`` (``log_rank{N}.txt`` on other ranks)."""
+        return log_file_path(self.work_dir, get_rank())
+
+    @property
+    def metric_storage(self) -> MetricStorage:
+        """The smoothed metrics, up to date.
+
+        Reading it turns the pending on-device values into numbers: a CPU-GPU sync point, so hooks
+        read it on log iterations only.
+        """
+        self._flush_metrics()
+        return self._storage
+
+    @property
+    def hook_info(self) -> list[str]:
+        """The registered hooks in the order they run, with their priorities."""
+        return [f"{type(h).__name__} (priority {h.priority})" for h in self._hooks]
+
+    # ----------------------------------------------------------------------------------------
+    # Hooks
+
+    def register_hook(self, hook: HookBase) -> None:
+        """Add a hook; hooks run by ascending ``priority``, ties in registration order."""
+        if not isinstance(hook, HookBase):
+            raise TypeError(f"hook must be a HookBase instance, got {type(hook).__name__}.")
+        # A proxy, not a reference: the trainer owns its hooks, and a cycle would keep both alive.
+        hook.trainer = weakref.proxy(self)
+        position = sum(1 for h in self._hooks if h.priority <= hook.priority)
+        self._hooks.insert(position, hook)
+
+    def register_hooks(self, hooks: list[Optional[HookBase]]) -> None:
+        """Add several hooks; None entries are skipped."""
+        for hook in hooks:
+            if hook is not None:
+                self.register_hook(hook)
+
+    def _call_hooks(self, event: str) -> None:
+        for hook in self._hooks:
+            getattr(hook, event)()
+
+    # ----------------------------------------------------------------------------------------
+    # The loop
+
+    def train(self, resume_from_checkpoint: Optional[str] = None, auto_resume: bool = True) -> None:
+        """Train, first resuming from ``resume_from_checkpoint`` or the latest checkpoint.
+
+        Args:
+            resume_from_checkpoint: A checkpoint to resume from; it must exist.
+            auto_resume: Without ``resume_from_checkpoint``, resume from ``work_dir``'s latest
+                checkpoint when there is one.
+        """
+        setup_logger("trainer", rank=get_rank())
+        with log_to_file("trainer", self.log_file):
+            logger.info(f"Environment:\n{collect_env()}")
+            logger.info(f"Hooks: {self.hook_info}")
+            if resume_from_checkpoint is not None:
+                self.load_checkpoint(resume_from_checkpoint)
+            elif auto_resume:
+                self.load_checkpoint(auto_resume=True)
+            self.start_epoch, start_inner = self._position
+            logger.info(f"Start training from iteration {self.start_iter} of {self.max_iters}.")
+            self._call_hooks("before_train")
+            try:
+                for self.cur_epoch in range(self.start_epoch, self.max_epochs):
+                    self._call_hooks("before_epoch")
+                    self.model.train()
+                    for self.inner_iter in range(start_inner, self.epoch_iters):
+                        self.cur_iter = self.cur_epoch * self.epoch_len + self.inner_iter
+                        self._iter_start = time.perf_counter()
+                        self._call_hooks("before_iter")
+                        self.train_one_iter()
+                        self._end_iter()
+                        self._call_hooks("after_iter")
+                    start_inner = 0
+                    self._data_iter = None
+                    self._position = (self.cur_epoch + 1, 0)
+                    self._call_hooks("after_epoch")
+            finally:
+                self._call_hooks("after_train")
+
+    def train_one_iter(self) -> None:
+        """Fetch, forward, backward and step once: subclass and override this for anything fancier.
+
+        An override fetches data with :meth:`next_batch`, records its numbers with :meth:`log`
+        (tensors stay on the device until the next log point) and steps ``self.optimizer``.
+        """
+        self.optimizer.zero_grad(set_to_none=True)
+        k = self.accumulation_steps
+        logged: dict[str, torch.Tensor] = {}
+        for micro_step in range(k):
+            # 1. fetch the batch
+            batch = self.next_batch()
+            # 2. forward under autocast (a no-op when AMP is off)
+            with self._skip_grad_sync_unless(micro_step == k - 1):
+                with torch.autocast(self._device_type, self.amp_dtype, enabled=self.enable_amp):
+                    out = self.model(**batch) if self.unpack_batch_dict else self.model(batch)
+                losses = _check_losses(out)
+                loss = sum(losses.values())
+                # 3. backward; the scaler multiplies the loss only with float16 AMP
+                self._scaler.scale(loss / k).backward()
+            for name, value in _loss_dict_to_log(losses, loss).items():
+                value = value.detach()
+                logged[name] = value if name not in logged else logged[name] + value
+        if k > 1:
+            logged = {name: value / k for name, value in logged.items()}
+
+        # 4. clip gradients, unscaled first so the threshold means what it says
+        extras: dict[str, Any] = {"lr": self.lr}
+        if self.clip_grad_norm > 0:
+            self._scaler.unscale_(self.optimizer)
+            grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
+            extras["grad_norm"] = grad_norm.detach()
+
+        # 5. step; with float16 the scaler skips the step when gradients hold inf or NaN
+        if self._scaler.is_enabled() and self._last_scale is None:
+            self._last_scale = self._scaler.get_scale()
+        self._scaler.step(self.optimizer)
+        self._scaler.update()
+        if self._scaler.is_enabled():
+            # note: get_scale() is a CPU-GPU sync point, paid with float16 AMP only: the LR
+            # schedule must not advance when the step was skipped, and the host decides that.
+            scale = self._scaler.get_scale()
+            self.step_skipped = scale < self._last_scale
+            self._last_scale = scale
+            extras["amp_skipped_steps"] = float(self.step_skipped)
+
+        # 6. record the numbers; they stay on the device until the next log point
+        self._log_pending(self.cur_iter, True, logged, check_finite=True)
+        self._log_pending(self.cur_iter, False, {"lr": extras.pop("lr")})
+        self._log_pending(self.cur_iter, True, extras)
+
+    def next_batch(self) -> Any:
+        """The next batch of the current epoch's pass over the data loader."""
+        start = time.perf_counter()
+        if self._data_iter is None:
+            self._data_iter = self._start_data_pass()
+        try:
+            batch = next(self._data_iter)
+        except StopIteration:
+            raise RuntimeError(
+                f"data_loader ended after fewer batches than its len() of {len(self.data_loader)}; "
+                "make __len__ of the dataset or sampler match what it yields."
+            ) from None
+        self._data_time += time.perf_counter() - start
+        return batch
+
+    def _start_data_pass(self) -> Any:
+        generators = self._data_generators()
+        if self._batches_to_skip:
+            # Resuming mid-epoch: replay the shuffle (and worker seeds) of the interrupted pass
+            # from the RNG state it started with, skip what was consumed, then go back to the RNG
+            # state of the checkpoint. Skipped batches are loaded but never reach the model.
+            now = get_rng_state(generators)
+            set_rng_state(self._epoch_rng, generators)
+            data_iter = iter(self.data_loader)
+            for _ in range(self._batches_to_skip):
+                next(data_iter)
+            set_rng_state(now, generators)
+            self._batches_to_skip = 0
+            return data_iter
+        self._epoch_rng = get_rng_state(generators)
+        return iter(self.data_loader)
+
+    def _data_generators(self) -> tuple[torch.Generator, ...]:
+        found: list[torch.Generator] = []
+        for owner in (self.data_loader, self.data_loader.sampler):
+            g = getattr(owner, "generator", None)
+            if isinstance(g, torch.Generator) and all(g is not f for f in found):
+                found.append(g)
+        return tuple(found)
+
+    def _skip_grad_sync_unless(self, sync: bool) -> contextlib.AbstractContextManager:
+        # DDP all-reduces gradients in backward; accumulate locally until the last micro-batch.
+        if not sync and isinstance(self.model, DistributedDataParallel):
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def _end_iter(self) -> None:
+        self._position = (self.cur_epoch, self.inner_iter + 1)
+        iter_time = time.perf_counter() - self._iter_start
+        self._log_pending(
+            self.cur_iter, True, {"data_time": self._data_time, "iter_time": iter_time}
+        )
+        self._data_time = 0.0
+        if (self.cur_iter + 1) % self.log_period == 0 or self.cur_iter == self.max_iters - 1:
+            self._flush_metrics()
+
+    # ----------------------------------------------------------------------------------------
+    # Metrics
+
+    def log(self, iter: int, smooth: bool = True, **metrics: Union[float, torch.Tensor]) -> None:
+        """Record metrics of iteration ``iter`` in :attr:`metric_storage`.
+
+        Scalar tensors stay on their device until the next log point, so logging a loss every
+        iteration costs no sync.
+
+        Args:
+            iter: The iteration the values belong to.
+            smooth: Whether the logger shows the window mean (True) or the latest value.
+            metrics: Names and numbers or scalar tensors.
+        """
+        self._log_pending(iter, smooth, metrics)
+
+    def _log_pending(
+        self, iter: int, smooth: bool, metrics: dict[str, Any], check_finite: bool = False
+    ) -> None:
+        for name, value in metrics.items():
+            if isinstance(value, torch.Tensor) and value.numel() != 1:
+                raise ValueError(
+                    f"Metric {name!r} must be a number or a one-element tensor, got a tensor of "
+                    f"shape {tuple(value.shape)}; reduce it first (e.g. .mean())."
+                )
+        if metrics:
+            self._pending.append((iter, smooth, metrics, check_finite))
+
+    def _flush_metrics(self) -> None:
+        """Move pending metrics into the storage in one transfer; raise on a non-finite loss."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        tensors = [v for _, _, m, _ in pending for v in m.values() if isinstance(v, torch.Tensor)]
+        if tensors:
+            device = tensors[0].device
+            stacked = torch.stack(
+                [t.detach().reshape(()).to(device, torch.float32) for t in tensors]
+            )
+            # note: the one CPU-GPU sync of a log period
+            numbers = iter(stacked.cpu().tolist())
+        for it, smooth, metrics, check_finite in pending:
+            values = {
+                k: next(numbers) if isinstance(v, torch.Tensor) else float(v)
+                for k, v in metrics.items()
+            }
+            if check_finite and not all(math.isfinite(v) for v in values.values()):
+                raise FloatingPointError(
+                    f"Loss became NaN or infinite at iteration {it} (epoch "
+                    f"{it // self.epoch_len}): {values}. Lower the LR, enable clip_grad_norm, or "
+                    "check the data of that iteration."
+                )
+            self._storage.update(it, smooth, **values)
+
+    # ----------------------------------------------------------------------------------------
+    # Checkpoints
+
+    def save_checkpoint(self, file_name: str) -> Optional[str]:
+        """Save the full training state as ``ckpt_dir/file_name`` and point ``latest.txt`` at it.
+
+        The write is atomic. Only rank 0 writes; every rank checks its losses first, so a
+        non-finite loss raises before it can reach a checkpoint.
+
+        Returns:
+            The path written, or None on other ranks.
+        """
+        self._flush_metrics()
+        if not is_main_process():
+            return None
+        path = os.path.join(self.ckpt_dir, file_name)
+        atomic_save(self._state_dict(), path)
+        update_latest_pointer(self.ckpt_dir, file_name)
+        logger.info(f"Saved checkpoint {path}")
+        return path
+
+    def _state_dict(self) -> dict[str, Any]:
+        epoch, inner = self._position
+        return {
+            "progress": {"epoch": epoch, "inner_iter": inner, "epoch_len": self.epoch_len},
+            "model": self.model_or_module.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "grad_scaler": self._scaler.state_dict(),
+            "metric_storage": self._storage.state_dict(),
+            "hooks": {key: h.state_dict() for key, h in self._checkpointable_hooks().items()},
+            "rng": get_rng_state(self._data_generators()),
+            "epoch_rng": self._epoch_rng if inner > 0 else None,
+        }
+
+    def load_checkpoint(self, path: Optional[str] = None, auto_resume: bool = False) -> bool:
+        """Restore the full training state from ``path`` (or the latest checkpoint).
+
+        Args:
+            path: A checkpoint file. It must exist.
+            auto_resume: With no ``path``, use ``ckpt_dir/latest.txt``'s checkpoint if there is one.
+
+        Returns:
+            Whether a checkpoint was loaded.
+        """
+        if path is None:
+            if not auto_resume:
+                raise ValueError("Pass a checkpoint path, or auto_resume=True to use the latest.")
+            path = read_latest_pointer(self.ckpt_dir)
+            if path is None:
+                logger.info(f"No checkpoint in {self.ckpt_dir}: training from scratch.")
+                return False
+        data = load_checkpoint_file(path)
+        progress = data["progress"]
+        if progress["epoch_len"] != self.epoch_len:
+            raise ValueError(
+                f"Checkpoint {path!r} was saved with {progress['epoch_len']} iterations per epoch, "
+                f"this trainer has {self.epoch_len}; resume with the same data loader and "
+                "accumulation_steps."
+            )
+        self.model_or_module.load_state_dict(data["model"])
+        self.optimizer.load_state_dict(data["optimizer"])
+        self.lr_scheduler.load_state_dict(data["lr_scheduler"])
+        self._scaler.load_state_dict(data["grad_scaler"])
+        self._last_scale = None
+        self._storage.load_state_dict(data["metric_storage"])
+        self._pending.clear()
+        hooks = self._checkpointable_hooks()
+        for key, state in data["hooks"].items():
+            if key in hooks:
+                hooks[key].load_state_dict(state)
+            else:
+                logger.warning(f"Checkpoint has state for hook {key!r}, which is not registered.")
+        set_rng_state(data["rng"], self._data_generators())
+        self._epoch_rng = data["epoch_rng"]
+        self._position = (progress["epoch"], progress["inner_iter"])
+        self._batches_to_skip = progress["inner_iter"] * self.accumulation_steps
+        self._data_iter = None
+        self.start_iter = min(
+            self.max_iters, self._position[0] * self.epoch_len + self._position[1]
+        )
+        self.cur_iter = self.start_iter - 1
+        logger.info(f"Resumed from checkpoint {path} at iteration {self.start_iter}.")
+        return True
+
+    def _checkpointable_hooks(self) -> dict[str, HookBase]:
+        keys: dict[str, HookBase] = {}
+        for h in self._hooks:
+            if h.checkpointable:
+                name = type(h).__name__
+                key, n = name, 1
+                while key in keys:
+                    key, n = f"{name}_{n}", n + 1
+                keys[key] = h
+        return keys
+
+
+# --------------------------------------------------------------------------------------------
+# Validation at the boundary
+
+
+def _check_types(model, optimizer, lr_scheduler, data_loader) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}."
+        )
+    if lr_scheduler is not None and not isinstance(
+        lr_scheduler, (LRScheduler, ReduceLROnPlateau, LRWarmupScheduler)
+    ):
+        raise TypeError(
+            "lr_scheduler must be a torch.optim.lr_scheduler scheduler, an LRWarmupScheduler or "
+            f"None, got {type(lr_scheduler).__name__}."
+        )
+    if not hasattr(data_loader, "__iter__"):
+        raise TypeError(f"data_loader must be iterable, got {type(data_loader).__name__}.")
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}.")
+
+
+def _check_epochs_or_iters(max_epochs: Any, max_iters: Any) -> None:
+    for name, value in (("max_epochs", max_epochs), ("max_iters", max_iters)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{name} must be an int >= 0, got {value!r}.")
+    if (max_epochs > 0) == (max_iters > 0):
+        raise ValueError(
+            "Pass exactly one of max_epochs or max_iters "
+            f"(got max_epochs={max_epochs}, max_iters={max_iters})."
+        )
+
+
+def _check_epoch_len(data_loader: Any, accumulation_steps: int) -> int:
+    try:
+        num_batches = len(data_loader)
+    except TypeError:
+        raise TypeError(
+            "data_loader must have a length (a map-style dataset, or an IterableDataset with "
+            "__len__), so that epochs and the ETA are defined."
+        ) from None
+    if num_batches == 0:
+        raise ValueError(
+            "data_loader is empty: it yields no batch. Check the dataset and batch_size."
+        )
+    if num_batches < accumulation_steps:
+        raise ValueError(
+            f"data_loader has {num_batches} batches, fewer than accumulation_steps="
+            f"{accumulation_steps}; lower accumulation_steps or the batch size."
+        )
+    return num_batches // accumulation_steps
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for tensor in model.parameters():
+        return tensor.device
+    raise ValueError("model has no parameters to train.")
+
+
+def _make_writable_dir(path: str) -> None:
+    os.makedirs(path, exist_ok=True)
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise PermissionError(f"work_dir {path!r} is not writable; pass a writable work_dir.")
+
+
+def _check_losses(out: Any) -> dict[str, torch.Tensor]:
+    """The model's output as a dict of scalar losses, or a clear error."""
+    losses = {"total_loss": out} if isinstance(out, torch.Tensor) else out
+    if not isinstance(losses, dict) or not losses:
+        raise TypeError(
+            "model must return a scalar loss tensor or a non-empty dict of scalar loss tensors, "
+            f"got {type(out).__name__}."
+        )
+    for name, value in losses.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"Loss {name!r} must be a tensor, got {type(value).__name__}.")
+        if value.dim() != 0:
+            raise ValueError(
+                f"Loss {name!r} must be a scalar tensor, got shape {tuple(value.shape)}; "
+                "reduce it in the model (e.g. .mean())."
+            )
+    return losses
+
+
+def _loss_dict_to_log(
+    losses: dict[str, torch.Tensor], total: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    if len(losses) == 1:
+        return {"total_loss": total}
+    return {**losses, "total_loss": total}
