@@ -35,7 +35,7 @@ def setup_logger(
     log.propagate = False
     formatter = logging.Formatter(_FORMAT, datefmt=_DATE_FORMAT)
     if rank == 0 and not any(getattr(h, "_trainer_console", False) for h in log.handlers):
-        console = logging.StreamHandler(sys.stdout)
+        console = logging.StreamHandler(sys.stderr)
         console._trainer_console = True
         console.setFormatter(formatter)
         log.addHandler(console)

@@ -1,5 +1,6 @@
 """Warmup on top of any ``torch.optim.lr_scheduler`` scheduler."""
 
+import warnings
 from typing import Any, Optional
 
 from torch.optim import Optimizer
@@ -154,13 +155,16 @@ class LRWarmupScheduler:
         """Run the regular schedule to the end of warmup and rewind it ("auto" mode's target)."""
         if self.torch_scheduler is None or self.is_plateau:
             return list(self.base_lrs)
-        saved = self.torch_scheduler.state_dict()
         if self.by_epoch and not self.warmup_by_epoch:
             steps = self.warmup_t // (self.epoch_len or 1)
         else:
             steps = self.warmup_t
-        for _ in range(steps):
-            self.torch_scheduler.step()
+        saved = self.torch_scheduler.state_dict()
+        # A look-ahead, not training: torch's "step() before optimizer.step()" warning is moot.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            for _ in range(steps):
+                self.torch_scheduler.step()
         end_lrs = self._get_lrs()
         self.torch_scheduler.load_state_dict(saved)
         self._set_lrs(self.base_lrs)

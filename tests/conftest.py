@@ -1,0 +1,72 @@
+"""A tiny model, a tiny in-memory dataset and a ``make_trainer(**overrides)`` factory."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from trainer import Trainer
+
+
+class TinyModel(nn.Module):
+    """Linear regression with dropout; returns the MSE loss of a ``(x, y)`` batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+        self.dropout = nn.Dropout(0.1)
+
+    def forward(self, batch):
+        x, y = batch
+        return nn.functional.mse_loss(self.linear(self.dropout(x)), y)
+
+
+def tiny_dataset(n: int = 32) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    return TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g))
+
+
+def tiny_loader(n: int = 32, batch_size: int = 4, **kwargs) -> DataLoader:
+    return DataLoader(tiny_dataset(n), batch_size=batch_size, **kwargs)
+
+
+def build(work_dir, model=None, loader=None, lr=0.1, scheduler="step", **overrides) -> Trainer:
+    """A trainer of TinyModel on tiny_loader(): SGD with momentum, a StepLR, 2 epochs."""
+    torch.manual_seed(0)
+    model = TinyModel() if model is None else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    if scheduler == "step":
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    elif callable(scheduler):
+        scheduler = scheduler(optimizer)
+    kwargs = {"log_period": 4, "work_dir": str(work_dir)}
+    if "max_iters" not in overrides:
+        kwargs["max_epochs"] = 2
+    kwargs.update(overrides)
+    return Trainer(
+        model,
+        optimizer,
+        scheduler,
+        tiny_loader(shuffle=True) if loader is None else loader,
+        **kwargs,
+    )
+
+
+@pytest.fixture
+def make_trainer(tmp_path):
+    """``make_trainer(**overrides)``: a fresh tiny trainer in a temporary work dir."""
+
+    def make(**overrides) -> Trainer:
+        overrides.setdefault("work_dir", tmp_path / "work")
+        return build(**overrides)
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _quiet_trainer_logs():
+    # Keep test output short; records still reach caplog and each trainer's log file.
+    logging.getLogger("trainer").setLevel(logging.INFO)
+    yield

@@ -1,0 +1,137 @@
+import io
+
+import pytest
+import torch
+from torch.optim.lr_scheduler import MultiStepLR, ReduceLROnPlateau, StepLR
+
+from trainer import LRWarmupScheduler
+
+
+def make_optimizer(lr=1.0):
+    return torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)
+
+
+def lr_of(opt):
+    return opt.param_groups[0]["lr"]
+
+
+def run_iters(sched, opt, n, epoch_len=None):
+    lrs = []
+    for i in range(n):
+        lrs.append(lr_of(opt))
+        sched.iter_update()
+        if epoch_len and (i + 1) % epoch_len == 0:
+            sched.epoch_update()
+    return lrs
+
+
+def test_fix_warmup_follows_the_linear_formula():
+    opt = make_optimizer(lr=1.0)
+    sched = LRWarmupScheduler(StepLR(opt, 100), by_epoch=False, warmup_t=5, warmup_init_lr=0.1)
+    lrs = run_iters(sched, opt, 7)
+    expected = [0.1 * (1 - i / 5) + 1.0 * i / 5 for i in range(5)] + [1.0, 1.0]
+    assert lrs == pytest.approx(expected, abs=1e-12)
+
+
+def test_factor_warmup_scales_the_regular_schedule():
+    opt = make_optimizer(lr=1.0)
+    sched = LRWarmupScheduler(
+        StepLR(opt, step_size=2, gamma=0.5), by_epoch=False, warmup_t=4, warmup_mode="factor",
+        warmup_factor=0.2,
+    )  # fmt: skip
+    lrs = run_iters(sched, opt, 6)
+    regular = [1.0, 1.0, 0.5, 0.5, 0.25, 0.25]
+    factors = [0.2 * (1 - i / 4) + i / 4 for i in range(4)] + [1.0, 1.0]
+    assert lrs == pytest.approx([r * f for r, f in zip(regular, factors)])
+
+
+def test_auto_warmup_ends_on_the_regular_lr_at_warmup_end():
+    opt = make_optimizer(lr=1.0)
+    sched = LRWarmupScheduler(
+        StepLR(opt, step_size=2, gamma=0.5), by_epoch=False, warmup_t=4, warmup_mode="auto",
+        warmup_factor=0.1,
+    )  # fmt: skip
+    assert sched.warmup_end_lrs == pytest.approx([0.25])
+    lrs = run_iters(sched, opt, 6)
+    expected = [0.1 * (1 - i / 4) + 0.25 * i / 4 for i in range(4)] + [0.25, 0.25]
+    assert lrs == pytest.approx(expected)
+
+
+def test_epoch_schedule_with_iteration_warmup():
+    opt = make_optimizer(lr=1.0)
+    sched = LRWarmupScheduler(
+        MultiStepLR(opt, milestones=[2], gamma=0.1), by_epoch=True, epoch_len=3, warmup_t=2,
+        warmup_init_lr=0.0,
+    )  # fmt: skip
+    lrs = run_iters(sched, opt, 9, epoch_len=3)
+    assert lrs == pytest.approx([0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 0.1, 0.1, 0.1])
+
+
+def test_warmup_by_epoch():
+    opt = make_optimizer(lr=1.0)
+    sched = LRWarmupScheduler(StepLR(opt, 10), by_epoch=True, warmup_t=2, warmup_by_epoch=True)
+    lrs = []
+    for _ in range(3):
+        lrs.append(lr_of(opt))
+        sched.iter_update()
+        assert lr_of(opt) == lrs[-1]  # iterations do not move an epoch warmup
+        sched.epoch_update()
+    assert lrs == pytest.approx([0.0, 0.5, 1.0])
+
+
+def test_plateau_steps_on_metrics_and_skips_without_one():
+    opt = make_optimizer(lr=1.0)
+    sched = LRWarmupScheduler(ReduceLROnPlateau(opt, patience=0, factor=0.5), by_epoch=True)
+    sched.epoch_update(1.0)
+    sched.epoch_update(2.0)  # worse: halve
+    assert lr_of(opt) == 0.5
+    sched.epoch_update(None)  # no new metric: no step
+    assert lr_of(opt) == 0.5
+    sched.epoch_update(3.0)
+    assert lr_of(opt) == 0.25
+
+
+def test_constant_lr_without_scheduler():
+    opt = make_optimizer(lr=0.3)
+    sched = LRWarmupScheduler(None, optimizer=opt, warmup_t=2, warmup_init_lr=0.1)
+    assert run_iters(sched, opt, 4) == pytest.approx([0.1, 0.2, 0.3, 0.3])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"warmup_t": -1}, "warmup_t must be an int >= 0"),
+        ({"warmup_mode": "linear"}, "warmup_mode must be one of"),
+        ({"warmup_by_epoch": True, "by_epoch": False}, "warmup_by_epoch=True needs"),
+    ],
+)
+def test_bad_arguments_raise_value_errors(kwargs, message):
+    opt = make_optimizer()
+    with pytest.raises(ValueError, match=message):
+        LRWarmupScheduler(StepLR(opt, 1), **kwargs)
+
+
+def test_plateau_needs_by_epoch():
+    with pytest.raises(ValueError, match="ReduceLROnPlateau steps once per evaluation"):
+        LRWarmupScheduler(ReduceLROnPlateau(make_optimizer()), by_epoch=False)
+
+
+def test_state_dict_resumes_mid_warmup_exactly():
+    def make():
+        opt = make_optimizer(lr=1.0)
+        sched = LRWarmupScheduler(
+            StepLR(opt, step_size=1, gamma=0.5), by_epoch=True, epoch_len=2, warmup_t=3,
+            warmup_mode="factor", warmup_factor=0.1,
+        )  # fmt: skip
+        return opt, sched
+
+    opt, sched = make()
+    full = run_iters(sched, opt, 8, epoch_len=2)
+    opt, sched = make()
+    first = run_iters(sched, opt, 2, epoch_len=2)
+    buffer = io.BytesIO()
+    torch.save(sched.state_dict(), buffer)
+    buffer.seek(0)
+    opt, sched = make()
+    sched.load_state_dict(torch.load(buffer, weights_only=True))
+    assert first + run_iters(sched, opt, 6, epoch_len=2) == full
