@@ -6,6 +6,9 @@ from torch.optim.lr_scheduler import MultiStepLR, ReduceLROnPlateau, StepLR
 
 from trainer import LRWarmupScheduler
 
+# These unit tests step schedulers without an optimizer step, which torch warns about.
+pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")
+
 
 def make_optimizer(lr=1.0):
     return torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=lr)

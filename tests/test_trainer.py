@@ -5,11 +5,12 @@ import weakref
 
 import pytest
 import torch
-from conftest import TinyModel, build, tiny_dataset, tiny_loader
 from torch import nn
 from torch.utils.data import DataLoader
 
 from trainer import HookBase, Trainer
+
+from conftest import TinyModel, build, tiny_dataset, tiny_loader
 
 
 def weights(trainer):

@@ -1,0 +1,48 @@
+import os
+
+import torch
+
+
+def listing(trainer):
+    return sorted(os.listdir(trainer.ckpt_dir))
+
+
+def latest(trainer):
+    with open(os.path.join(trainer.ckpt_dir, "latest.txt")) as f:
+        return f.read()
+
+
+def test_epoch_checkpoints_with_period_and_final(make_trainer):
+    trainer = make_trainer(max_epochs=5, checkpoint_period=2)
+    trainer.train()
+    assert listing(trainer) == ["epoch_2.pth", "epoch_4.pth", "epoch_5.pth", "latest.txt"]
+    assert latest(trainer) == "epoch_5.pth"
+
+
+def test_iteration_checkpoints_wait_for_the_epoch_end(make_trainer):
+    progress = {}
+    trainer = make_trainer(max_iters=20, checkpoint_period=4)
+    trainer.train()
+    assert listing(trainer) == [
+        "iter_12.pth", "iter_16.pth", "iter_20.pth", "iter_4.pth", "iter_8.pth", "latest.txt",
+    ]  # fmt: skip
+    for name in ("iter_4.pth", "iter_8.pth", "iter_12.pth"):
+        data = torch.load(os.path.join(trainer.ckpt_dir, name), weights_only=True)
+        progress[name] = (data["progress"]["epoch"], data["progress"]["inner_iter"])
+    # iter_8 is the end of epoch 0 (8 iterations): saved after after_epoch, so it resumes at epoch 1
+    assert progress == {"iter_4.pth": (0, 4), "iter_8.pth": (1, 0), "iter_12.pth": (1, 4)}
+    assert latest(trainer) == "iter_20.pth"
+
+
+def test_max_to_keep_deletes_oldest_and_survives_resume(make_trainer):
+    make_trainer(max_epochs=3, max_num_checkpoints=2).train()
+    trainer = make_trainer(max_epochs=5, max_num_checkpoints=2)
+    trainer.train()
+    assert trainer.start_iter == 24
+    assert listing(trainer) == ["epoch_4.pth", "epoch_5.pth", "latest.txt"]
+
+
+def test_atomic_writes_leave_no_temporary_files(make_trainer):
+    trainer = make_trainer(max_epochs=2)
+    trainer.train()
+    assert not [n for n in os.listdir(trainer.ckpt_dir) if n.startswith(".")]

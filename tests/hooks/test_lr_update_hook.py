@@ -1,0 +1,37 @@
+import pytest
+import torch
+
+from trainer.hooks import EvalHook
+
+
+def plateau(optimizer):
+    return torch.optim.lr_scheduler.ReduceLROnPlateau(optimizer, patience=0, factor=0.5)
+
+
+def test_plateau_reads_the_eval_metric_once_per_new_value(make_trainer):
+    lrs = []
+    values = iter([1.0, 2.0, 3.0])  # worse every evaluation
+
+    trainer = make_trainer(max_epochs=6, scheduler=plateau, plateau_metric="val_loss")
+    trainer.register_hook(
+        EvalHook(2, lambda: (lrs.append(trainer.lr), {"val_loss": next(values)})[1])
+    )
+    trainer.train()
+    # evaluations at epochs 2, 4, 6: the first sets the best, each later one halves the LR;
+    # epochs without a new value do not count as bad epochs
+    assert lrs == pytest.approx([0.1, 0.1, 0.05])
+    assert trainer.lr == pytest.approx(0.025)
+
+
+def test_plateau_without_a_metric_name_is_refused(make_trainer):
+    with pytest.raises(ValueError, match="pass plateau_metric='<name>'"):
+        make_trainer(scheduler=plateau)
+
+
+def test_iteration_schedule_steps_every_iteration(make_trainer):
+    def step(optimizer):
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.1)
+
+    trainer = make_trainer(max_iters=7, scheduler=step, by_epoch=False)
+    trainer.train()
+    assert trainer.lr == pytest.approx(0.1 * 0.1**2)  # 7 steps: two decays

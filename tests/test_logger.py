@@ -1,0 +1,30 @@
+import logging
+
+from trainer import setup_logger
+from trainer.logger import log_file_path, log_to_file
+
+
+def test_setup_logger_is_idempotent_and_writes_files(tmp_path):
+    log = setup_logger("trainer_test_a", output=str(tmp_path))
+    setup_logger("trainer_test_a", output=str(tmp_path))
+    assert len(log.handlers) == 2  # one console, one file
+    log.info("hello file")
+    for h in log.handlers:
+        h.flush()
+    assert "hello file" in (tmp_path / "log.txt").read_text()
+
+
+def test_other_ranks_get_their_own_file_and_no_console(tmp_path):
+    log = setup_logger("trainer_test_b", output=str(tmp_path / "run.log"), rank=1)
+    assert [type(h) for h in log.handlers] == [logging.FileHandler]
+    assert log_file_path(str(tmp_path / "run.log"), 1).endswith("run_rank1.log")
+
+
+def test_log_to_file_detaches_and_closes(tmp_path):
+    path = str(tmp_path / "x.txt")
+    with log_to_file("trainer_test_c", path):
+        logging.getLogger("trainer_test_c.child").warning("inside")
+    logging.getLogger("trainer_test_c.child").warning("outside")
+    text = (tmp_path / "x.txt").read_text()
+    assert "inside" in text and "outside" not in text
+    assert logging.getLogger("trainer_test_c").handlers == []
