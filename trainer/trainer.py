@@ -164,13 +164,14 @@ class Trainer:
                 "your EvalHook's eval_func returns (e.g. plateau_metric='val_loss')."
             )
 
-        device = _model_device(model)
-        self._device_type = device.type
+        self.device = _model_device(model)
         self.enable_amp = enable_amp
-        self.amp_dtype = amp_dtype or (torch.float16 if device.type == "cuda" else torch.bfloat16)
+        self.amp_dtype = amp_dtype or (
+            torch.float16 if self.device.type == "cuda" else torch.bfloat16
+        )
         # bfloat16 has float32's range, so only float16 needs loss scaling.
         self._scaler = torch.amp.GradScaler(
-            device.type, enabled=enable_amp and self.amp_dtype == torch.float16
+            self.device.type, enabled=enable_amp and self.amp_dtype == torch.float16
         )
         self._last_scale: Optional[float] = None
         self.step_skipped = False  # whether the GradScaler skipped the last optimizer step
@@ -329,7 +330,7 @@ class Trainer:
             batch = self.next_batch()
             # 2. forward under autocast (a no-op when AMP is off)
             with self._skip_grad_sync_unless(micro_step == k - 1):
-                with torch.autocast(self._device_type, self.amp_dtype, enabled=self.enable_amp):
+                with torch.autocast(self.device.type, self.amp_dtype, enabled=self.enable_amp):
                     out = self.model(**batch) if self.unpack_batch_dict else self.model(batch)
                 losses = _check_losses(out)
                 loss = sum(losses.values())

@@ -95,9 +95,10 @@ class LoggerHook(HookBase):
         if "lr" in values:
             parts.append(f"lr {values.pop('lr'):.4g}")
         parts += [f"{name} {value:.4g}" for name, value in values.items()]
-        if torch.cuda.is_available():
+        if trainer.device.type == "cuda":
             # reads the allocator's counters: no device sync
-            parts.append(f"max_mem {torch.cuda.max_memory_allocated() / 2**20:.0f}M")
+            peak = torch.cuda.max_memory_allocated(trainer.device) / 2**20
+            parts.append(f"max_mem {peak:.0f}M")
         logger.info("  ".join(parts))
 
     def _write_tensorboard(self) -> None:

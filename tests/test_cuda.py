@@ -1,0 +1,70 @@
+"""CUDA paths: float16 with a GradScaler, bfloat16, and no host sync on non-log iterations.
+
+Skipped on machines without a GPU (CI has none); run them where one is available.
+"""
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from trainer import HookBase, Trainer
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 10))
+
+    def forward(self, batch):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x), y)
+
+
+def cuda_trainer(tmp_path, **kwargs):
+    torch.manual_seed(0)
+    x = torch.randn(512, 64, device="cuda")
+    y = torch.randint(0, 10, (512,), device="cuda")
+    batches = [(x[i : i + 64], y[i : i + 64]) for i in range(0, 512, 64)]
+    model = MLP().cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    kwargs.setdefault("max_iters", 40)
+    return Trainer(model, optimizer, None, DataLoader(batches, batch_size=None),
+                   work_dir=str(tmp_path), **kwargs)  # fmt: skip
+
+
+@pytest.mark.parametrize("amp_dtype", [torch.float16, torch.bfloat16])
+def test_amp_trains_on_cuda(tmp_path, amp_dtype):
+    trainer = cuda_trainer(tmp_path, enable_amp=True, amp_dtype=amp_dtype, log_period=10)
+    trainer.train()
+    loss = trainer.metric_storage["total_loss"]
+    assert loss.count == 40 and loss.latest < loss.global_avg
+    assert trainer._scaler.is_enabled() == (amp_dtype == torch.float16)
+
+
+def test_default_amp_dtype_on_cuda_is_float16(tmp_path):
+    assert cuda_trainer(tmp_path, enable_amp=True).amp_dtype == torch.float16
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"enable_amp": True, "amp_dtype": torch.bfloat16},
+                                    {"clip_grad_norm": 1.0}])  # fmt: skip
+def test_non_log_iterations_do_not_sync(tmp_path, kwargs):
+    class SyncGuard(HookBase):
+        priority = 0  # first in every event, so it brackets train_one_iter
+
+        def before_iter(self):
+            log_iter = (self.trainer.cur_iter + 1) % self.trainer.log_period == 0
+            torch.cuda.set_sync_debug_mode(0 if log_iter else "error")
+
+        def after_iter(self):
+            torch.cuda.set_sync_debug_mode(0)
+
+    trainer = cuda_trainer(tmp_path, log_period=20, checkpoint_period=1000, **kwargs)
+    trainer.register_hook(SyncGuard())
+    try:
+        trainer.train()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert trainer.metric_storage["total_loss"].count == 40
