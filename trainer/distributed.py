@@ -14,8 +14,9 @@ logger = logging.getLogger(__name__)
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -> tuple[int, int]:
     """Join the process group that ``torchrun`` describes in the environment.
 
-    Picks nccl when CUDA is available and gloo otherwise, and binds each process to the GPU of its
-    ``LOCAL_RANK``. Without torchrun's variables (a plain ``python script.py``) it does nothing.
+    Binds each process to a GPU by its ``LOCAL_RANK`` and picks nccl when every local process has a
+    GPU of its own, gloo otherwise (CPU, or more processes than GPUs). Without torchrun's variables
+    (a plain ``python script.py``) it does nothing.
 
     Args:
         backend: Force a backend (``"nccl"``, ``"gloo"``); None chooses as above.
@@ -34,12 +35,18 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if num_gpus:
+        torch.cuda.set_device(local_rank % num_gpus)
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(local_rank)
+        # nccl cannot put two ranks on one GPU
+        backend = "nccl" if num_gpus >= local_world_size else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
-    logger.info(f"Initialized {backend} rank {dist.get_rank()} of {dist.get_world_size()}.")
+    logger.info(
+        f"Initialized {backend} rank {dist.get_rank()} of {dist.get_world_size()} "
+        f"({num_gpus} GPUs for {local_world_size} local processes)."
+    )
     return dist.get_rank(), dist.get_world_size()
 
 
