@@ -48,14 +48,14 @@ class DigitsNet(nn.Module):
 def load_data(seed: int, device: torch.device) -> tuple[TensorDataset, TensorDataset]:
     """The digits split 80/20, already on ``device`` (the set is tiny)."""
     digits = load_digits()
-    images = torch.tensor(digits.images, dtype=torch.float32, device=device).unsqueeze(1) / 16.0
-    labels = torch.tensor(digits.target, dtype=torch.long, device=device)
+    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    labels = torch.tensor(digits.target, dtype=torch.long)
     train_idx, test_idx = train_test_split(
-        range(len(labels)), test_size=0.2, random_state=seed, stratify=labels
+        range(len(labels)), test_size=0.2, random_state=seed, stratify=digits.target
     )
     return (
-        TensorDataset(images[train_idx], labels[train_idx]),
-        TensorDataset(images[test_idx], labels[test_idx]),
+        TensorDataset(images[train_idx].to(device), labels[train_idx].to(device)),
+        TensorDataset(images[test_idx].to(device), labels[test_idx].to(device)),
     )
 
 
