@@ -32,11 +32,13 @@ def tiny_loader(n: int = 32, batch_size: int = 4, **kwargs) -> DataLoader:
     return DataLoader(tiny_dataset(n), batch_size=batch_size, **kwargs)
 
 
-def build(work_dir, model=None, loader=None, lr=0.1, scheduler="step", **overrides) -> Trainer:
+def build(
+    work_dir, model=None, loader=None, lr=0.1, scheduler="step", fused=None, **overrides
+) -> Trainer:
     """A trainer of TinyModel on tiny_loader(): SGD with momentum, a StepLR, 2 epochs."""
     torch.manual_seed(0)
     model = TinyModel() if model is None else model
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, fused=fused)
     if scheduler == "step":
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     elif callable(scheduler):

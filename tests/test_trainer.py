@@ -255,7 +255,10 @@ class InfGradAt(torch.autograd.Function):
         return grad * math.inf if InfGradAt.calls - 1 in InfGradAt.bad else grad
 
 
-def test_float16_scaler_skip_holds_the_lr_schedule_and_is_counted(make_trainer):
+# Non-fused: GradScaler does not call optimizer.step(). Fused: the step runs and skips on the
+# device, told by the scaler's found_inf flag.
+@pytest.mark.parametrize("fused", [False, True])
+def test_float16_scaler_skip_holds_the_lr_schedule_and_is_counted(make_trainer, fused):
     class Model(TinyModel):
         def forward(self, batch):
             x, y = batch
@@ -265,7 +268,7 @@ def test_float16_scaler_skip_holds_the_lr_schedule_and_is_counted(make_trainer):
     InfGradAt.calls, InfGradAt.bad = 0, {2}
     trainer = make_trainer(
         model=Model(), enable_amp=True, amp_dtype=torch.float16, max_iters=6, log_period=1,
-        scheduler=None, warmup_t=4, warmup_init_lr=0.0,
+        scheduler=None, warmup_t=4, warmup_init_lr=0.0, fused=fused,
     )  # fmt: skip
     record, skipped = RecordLR(), []
 

@@ -173,8 +173,9 @@ class Trainer:
         self._scaler = torch.amp.GradScaler(
             self.device.type, enabled=enable_amp and self.amp_dtype == torch.float16
         )
-        self._last_scale: Optional[float] = None
         self.step_skipped = False  # whether the GradScaler skipped the last optimizer step
+        self._step_taken = False
+        self._found_inf: Optional[torch.Tensor] = None
 
         # Progress. cur_iter is the current (or last finished) iteration, counted from 0.
         self.cur_epoch = 0
@@ -298,6 +299,8 @@ class Trainer:
             self.start_epoch, start_inner = self._position
             logger.info(f"Start training from iteration {self.start_iter} of {self.max_iters}.")
             self._call_hooks("before_train")
+            # Removed when train() ends, so the optimizer never keeps the trainer alive.
+            step_hook = self.optimizer.register_step_post_hook(self._on_optimizer_step)
             try:
                 for self.cur_epoch in range(self.start_epoch, self.max_epochs):
                     self._call_hooks("before_epoch")
@@ -314,6 +317,7 @@ class Trainer:
                     self._position = (self.cur_epoch + 1, 0)
                     self._call_hooks("after_epoch")
             finally:
+                step_hook.remove()
                 self._call_hooks("after_train")
 
     def train_one_iter(self) -> None:
@@ -350,22 +354,27 @@ class Trainer:
             extras["grad_norm"] = grad_norm.detach()
 
         # 5. step; with float16 the scaler skips the step when gradients hold inf or NaN
-        if self._scaler.is_enabled() and self._last_scale is None:
-            self._last_scale = self._scaler.get_scale()
+        self._step_taken, self._found_inf = False, None
         self._scaler.step(self.optimizer)
         self._scaler.update()
         if self._scaler.is_enabled():
-            # note: get_scale() is a CPU-GPU sync point, paid with float16 AMP only: the LR
-            # schedule must not advance when the step was skipped, and the host decides that.
-            scale = self._scaler.get_scale()
-            self.step_skipped = scale < self._last_scale
-            self._last_scale = scale
+            self.step_skipped = not self._step_taken
+            if self._found_inf is not None:
+                # note: a CPU-GPU sync, on the fused-optimizer path only: the scaler lets such an
+                # optimizer skip on the device, but the LR schedule is decided on the host.
+                self.step_skipped = bool(self._found_inf.item())
             extras["amp_skipped_steps"] = float(self.step_skipped)
 
         # 6. record the numbers; they stay on the device until the next log point
         self._log_pending(self.cur_iter, True, logged, check_finite=True)
         self._log_pending(self.cur_iter, False, {"lr": extras.pop("lr")})
         self._log_pending(self.cur_iter, True, extras)
+
+    def _on_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        # GradScaler calls optimizer.step() only for finite gradients, except with optimizers
+        # that skip on the device (fused ones), which it hands the inf flag as `found_inf`.
+        self._step_taken = True
+        self._found_inf = getattr(optimizer, "found_inf", None)
 
     def next_batch(self) -> Any:
         """The next batch of the current epoch's pass over the data loader."""
@@ -541,7 +550,6 @@ class Trainer:
         self.optimizer.load_state_dict(data["optimizer"])
         self.lr_scheduler.load_state_dict(data["lr_scheduler"])
         self._scaler.load_state_dict(data["grad_scaler"])
-        self._last_scale = None
         self._storage.load_state_dict(data["metric_storage"])
         self._pending.clear()
         hooks = self._checkpointable_hooks()
