@@ -1,6 +1,7 @@
 """The :class:`Trainer`: the training loop; everything else is a hook."""
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -169,6 +170,12 @@ class Trainer:
         self.amp_dtype = amp_dtype or (
             torch.float16 if self.device.type == "cuda" else torch.bfloat16
         )
+        # One code path: with AMP off, autocast becomes a null context and the scaler a no-op.
+        self._autocast = (
+            functools.partial(torch.autocast, self.device.type, self.amp_dtype)
+            if enable_amp
+            else contextlib.nullcontext
+        )
         # bfloat16 has float32's range, so only float16 needs loss scaling.
         self._scaler = torch.amp.GradScaler(
             self.device.type, enabled=enable_amp and self.amp_dtype == torch.float16
@@ -334,12 +341,13 @@ class Trainer:
             batch = self.next_batch()
             # 2. forward under autocast (a no-op when AMP is off)
             with self._skip_grad_sync_unless(micro_step == k - 1):
-                with torch.autocast(self.device.type, self.amp_dtype, enabled=self.enable_amp):
+                with self._autocast():
                     out = self.model(**batch) if self.unpack_batch_dict else self.model(batch)
                 losses = _check_losses(out)
-                loss = sum(losses.values())
+                first, *rest = losses.values()
+                loss = sum(rest, first)  # not sum(values): 0 + loss would cost an extra op
                 # 3. backward; the scaler multiplies the loss only with float16 AMP
-                self._scaler.scale(loss / k).backward()
+                self._scaler.scale(loss / k if k > 1 else loss).backward()
             for name, value in _loss_dict_to_log(losses, loss).items():
                 value = value.detach()
                 logged[name] = value if name not in logged else logged[name] + value
