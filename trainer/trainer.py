@@ -355,7 +355,7 @@ class Trainer:
             logged = {name: value / k for name, value in logged.items()}
 
         # 4. clip gradients, unscaled first so the threshold means what it says
-        extras: dict[str, Any] = {"lr": self.lr}
+        extras: dict[str, Any] = {}
         if self.clip_grad_norm > 0:
             self._scaler.unscale_(self.optimizer)
             grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
@@ -373,9 +373,10 @@ class Trainer:
                 self.step_skipped = bool(self._found_inf.item())
             extras["amp_skipped_steps"] = float(self.step_skipped)
 
-        # 6. record the numbers; they stay on the device until the next log point
+        # 6. record the numbers; they stay on the device until the next log point. The LR is the
+        # one this step used: LRUpdateHook changes it after the iteration.
         self._log_pending(self.cur_iter, True, logged, check_finite=True)
-        self._log_pending(self.cur_iter, False, {"lr": extras.pop("lr")})
+        self._log_pending(self.cur_iter, False, {"lr": self.lr})
         self._log_pending(self.cur_iter, True, extras)
 
     def _on_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
