@@ -28,3 +28,18 @@ def test_log_to_file_detaches_and_closes(tmp_path):
     text = (tmp_path / "x.txt").read_text()
     assert "inside" in text and "outside" not in text
     assert logging.getLogger("trainer_test_c").handlers == []
+
+
+def test_ensure_console_logging_defers_to_configured_logging(monkeypatch):
+    from trainer.logger import ensure_console_logging
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])
+    ensure_console_logging("trainer_test_d", rank=0)
+    log = logging.getLogger("trainer_test_d")
+    assert log.level == logging.INFO and len(log.handlers) == 1 and log.propagate
+    ensure_console_logging("trainer_test_d", rank=0)
+    assert len(log.handlers) == 1
+    monkeypatch.setattr(root, "handlers", [logging.NullHandler()])
+    ensure_console_logging("trainer_test_e", rank=0)  # the program configured logging itself
+    assert logging.getLogger("trainer_test_e").handlers == []

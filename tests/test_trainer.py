@@ -463,7 +463,7 @@ def test_checkpoint_holds_plain_data_only(make_trainer):
     path = os.path.join(trainer.ckpt_dir, "epoch_1.pth")
     data = torch.load(path, weights_only=True)
     assert set(data) == {
-        "progress", "model", "optimizer", "lr_scheduler", "grad_scaler", "metric_storage",
+        "progress", "config", "model", "optimizer", "lr_scheduler", "grad_scaler", "metric_storage",
         "hooks", "rng", "epoch_rng",
     }  # fmt: skip
     assert data["progress"] == {"epoch": 1, "inner_iter": 0, "epoch_len": 8}

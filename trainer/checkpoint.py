@@ -1,5 +1,6 @@
 """Checkpoint files: atomic writes, a ``latest.txt`` pointer and ``weights_only`` loads."""
 
+import glob
 import os
 import tempfile
 from typing import Any, Optional
@@ -7,6 +8,7 @@ from typing import Any, Optional
 import torch
 
 LATEST_POINTER = "latest.txt"
+_TEMP_SUFFIX = ".tmp"
 
 
 def atomic_save(obj: Any, path: str) -> None:
@@ -33,6 +35,26 @@ def read_latest_pointer(ckpt_dir: str) -> Optional[str]:
     return os.path.join(ckpt_dir, name) if name else None
 
 
+def list_checkpoints(ckpt_dir: str) -> list[str]:
+    """The ``.pth`` files in ``ckpt_dir``, newest first: the one ``latest.txt`` names leads."""
+    paths = sorted(
+        glob.glob(os.path.join(ckpt_dir, "*.pth")), key=lambda p: (os.path.getmtime(p), p)
+    )[::-1]
+    latest = read_latest_pointer(ckpt_dir)
+    if latest in paths:
+        paths.remove(latest)
+        paths.insert(0, latest)
+    return paths
+
+
+def remove_temp_files(ckpt_dir: str) -> list[str]:
+    """Delete the temporary files that writes interrupted by a crash left behind."""
+    stray = glob.glob(os.path.join(ckpt_dir, f".*{_TEMP_SUFFIX}"))
+    for path in stray:
+        os.remove(path)
+    return stray
+
+
 def load_checkpoint_file(path: str) -> dict[str, Any]:
     """Load a checkpoint with ``weights_only=True``: tensors and plain data only, never code."""
     if not os.path.isfile(path):
@@ -50,19 +72,28 @@ def load_checkpoint_file(path: str) -> dict[str, Any]:
 
 def _atomic_write(path: str, write) -> None:
     folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=folder)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(
+            prefix=f".{os.path.basename(path)}.", suffix=_TEMP_SUFFIX, dir=folder
+        )
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
+        dir_fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # makes the rename itself durable
+        finally:
+            os.close(dir_fd)
+    except BaseException as e:
+        if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
+        if isinstance(e, OSError):
+            raise OSError(
+                e.errno,
+                f"Could not write {path}: {e.strerror or e}. The previous checkpoint "
+                "and latest.txt are untouched; free disk space or pick another work_dir.",
+            ) from e
         raise
-    dir_fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)

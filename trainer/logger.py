@@ -33,20 +33,40 @@ def setup_logger(
     log = logging.getLogger(name)
     log.setLevel(level)
     log.propagate = False
-    formatter = logging.Formatter(_FORMAT, datefmt=_DATE_FORMAT)
     if rank == 0 and not any(getattr(h, "_trainer_console", False) for h in log.handlers):
-        console = logging.StreamHandler(sys.stderr)
-        console._trainer_console = True
-        console.setFormatter(formatter)
-        log.addHandler(console)
+        log.addHandler(_console_handler())
     if output is not None:
         path = log_file_path(output, rank)
         if not any(getattr(h, "baseFilename", None) == path for h in log.handlers):
-            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            file_handler = logging.FileHandler(path)
-            file_handler.setFormatter(formatter)
-            log.addHandler(file_handler)
+            log.addHandler(_file_handler(path))
     return log
+
+
+def _console_handler() -> logging.Handler:
+    handler = logging.StreamHandler(sys.stderr)
+    handler._trainer_console = True  # marks ours, so a second setup adds no duplicate
+    handler.setFormatter(logging.Formatter(_FORMAT, datefmt=_DATE_FORMAT))
+    return handler
+
+
+def _file_handler(path: str) -> logging.Handler:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(_FORMAT, datefmt=_DATE_FORMAT))
+    return handler
+
+
+def ensure_console_logging(name: str, rank: int) -> None:
+    """Show logger ``name``'s INFO records on rank 0, unless the program configured logging.
+
+    Unlike :func:`setup_logger`, records keep propagating, so handlers the program or a test
+    runner put on the root logger see them too (and no console handler is added then).
+    """
+    log = logging.getLogger(name)
+    if log.level == logging.NOTSET:
+        log.setLevel(logging.INFO)
+    if rank == 0 and not log.handlers and not logging.getLogger().handlers:
+        log.addHandler(_console_handler())
 
 
 def log_file_path(output: str, rank: int = 0) -> str:
@@ -65,9 +85,7 @@ def log_to_file(name: str, path: str) -> Iterator[None]:
     The trainer uses this instead of a permanent handler so that several trainers in one process
     each write their own log file.
     """
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter(_FORMAT, datefmt=_DATE_FORMAT))
+    handler = _file_handler(path)
     log = logging.getLogger(name)
     log.addHandler(handler)
     try:

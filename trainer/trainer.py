@@ -5,8 +5,12 @@ import functools
 import logging
 import math
 import os
+import signal
+import tempfile
+import threading
 import time
 import weakref
+from collections.abc import Iterator
 from typing import Any, Optional, Union
 
 import torch
@@ -18,14 +22,15 @@ from torch.utils.data import DataLoader
 
 from .checkpoint import (
     atomic_save,
+    list_checkpoints,
     load_checkpoint_file,
-    read_latest_pointer,
+    remove_temp_files,
     update_latest_pointer,
 )
 from .distributed import get_rank, is_main_process
 from .env import collect_env
 from .hooks import CheckpointHook, DistributedHook, HookBase, LoggerHook, LRUpdateHook
-from .logger import log_file_path, log_to_file, setup_logger
+from .logger import ensure_console_logging, log_file_path, log_to_file
 from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import MetricStorage
 from .seed import get_rng_state, set_rng_state
@@ -33,6 +38,11 @@ from .seed import get_rng_state, set_rng_state
 logger = logging.getLogger(__name__)
 
 _AMP_DTYPES = (torch.float16, torch.bfloat16)
+# SIGUSR1 is what SLURM sends ahead of preemption (with --signal=USR1@<seconds>).
+_PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# What a checkpoint needs to resume a run (a weights-only load needs "model" alone).
+_RESUME_KEYS = ("progress", "config", "model", "optimizer", "lr_scheduler", "grad_scaler",
+                "metric_storage", "hooks", "rng", "epoch_rng")  # fmt: skip
 
 
 class Trainer:
@@ -71,6 +81,8 @@ class Trainer:
         warmup_factor: The starting factor of ``"factor"`` and ``"auto"`` warmup.
         plateau_metric: With ReduceLROnPlateau, the metric it judges (e.g. one your
             :class:`~trainer.hooks.EvalHook` returns); it steps after each new value.
+        checkpoint_by_epoch: Count ``checkpoint_period`` in epochs (True) or iterations (False);
+            None follows the training mode. False in epoch-based training saves mid-epoch.
 
     Example::
 
@@ -120,6 +132,7 @@ class Trainer:
         warmup_init_lr: float = 0.0,
         warmup_factor: float = 0.0,
         plateau_metric: Optional[str] = None,
+        checkpoint_by_epoch: Optional[bool] = None,
     ) -> None:
         _check_types(model, optimizer, lr_scheduler, data_loader)
         _check_epochs_or_iters(max_epochs, max_iters)
@@ -200,14 +213,20 @@ class Trainer:
         self._data_time = 0.0
         self._iter_start = 0.0
         self._hooks: list[HookBase] = []
+        self._preempt_signal: Optional[int] = None
 
-        _make_writable_dir(work_dir)
-        os.makedirs(self.ckpt_dir, exist_ok=True)
+        _make_writable_dir(self.ckpt_dir)
         self.register_hooks(
             [
                 DistributedHook(),
                 LRUpdateHook(plateau_metric=plateau_metric),
-                CheckpointHook(checkpoint_period, max_num_checkpoints, by_epoch=self.epoch_based),
+                CheckpointHook(
+                    checkpoint_period,
+                    max_num_checkpoints,
+                    by_epoch=self.epoch_based
+                    if checkpoint_by_epoch is None
+                    else checkpoint_by_epoch,
+                ),
                 LoggerHook(log_period),
             ]
         )
@@ -290,15 +309,22 @@ class Trainer:
     def train(self, resume_from_checkpoint: Optional[str] = None, auto_resume: bool = True) -> None:
         """Train, first resuming from ``resume_from_checkpoint`` or the latest checkpoint.
 
+        SIGTERM or SIGUSR1 (preemption) makes it finish the current iteration, save a checkpoint
+        and exit with status 128 + the signal number; a second signal exits at once.
+
         Args:
             resume_from_checkpoint: A checkpoint to resume from; it must exist.
             auto_resume: Without ``resume_from_checkpoint``, resume from ``work_dir``'s latest
                 checkpoint when there is one.
         """
-        setup_logger("trainer", rank=get_rank())
-        with log_to_file("trainer", self.log_file):
+        ensure_console_logging("trainer", get_rank())
+        # Signals are caught from the start: one during start-up exits after the first iteration.
+        with log_to_file("trainer", self.log_file), self._catch_preemption():
             logger.info(f"Environment:\n{collect_env()}")
             logger.info(f"Hooks: {self.hook_info}")
+            if is_main_process():
+                for stray in remove_temp_files(self.ckpt_dir):
+                    logger.info(f"Removed {stray}, left by an interrupted checkpoint write.")
             if resume_from_checkpoint is not None:
                 self.load_checkpoint(resume_from_checkpoint)
             elif auto_resume:
@@ -306,26 +332,67 @@ class Trainer:
             self.start_epoch, start_inner = self._position
             logger.info(f"Start training from iteration {self.start_iter} of {self.max_iters}.")
             self._call_hooks("before_train")
-            # Removed when train() ends, so the optimizer never keeps the trainer alive.
-            step_hook = self.optimizer.register_step_post_hook(self._on_optimizer_step)
             try:
-                for self.cur_epoch in range(self.start_epoch, self.max_epochs):
-                    self._call_hooks("before_epoch")
-                    self.model.train()
-                    for self.inner_iter in range(start_inner, self.epoch_iters):
-                        self.cur_iter = self.cur_epoch * self.epoch_len + self.inner_iter
-                        self._iter_start = time.perf_counter()
-                        self._call_hooks("before_iter")
-                        self.train_one_iter()
-                        self._end_iter()
-                        self._call_hooks("after_iter")
-                    start_inner = 0
-                    self._data_iter = None
-                    self._position = (self.cur_epoch + 1, 0)
-                    self._call_hooks("after_epoch")
+                with self._watch_optimizer_steps():
+                    for self.cur_epoch in range(self.start_epoch, self.max_epochs):
+                        self._call_hooks("before_epoch")
+                        self.model.train()
+                        for self.inner_iter in range(start_inner, self.epoch_iters):
+                            self.cur_iter = self.cur_epoch * self.epoch_len + self.inner_iter
+                            self._iter_start = time.perf_counter()
+                            self._call_hooks("before_iter")
+                            self.train_one_iter()
+                            self._end_iter()
+                            self._call_hooks("after_iter")
+                            if self._preempt_signal and self.cur_iter < self.max_iters - 1:
+                                self._exit_preempted()
+                        start_inner = 0
+                        self._data_iter = None
+                        self._position = (self.cur_epoch + 1, 0)
+                        self._call_hooks("after_epoch")
             finally:
-                step_hook.remove()
                 self._call_hooks("after_train")
+
+    @contextlib.contextmanager
+    def _watch_optimizer_steps(self) -> Iterator[None]:
+        # Removed when train() ends, so the optimizer never keeps the trainer alive.
+        handle = self.optimizer.register_step_post_hook(self._on_optimizer_step)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    @contextlib.contextmanager
+    def _catch_preemption(self) -> Iterator[None]:
+        """Turn SIGTERM / SIGUSR1 into "finish this iteration, save, exit" while training."""
+        if threading.current_thread() is not threading.main_thread():
+            yield  # Python lets only the main thread handle signals
+            return
+        self._preempt_signal = None
+        previous = {sig: signal.signal(sig, self._on_preempt_signal) for sig in _PREEMPT_SIGNALS}
+        try:
+            yield
+        finally:
+            # Restored so that no handler keeps the trainer alive after train().
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_preempt_signal(self, signum: int, frame: Any) -> None:
+        if self._preempt_signal is not None:
+            # A second signal: exit at once, the way the default handler does.
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self._preempt_signal = signum
+
+    def _exit_preempted(self) -> None:
+        name = signal.Signals(self._preempt_signal).name
+        path = self.save_checkpoint(f"iter_{self.cur_iter + 1}.pth")
+        status = 128 + self._preempt_signal  # what a shell reports for death by this signal
+        logger.warning(
+            f"Preempted by {name} after iteration {self.cur_iter + 1}: saved {path}; exiting with "
+            f"status {status}. Rerun the same command to resume."
+        )
+        raise SystemExit(status)
 
     def train_one_iter(self) -> None:
         """Fetch, forward, backward and step once: subclass and override this for anything fancier.
@@ -520,6 +587,7 @@ class Trainer:
         epoch, inner = self._position
         return {
             "progress": {"epoch": epoch, "inner_iter": inner, "epoch_len": self.epoch_len},
+            "config": self._config(),
             "model": self.model_or_module.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
@@ -530,32 +598,50 @@ class Trainer:
             "epoch_rng": self._epoch_rng if inner > 0 else None,
         }
 
-    def load_checkpoint(self, path: Optional[str] = None, auto_resume: bool = False) -> bool:
-        """Restore the full training state from ``path`` (or the latest checkpoint).
+    def load_checkpoint(
+        self,
+        path: Optional[str] = None,
+        auto_resume: bool = False,
+        *,
+        resume: bool = True,
+        strict: bool = True,
+    ) -> bool:
+        """Load a checkpoint: the whole training state, or only the model's weights.
 
         Args:
-            path: A checkpoint file. It must exist.
-            auto_resume: With no ``path``, use ``ckpt_dir/latest.txt``'s checkpoint if there is one.
+            path: A checkpoint file; it must exist and load.
+            auto_resume: With no ``path``, use the newest checkpoint in ``ckpt_dir`` that loads,
+                ``latest.txt``'s first. One that fails to load is skipped with a warning; if none
+                loads, this raises rather than start from scratch.
+            resume: Restore everything (optimizer, LR schedule, GradScaler, progress, RNG,
+                metrics, hooks) to continue the run exactly. False loads the model's weights only,
+                for fine-tuning or evaluation.
+            strict: The model's keys and shapes must match the checkpoint's. False loads the
+                weights that match and logs what it skipped (fine-tuning a changed head, say).
 
         Returns:
             Whether a checkpoint was loaded.
+
+        Example::
+
+            trainer.load_checkpoint("pretrained.pth", resume=False, strict=False)
         """
         if path is None:
             if not auto_resume:
                 raise ValueError("Pass a checkpoint path, or auto_resume=True to use the latest.")
-            path = read_latest_pointer(self.ckpt_dir)
-            if path is None:
+            found = self._load_newest_checkpoint()
+            if found is None:
                 logger.info(f"No checkpoint in {self.ckpt_dir}: training from scratch.")
                 return False
-        data = load_checkpoint_file(path)
-        progress = data["progress"]
-        if progress["epoch_len"] != self.epoch_len:
-            raise ValueError(
-                f"Checkpoint {path!r} was saved with {progress['epoch_len']} iterations per epoch, "
-                f"this trainer has {self.epoch_len}; resume with the same data loader and "
-                "accumulation_steps."
-            )
-        self.model_or_module.load_state_dict(data["model"])
+            path, data = found
+        else:
+            data = load_checkpoint_file(path)
+            _check_keys(data, path, _RESUME_KEYS if resume else ("model",))
+        self._load_model(data["model"], path, strict)
+        if not resume:
+            logger.info(f"Loaded model weights from {path}; the training state is not restored.")
+            return True
+        self._check_config(data["config"], data["progress"]["epoch_len"], path)
         self.optimizer.load_state_dict(data["optimizer"])
         self.lr_scheduler.load_state_dict(data["lr_scheduler"])
         self._scaler.load_state_dict(data["grad_scaler"])
@@ -568,6 +654,7 @@ class Trainer:
             else:
                 logger.warning(f"Checkpoint has state for hook {key!r}, which is not registered.")
         set_rng_state(data["rng"], self._data_generators())
+        progress = data["progress"]
         self._epoch_rng = data["epoch_rng"]
         self._position = (progress["epoch"], progress["inner_iter"])
         self._batches_to_skip = progress["inner_iter"] * self.accumulation_steps
@@ -578,6 +665,80 @@ class Trainer:
         self.cur_iter = self.start_iter - 1
         logger.info(f"Resumed from checkpoint {path} at iteration {self.start_iter}.")
         return True
+
+    def _load_newest_checkpoint(self) -> Optional[tuple[str, dict[str, Any]]]:
+        failures = []
+        for path in list_checkpoints(self.ckpt_dir):
+            try:
+                data = load_checkpoint_file(path)
+                _check_keys(data, path, _RESUME_KEYS)
+            except RuntimeError as e:
+                logger.warning(f"Skipping a checkpoint that does not load: {e}")
+                failures.append(str(e))
+                continue
+            if failures:
+                logger.warning(f"Resuming from {path}, the newest checkpoint that loads.")
+            return path, data
+        if failures:
+            raise RuntimeError(
+                f"None of the {len(failures)} checkpoints in {self.ckpt_dir} loads:\n"
+                + "\n".join(failures)
+                + "\nMove them out of the folder to start afresh, or pass "
+                "resume_from_checkpoint= a good file."
+            )
+        return None
+
+    def _load_model(self, state: dict[str, Any], path: str, strict: bool) -> None:
+        own = self.model_or_module.state_dict()
+        shape = {k: getattr(v, "shape", None) for k, v in own.items()}
+        wrong_shape = [
+            k for k in own if k in state and getattr(state[k], "shape", None) != shape[k]
+        ]
+        problems = "".join(
+            f"\n  {title}: {', '.join(keys)}"
+            for title, keys in [
+                ("missing from the checkpoint", [k for k in own if k not in state]),
+                ("not in the model", [k for k in state if k not in own]),
+                (
+                    "shapes differ",
+                    [f"{k} {tuple(state[k].shape)} vs {tuple(shape[k])}" for k in wrong_shape],
+                ),
+            ]
+            if keys
+        )
+        if problems and strict:
+            raise RuntimeError(
+                f"Checkpoint {path!r} does not match the model:{problems}\nTo load only the "
+                "weights that match (fine-tuning), call load_checkpoint(path, resume=False, "
+                "strict=False)."
+            )
+        if problems:
+            logger.warning(f"Loading {path} with strict=False skipped:{problems}")
+            state = {k: v for k, v in state.items() if k in own and k not in wrong_shape}
+        self.model_or_module.load_state_dict(state, strict=strict)
+
+    def _config(self) -> dict[str, Any]:
+        amp = str(self.amp_dtype).replace("torch.", "") if self.enable_amp else "off"
+        return {"amp": amp, "accumulation_steps": self.accumulation_steps}
+
+    def _check_config(self, saved: dict[str, Any], epoch_len: int, path: str) -> None:
+        now = self._config()
+        if saved["accumulation_steps"] != now["accumulation_steps"]:
+            raise ValueError(
+                f"Checkpoint {path!r} was trained with accumulation_steps="
+                f"{saved['accumulation_steps']}, this trainer has {now['accumulation_steps']}; "
+                "the data position cannot be mapped. Resume with the same accumulation_steps."
+            )
+        if epoch_len != self.epoch_len:
+            raise ValueError(
+                f"Checkpoint {path!r} was saved with {epoch_len} iterations per epoch, this "
+                f"trainer has {self.epoch_len}; resume with the same data loader."
+            )
+        if saved["amp"] != now["amp"]:
+            logger.warning(
+                f"Checkpoint {path} was trained with AMP {saved['amp']}, this run uses AMP "
+                f"{now['amp']}: training goes on, but not bit for bit as the original run would."
+            )
 
     def _checkpointable_hooks(self) -> dict[str, HookBase]:
         keys: dict[str, HookBase] = {}
@@ -629,6 +790,15 @@ def _check_epochs_or_iters(max_epochs: Any, max_iters: Any) -> None:
         )
 
 
+def _check_keys(data: dict[str, Any], path: str, keys: tuple[str, ...]) -> None:
+    missing = [k for k in keys if k not in data]
+    if missing:
+        raise RuntimeError(
+            f"Checkpoint {path!r} lacks {missing}: it was not written by trainer.save_checkpoint. "
+            "For weights alone, use load_checkpoint(path, resume=False)."
+        )
+
+
 def _check_epoch_len(data_loader: Any, accumulation_steps: int) -> int:
     try:
         num_batches = len(data_loader)
@@ -656,9 +826,15 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 def _make_writable_dir(path: str) -> None:
+    """Create ``path`` and prove it writable now, rather than fail at the first checkpoint."""
     os.makedirs(path, exist_ok=True)
-    if not os.access(path, os.W_OK | os.X_OK):
-        raise PermissionError(f"work_dir {path!r} is not writable; pass a writable work_dir.")
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise PermissionError(
+            f"work_dir {path!r} is not writable ({e.strerror or e}); pass a writable work_dir."
+        ) from e
 
 
 def _check_losses(out: Any) -> dict[str, torch.Tensor]:

@@ -1,0 +1,93 @@
+"""Trains a tiny model in its own process, for the crash and preemption tests (test_resume.py).
+
+Configured by environment variables:
+    WORK_DIR, OUT         the work dir, and where to save the final weights
+    MODE                  "epoch" (3 epochs of 10 iterations) or "iter" (25 iterations)
+    NUM_WORKERS           the data loader's worker processes
+    SLOW                  seconds to sleep in every iteration (gives signals time to land)
+    CKPT_PERIOD           the checkpoint period, in iterations
+    KILL_AT_ITER=n        SIGKILL this process after iteration n
+    KILL_IN_SAVE=n        SIGKILL it halfway through writing its n-th checkpoint
+    KILL_BEFORE_POINTER=n SIGKILL it after its n-th checkpoint file, before latest.txt moves
+    SLOW_SAVE=s           sleep s seconds in every checkpoint write (after creating WORK_DIR/saving)
+"""
+
+import os
+import signal
+import time
+
+
+def env_int(name, default=0):
+    return int(os.environ.get(name, default))
+
+
+def main():
+    import torch
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import trainer.trainer as trainer_module
+    from trainer import HookBase, Trainer, set_random_seed
+
+    work_dir = os.environ["WORK_DIR"]
+    saves = {"n": 0}
+    real_save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        saves["n"] += 1
+        if os.environ.get("SLOW_SAVE"):
+            open(os.path.join(work_dir, "saving"), "w").close()
+            time.sleep(float(os.environ["SLOW_SAVE"]))
+        if saves["n"] == env_int("KILL_IN_SAVE", -1):
+            f.write(b"half a checkpoint")
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return real_save(obj, f, *args, **kwargs)
+
+    torch.save = save
+    pointer_moves = {"n": 0}
+    real_pointer = trainer_module.update_latest_pointer
+
+    def update_pointer(*args):
+        pointer_moves["n"] += 1
+        if pointer_moves["n"] == env_int("KILL_BEFORE_POINTER", -1):
+            os.kill(os.getpid(), signal.SIGKILL)
+        real_pointer(*args)
+
+    trainer_module.update_latest_pointer = update_pointer
+
+    class Crash(HookBase):
+        def after_iter(self):
+            time.sleep(float(os.environ.get("SLOW", 0)))
+            if self.trainer.cur_iter == env_int("KILL_AT_ITER", -1):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+
+        def forward(self, batch):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x), y)
+
+    set_random_seed(0)
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(40, 4, generator=g), torch.randn(40, 1, generator=g))
+    loader = DataLoader(data, batch_size=4, shuffle=True, num_workers=env_int("NUM_WORKERS"))
+    model = Model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    length = {"max_epochs": 3} if os.environ["MODE"] == "epoch" else {"max_iters": 25}
+    trainer = Trainer(
+        model, optimizer, scheduler, loader, **length, work_dir=work_dir, log_period=5,
+        checkpoint_period=env_int("CKPT_PERIOD", 3), checkpoint_by_epoch=False, warmup_t=5,
+        warmup_init_lr=0.005,
+    )  # fmt: skip
+    trainer.register_hook(Crash())
+    trainer.train()
+    real_save(model.state_dict(), os.environ["OUT"])
+
+
+if __name__ == "__main__":
+    main()

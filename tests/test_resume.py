@@ -1,0 +1,324 @@
+"""Real fault injection: training processes killed (SIGKILL), preempted (SIGTERM, SIGUSR1) and
+rerun must end with the same weights, bit for bit, as one uninterrupted run."""
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from torch import nn
+
+from trainer import HookBase
+
+from conftest import TinyModel, build
+
+WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "resume_worker.py")
+
+
+def start(work_dir, out, **env):
+    full_env = {**os.environ, "WORK_DIR": str(work_dir), "OUT": str(out), "MODE": "epoch"}
+    full_env.update({k: str(v) for k, v in env.items()})
+    return subprocess.Popen(
+        [sys.executable, WORKER], env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+
+
+def run(work_dir, out, **env):
+    proc = start(work_dir, out, **env)
+    _, stderr = proc.communicate(timeout=120)
+    return proc.returncode, stderr
+
+
+def load(path):
+    return torch.load(path, weights_only=True)
+
+
+def assert_bit_equal(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Final weights of uninterrupted runs, per (mode, num_workers)."""
+    cache = {}
+
+    def get(mode="epoch", num_workers=0):
+        if (mode, num_workers) not in cache:
+            root = tmp_path_factory.mktemp(f"ref-{mode}-{num_workers}")
+            code, err = run(root / "work", root / "out.pth", MODE=mode, NUM_WORKERS=num_workers)
+            assert code == 0, err[-3000:]
+            cache[mode, num_workers] = load(root / "out.pth")
+        return cache[mode, num_workers]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "mode, num_workers, kill",
+    [
+        ("epoch", 0, {"KILL_AT_ITER": 13}),  # mid-epoch (epochs are 10 iterations)
+        ("epoch", 2, {"KILL_AT_ITER": 21}),
+        ("iter", 0, {"KILL_AT_ITER": 7}),
+        ("iter", 2, {"KILL_AT_ITER": 18}),
+        ("epoch", 0, {"KILL_IN_SAVE": 3}),  # halfway through writing a checkpoint
+        ("iter", 0, {"KILL_IN_SAVE": 4}),
+        ("epoch", 0, {"KILL_BEFORE_POINTER": 2}),  # file written, latest.txt not moved yet
+    ],
+)
+def test_sigkill_then_rerun_is_bit_exact(tmp_path, reference, mode, num_workers, kill):
+    work, out = tmp_path / "work", tmp_path / "out.pth"
+    code, _ = run(work, out, MODE=mode, NUM_WORKERS=num_workers, **kill)
+    assert code == -signal.SIGKILL and not out.exists()
+    code, err = run(work, out, MODE=mode, NUM_WORKERS=num_workers)
+    assert code == 0, err[-3000:]
+    assert "Resumed from checkpoint" in err
+    if "KILL_IN_SAVE" in kill:
+        assert "left by an interrupted checkpoint write" in err  # the stray temp file
+    assert_bit_equal(load(out), reference(mode, num_workers))
+
+
+def test_sigkill_at_random_moments_until_done(tmp_path, reference):
+    rng = random.Random(1234)
+    work, out = tmp_path / "work", tmp_path / "out.pth"
+    kills = 0
+    for _ in range(4):
+        proc = start(work, out, SLOW=0.03, CKPT_PERIOD=2)
+        time.sleep(rng.uniform(1.0, 4.0))  # start-up takes ~1-3 s, training ~1 s more
+        if proc.poll() is None:
+            proc.kill()
+            kills += 1
+        proc.communicate(timeout=60)
+    code, err = run(work, out, CKPT_PERIOD=2)
+    assert code == 0, err[-3000:]
+    assert kills > 0
+    assert_bit_equal(load(out), reference())
+
+
+def wait_for_training(work, proc, timeout=60):
+    log = work / "log.txt"
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if log.exists() and "Start training" in log.read_text():
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    raise TimeoutError("the worker never started training")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_preemption_signal_saves_exits_and_resumes_exactly(tmp_path, reference, sig):
+    work, out = tmp_path / "work", tmp_path / "out.pth"
+    proc = start(work, out, SLOW=0.05, CKPT_PERIOD=1000)
+    wait_for_training(work, proc)
+    time.sleep(0.3)
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + sig, err[-3000:]
+    name = signal.Signals(sig).name
+    assert f"Preempted by {name} after iteration" in err
+    assert "Rerun the same command to resume" in err
+    code, err = run(work, out, CKPT_PERIOD=1000)
+    assert code == 0, err[-3000:]
+    assert "Resumed from checkpoint" in err
+    assert_bit_equal(load(out), reference())
+
+
+def test_second_signal_exits_immediately(tmp_path, reference):
+    work, out = tmp_path / "work", tmp_path / "out.pth"
+    # Only the preemption save happens (period 1000), and it takes 30 s.
+    proc = start(work, out, SLOW=0.05, CKPT_PERIOD=1000, SLOW_SAVE=30)
+    wait_for_training(work, proc)
+    proc.send_signal(signal.SIGTERM)
+    deadline = time.time() + 30
+    while not (work / "saving").exists():
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.05)
+    began = time.time()
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=20)
+    assert proc.returncode == -signal.SIGTERM  # killed by the signal, not a clean exit
+    assert time.time() - began < 10
+    assert not (work / "checkpoints" / "latest.txt").exists()  # no half checkpoint is pointed at
+    code, err = run(work, out, CKPT_PERIOD=1000)  # nothing saved: starts afresh, same result
+    assert code == 0, err[-3000:]
+    assert_bit_equal(load(out), reference())
+
+
+# ---- in one process ---------------------------------------------------------------------------
+
+
+def checkpoints(trainer):
+    return sorted(os.listdir(trainer.ckpt_dir))
+
+
+def corrupt(path, how):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2] if how == "truncate" else b"\x00garbage" * 100)
+
+
+@pytest.mark.parametrize("how", ["truncate", "garbage"])
+def test_auto_resume_falls_back_to_the_newest_checkpoint_that_loads(tmp_path, caplog, how):
+    build(tmp_path, max_epochs=3).train()
+    corrupt(tmp_path / "checkpoints" / "epoch_3.pth", how)
+    trainer = build(tmp_path, max_epochs=4)
+    trainer.train()
+    assert trainer.start_iter == 16  # from epoch_2.pth
+    assert "epoch_3.pth' could not be loaded safely" in caplog.text
+    assert "Resuming from" in caplog.text and "the newest checkpoint that loads" in caplog.text
+
+
+def test_never_starts_from_scratch_while_checkpoints_exist(tmp_path):
+    build(tmp_path, max_epochs=2).train()
+    for name in ("epoch_1.pth", "epoch_2.pth"):
+        corrupt(tmp_path / "checkpoints" / name, "truncate")
+    with pytest.raises(RuntimeError, match="None of the 2 checkpoints in .* loads"):
+        build(tmp_path, max_epochs=3).train()
+
+
+class Payload:
+    def __reduce__(self):
+        return (os.system, ("touch /tmp/trainer-payload-ran",))
+
+
+def test_a_checkpoint_carrying_code_is_skipped_and_never_runs(tmp_path, caplog):
+    import pickle
+
+    marker = "/tmp/trainer-payload-ran"
+    if os.path.exists(marker):
+        os.remove(marker)
+    build(tmp_path, max_epochs=1).train()
+    evil = tmp_path / "checkpoints" / "epoch_9.pth"
+    with open(evil, "wb") as f:
+        torch.save({"model": Payload()}, f, pickle_module=pickle)
+    (tmp_path / "checkpoints" / "latest.txt").write_text("epoch_9.pth")
+    trainer = build(tmp_path, max_epochs=2)
+    trainer.train()
+    assert not os.path.exists(marker)
+    assert trainer.start_iter == 8  # epoch_1.pth
+    assert "epoch_9.pth' could not be loaded safely" in caplog.text
+
+
+def test_disk_full_names_the_path_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
+    build(tmp_path, max_epochs=1).train()
+    before = (tmp_path / "checkpoints" / "epoch_1.pth").read_bytes()
+
+    def full_disk(obj, f, *args, **kwargs):
+        f.write(b"partial")
+        raise OSError(28, "No space left on device")
+
+    trainer = build(tmp_path, max_epochs=2)
+    monkeypatch.setattr(torch, "save", full_disk)
+    with pytest.raises(OSError, match=r"Could not write .*epoch_2.pth: No space left on device"):
+        trainer.train()
+    monkeypatch.undo()
+    assert checkpoints(trainer) == ["epoch_1.pth", "latest.txt"]
+    assert (tmp_path / "checkpoints" / "latest.txt").read_text() == "epoch_1.pth"
+    assert (tmp_path / "checkpoints" / "epoch_1.pth").read_bytes() == before
+
+
+def test_unwritable_work_dir_fails_at_construction(tmp_path, monkeypatch):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(OSError, match="a_file"):
+        build(tmp_path / "a_file" / "work")
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr("tempfile.TemporaryFile", read_only)
+    with pytest.raises(PermissionError, match="is not writable \\(Read-only file system\\)"):
+        build(tmp_path / "work")
+
+
+def test_stray_temp_files_are_removed(tmp_path):
+    build(tmp_path, max_epochs=1).train()
+    stray = tmp_path / "checkpoints" / ".epoch_2.pth.abc123.tmp"
+    stray.write_bytes(b"half")
+    build(tmp_path, max_epochs=2).train()
+    assert not stray.exists()
+
+
+class Wider(TinyModel):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 2)
+        self.extra = nn.Linear(2, 1)
+
+    def forward(self, batch):
+        x, y = batch
+        return nn.functional.mse_loss(self.extra(self.linear(x)), y)
+
+
+def test_a_mismatched_model_is_refused_with_the_keys(tmp_path):
+    build(tmp_path, max_epochs=1).train()
+    trainer = build(tmp_path, model=Wider(), max_epochs=2)
+    with pytest.raises(RuntimeError) as error:
+        trainer.train()
+    message = str(error.value)
+    assert "does not match the model" in message
+    assert "missing from the checkpoint: extra.weight, extra.bias" in message
+    assert "shapes differ: linear.weight (1, 4) vs (2, 4), linear.bias (1,) vs (2,)" in message
+    assert "resume=False, strict=False" in message
+
+
+def test_weights_only_non_strict_load_for_fine_tuning(tmp_path, caplog):
+    source = build(tmp_path / "pretrained", max_epochs=1)
+    source.train()
+    path = os.path.join(source.ckpt_dir, "epoch_1.pth")
+
+    class NewHead(TinyModel):
+        def __init__(self):
+            super().__init__()
+            self.head = nn.Linear(1, 1)
+
+    target = build(tmp_path / "finetune", model=NewHead(), max_epochs=1)
+    head_before = target.model.head.weight.clone()
+    assert target.load_checkpoint(path, resume=False, strict=False)
+    assert torch.equal(target.model.linear.weight, source.model.linear.weight)
+    assert torch.equal(target.model.head.weight, head_before)
+    assert "skipped:\n  missing from the checkpoint: head.weight, head.bias" in caplog.text
+    assert target.start_iter == 0 and target.lr == 0.1  # the training state is not touched
+    target.train()
+    assert target.start_iter == 0  # a fresh work_dir: nothing to resume
+
+
+def test_changed_amp_is_reported_and_changed_accumulation_refused(tmp_path, caplog):
+    build(tmp_path, max_epochs=1).train()
+    build(tmp_path, max_epochs=2, enable_amp=True).train()
+    assert "trained with AMP off, this run uses AMP bfloat16" in caplog.text
+    trainer = build(tmp_path, max_epochs=3, accumulation_steps=2, loader=None)
+    with pytest.raises(ValueError, match="accumulation_steps=1, this trainer has 2"):
+        trainer.train()
+
+
+def test_iteration_checkpoints_in_epoch_based_training_resume_exactly(tmp_path):
+    kwargs = {"max_epochs": 3, "checkpoint_period": 5, "checkpoint_by_epoch": False}
+    full = build(tmp_path / "full", **kwargs)
+    full.train()
+    assert checkpoints(full) == ["iter_10.pth", "iter_15.pth", "iter_20.pth", "iter_24.pth",
+                                 "iter_5.pth", "latest.txt"]  # fmt: skip
+
+    class Crash(HookBase):
+        def after_iter(self):
+            if self.trainer.cur_iter == 12:
+                raise KeyboardInterrupt
+
+    cut = build(tmp_path / "cut", **kwargs)
+    cut.register_hook(Crash())
+    with pytest.raises(KeyboardInterrupt):
+        cut.train()
+    resumed = build(tmp_path / "cut", **kwargs)
+    resumed.train()
+    assert resumed.start_iter == 10
+    assert_bit_equal(full.model.state_dict(), resumed.model.state_dict())
+
+
+def test_resume_from_a_missing_path_raises(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.pth"):
+        build(tmp_path).train(resume_from_checkpoint=str(tmp_path / "nope.pth"))
