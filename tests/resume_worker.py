@@ -4,6 +4,7 @@ Configured by environment variables:
     WORK_DIR, OUT         the work dir, and where to save the final weights
     MODE                  "epoch" (3 epochs of 10 iterations) or "iter" (25 iterations)
     NUM_WORKERS           the data loader's worker processes
+Under torchrun it trains with DistributedDataParallel and a DistributedSampler.
     SLOW                  seconds to sleep in every iteration (gives signals time to land)
     CKPT_PERIOD           the checkpoint period, in iterations
     KILL_AT_ITER=n        SIGKILL this process after iteration n
@@ -24,10 +25,12 @@ def env_int(name, default=0):
 def main():
     import torch
     from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
     import trainer.trainer as trainer_module
     from trainer import HookBase, Trainer, set_random_seed
+    from trainer.distributed import init_distributed
 
     work_dir = os.environ["WORK_DIR"]
     saves = {"n": 0}
@@ -71,11 +74,17 @@ def main():
             x, y = batch
             return nn.functional.mse_loss(self.net(x), y)
 
-    set_random_seed(0)
+    rank, world_size = init_distributed()  # under torchrun: gloo, DDP and a DistributedSampler
+    set_random_seed(rank)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(40, 4, generator=g), torch.randn(40, 1, generator=g))
-    loader = DataLoader(data, batch_size=4, shuffle=True, num_workers=env_int("NUM_WORKERS"))
-    model = Model()
+    sampler = DistributedSampler(data, seed=0) if world_size > 1 else None
+    loader = DataLoader(
+        data, batch_size=4, shuffle=sampler is None, sampler=sampler,
+        num_workers=env_int("NUM_WORKERS"),
+    )  # fmt: skip
+    net = Model()
+    model = DistributedDataParallel(net) if world_size > 1 else net
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     length = {"max_epochs": 3} if os.environ["MODE"] == "epoch" else {"max_iters": 25}
@@ -86,7 +95,8 @@ def main():
     )  # fmt: skip
     trainer.register_hook(Crash())
     trainer.train()
-    real_save(model.state_dict(), os.environ["OUT"])
+    if rank == 0:
+        real_save(net.state_dict(), os.environ["OUT"])
 
 
 if __name__ == "__main__":

@@ -84,6 +84,26 @@ def test_sigkill_then_rerun_is_bit_exact(tmp_path, reference, mode, num_workers,
     assert_bit_equal(load(out), reference(mode, num_workers))
 
 
+def test_sigkill_under_torchrun_then_rerun_is_bit_exact(tmp_path):
+    """Two ranks (gloo): each rank's RNG state is in the checkpoint, so both resume exactly."""
+
+    def torchrun(work, out, **env):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", WORKER]
+        full_env = {**os.environ, "WORK_DIR": str(work), "OUT": str(out), "MODE": "epoch"}
+        full_env.update({k: str(v) for k, v in env.items()})
+        result = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=180)
+        return result.returncode, result.stderr
+
+    code, err = torchrun(tmp_path / "full", tmp_path / "full.pth")
+    assert code == 0, err[-3000:]
+    code, _ = torchrun(tmp_path / "cut", tmp_path / "cut.pth", KILL_AT_ITER=7)  # epochs of 5
+    assert code != 0 and not (tmp_path / "cut.pth").exists()
+    code, err = torchrun(tmp_path / "cut", tmp_path / "cut.pth")
+    assert code == 0, err[-3000:]
+    assert "Resumed from checkpoint" in err
+    assert_bit_equal(load(tmp_path / "cut.pth"), load(tmp_path / "full.pth"))
+
+
 def test_sigkill_at_random_moments_until_done(tmp_path, reference):
     rng = random.Random(1234)
     work, out = tmp_path / "work", tmp_path / "out.pth"

@@ -27,7 +27,7 @@ from .checkpoint import (
     remove_temp_files,
     update_latest_pointer,
 )
-from .distributed import get_rank, is_main_process
+from .distributed import gather, get_rank, get_world_size, is_main_process
 from .env import collect_env
 from .hooks import CheckpointHook, DistributedHook, HookBase, LoggerHook, LRUpdateHook
 from .logger import ensure_console_logging, log_file_path, log_to_file
@@ -42,7 +42,7 @@ _AMP_DTYPES = (torch.float16, torch.bfloat16)
 _PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # What a checkpoint needs to resume a run (a weights-only load needs "model" alone).
 _RESUME_KEYS = ("progress", "config", "model", "optimizer", "lr_scheduler", "grad_scaler",
-                "metric_storage", "hooks", "rng", "epoch_rng")  # fmt: skip
+                "metric_storage", "hooks", "rng")  # fmt: skip
 
 
 class Trainer:
@@ -568,22 +568,28 @@ class Trainer:
     def save_checkpoint(self, file_name: str) -> Optional[str]:
         """Save the full training state as ``ckpt_dir/file_name`` and point ``latest.txt`` at it.
 
-        The write is atomic. Only rank 0 writes; every rank checks its losses first, so a
-        non-finite loss raises before it can reach a checkpoint.
+        The write is atomic. Every rank must call it: each checks its losses first (so a
+        non-finite loss raises before it can reach a checkpoint) and hands rank 0 its RNG state;
+        rank 0 alone writes.
 
         Returns:
             The path written, or None on other ranks.
         """
         self._flush_metrics()
+        # Per-rank RNG, so every rank's dropout and data-worker seeds resume exactly.
+        epoch, inner = self._position
+        rng = {"now": get_rng_state(self._data_generators())}
+        rng["epoch_start"] = self._epoch_rng if inner > 0 else None
+        rng_per_rank = gather(rng)
         if not is_main_process():
             return None
         path = os.path.join(self.ckpt_dir, file_name)
-        atomic_save(self._state_dict(), path)
+        atomic_save(self._state_dict(rng_per_rank), path)
         update_latest_pointer(self.ckpt_dir, file_name)
         logger.info(f"Saved checkpoint {path}")
         return path
 
-    def _state_dict(self) -> dict[str, Any]:
+    def _state_dict(self, rng_per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         epoch, inner = self._position
         return {
             "progress": {"epoch": epoch, "inner_iter": inner, "epoch_len": self.epoch_len},
@@ -594,8 +600,7 @@ class Trainer:
             "grad_scaler": self._scaler.state_dict(),
             "metric_storage": self._storage.state_dict(),
             "hooks": {key: h.state_dict() for key, h in self._checkpointable_hooks().items()},
-            "rng": get_rng_state(self._data_generators()),
-            "epoch_rng": self._epoch_rng if inner > 0 else None,
+            "rng": rng_per_rank,
         }
 
     def load_checkpoint(
@@ -653,9 +658,10 @@ class Trainer:
                 hooks[key].load_state_dict(state)
             else:
                 logger.warning(f"Checkpoint has state for hook {key!r}, which is not registered.")
-        set_rng_state(data["rng"], self._data_generators())
+        rng = _rng_of_this_rank(data["rng"], path)
+        set_rng_state(rng["now"], self._data_generators())
         progress = data["progress"]
-        self._epoch_rng = data["epoch_rng"]
+        self._epoch_rng = rng["epoch_start"]
         self._position = (progress["epoch"], progress["inner_iter"])
         self._batches_to_skip = progress["inner_iter"] * self.accumulation_steps
         self._data_iter = None
@@ -788,6 +794,17 @@ def _check_epochs_or_iters(max_epochs: Any, max_iters: Any) -> None:
             "Pass exactly one of max_epochs or max_iters "
             f"(got max_epochs={max_epochs}, max_iters={max_iters})."
         )
+
+
+def _rng_of_this_rank(per_rank: list[dict[str, Any]], path: str) -> dict[str, Any]:
+    rank, world_size = get_rank(), get_world_size()
+    if len(per_rank) != world_size:
+        logger.warning(
+            f"Checkpoint {path} was saved by {len(per_rank)} ranks, resuming with {world_size}: "
+            f"rank {rank} takes the RNG state of rank {rank % len(per_rank)}, so the run goes on "
+            "but not bit for bit as before."
+        )
+    return per_rank[rank % len(per_rank)]
 
 
 def _check_keys(data: dict[str, Any], path: str, keys: tuple[str, ...]) -> None:
