@@ -178,6 +178,12 @@ def checkpoints(trainer):
     return sorted(os.listdir(trainer.ckpt_dir))
 
 
+def uninterrupted(tmp_path, **kwargs):
+    trainer = build(tmp_path / "uninterrupted", **kwargs)
+    trainer.train()
+    return trainer.model.state_dict()
+
+
 def corrupt(path, how):
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2] if how == "truncate" else b"\x00garbage" * 100)
@@ -192,6 +198,7 @@ def test_auto_resume_falls_back_to_the_newest_checkpoint_that_loads(tmp_path, ca
     assert trainer.start_iter == 16  # from epoch_2.pth
     assert "epoch_3.pth' could not be loaded safely" in caplog.text
     assert "Resuming from" in caplog.text and "the newest checkpoint that loads" in caplog.text
+    assert_bit_equal(trainer.model.state_dict(), uninterrupted(tmp_path, max_epochs=4))
 
 
 def test_never_starts_from_scratch_while_checkpoints_exist(tmp_path):
@@ -223,6 +230,7 @@ def test_a_checkpoint_carrying_code_is_skipped_and_never_runs(tmp_path, caplog):
     assert not os.path.exists(marker)
     assert trainer.start_iter == 8  # epoch_1.pth
     assert "epoch_9.pth' could not be loaded safely" in caplog.text
+    assert_bit_equal(trainer.model.state_dict(), uninterrupted(tmp_path, max_epochs=2))
 
 
 def test_disk_full_names_the_path_and_keeps_the_last_checkpoint(tmp_path, monkeypatch):
@@ -241,6 +249,10 @@ def test_disk_full_names_the_path_and_keeps_the_last_checkpoint(tmp_path, monkey
     assert checkpoints(trainer) == ["epoch_1.pth", "latest.txt"]
     assert (tmp_path / "checkpoints" / "latest.txt").read_text() == "epoch_1.pth"
     assert (tmp_path / "checkpoints" / "epoch_1.pth").read_bytes() == before
+    rerun = build(tmp_path, max_epochs=2)  # space freed: the rerun continues from epoch_1.pth
+    rerun.train()
+    assert rerun.start_iter == 8
+    assert_bit_equal(rerun.model.state_dict(), uninterrupted(tmp_path, max_epochs=2))
 
 
 def test_unwritable_work_dir_fails_at_construction(tmp_path, monkeypatch):
