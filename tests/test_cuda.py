@@ -23,12 +23,12 @@ class MLP(nn.Module):
         return nn.functional.cross_entropy(self.net(x), y)
 
 
-def cuda_trainer(tmp_path, **kwargs):
+def cuda_trainer(tmp_path, model_class=None, **kwargs):
     torch.manual_seed(0)
     x = torch.randn(512, 64, device="cuda")
     y = torch.randint(0, 10, (512,), device="cuda")
     batches = [(x[i : i + 64], y[i : i + 64]) for i in range(0, 512, 64)]
-    model = MLP().cuda()
+    model = (model_class or MLP)().cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     kwargs.setdefault("max_iters", 40)
     return Trainer(model, optimizer, None, DataLoader(batches, batch_size=None),
@@ -68,3 +68,33 @@ def test_non_log_iterations_do_not_sync(tmp_path, kwargs):
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert trainer.metric_storage["total_loss"].count == 40
+
+
+class DropoutMLP(MLP):
+    def __init__(self):
+        super().__init__()
+        self.net.insert(2, nn.Dropout(0.3))  # draws from the CUDA generator
+
+
+def test_mid_epoch_resume_on_cuda_is_bit_exact(tmp_path):
+    class Crash(HookBase):
+        def after_iter(self):
+            if self.trainer.cur_iter == 13:
+                raise KeyboardInterrupt
+
+    def make(work_dir):
+        return cuda_trainer(
+            work_dir, DropoutMLP, max_iters=24, checkpoint_period=5, enable_amp=True
+        )
+
+    full = make(tmp_path / "full")
+    full.train()
+    cut = make(tmp_path / "cut")
+    cut.register_hook(Crash())
+    with pytest.raises(KeyboardInterrupt):
+        cut.train()
+    resumed = make(tmp_path / "cut")
+    resumed.train()
+    assert resumed.start_iter == 10
+    for k, v in full.model.state_dict().items():
+        assert torch.equal(v, resumed.model.state_dict()[k]), k
