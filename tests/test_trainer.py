@@ -375,7 +375,9 @@ def test_nan_loss_raises_at_the_next_log_point_naming_the_first_bad_iteration(ma
 
 
 def test_nan_loss_never_reaches_a_checkpoint(make_trainer):
-    trainer = make_trainer(model=NaNAt(5), max_iters=20, log_period=10, checkpoint_period=2)
+    trainer = make_trainer(
+        model=NaNAt(5), max_iters=20, log_period=10, checkpoint_period=2, checkpoint_by_epoch=False
+    )
     with pytest.raises(FloatingPointError, match="iteration 5"):
         trainer.train()
     saved = sorted(os.listdir(trainer.ckpt_dir))
@@ -429,7 +431,8 @@ def test_iteration_based_mid_epoch_resume_is_bit_exact(tmp_path, num_workers):
         loader = tiny_loader(shuffle=True, num_workers=num_workers)
         return build(work_dir, loader=loader, **kw)
 
-    kwargs = {"max_iters": 21, "checkpoint_period": 3, "warmup_t": 5, "by_epoch": False}
+    kwargs = {"max_iters": 21, "checkpoint_period": 3, "checkpoint_by_epoch": False, "warmup_t": 5}
+    kwargs["by_epoch"] = False
     full = make(tmp_path / "full", **kwargs)
     full.train()
     resumed = train_interrupted(lambda **kw: make(tmp_path / "cut", **kw), 13, **kwargs)
@@ -546,3 +549,10 @@ def test_log_keeps_tensors_on_device_until_the_log_point(make_trainer):
     assert trainer.metric_storage["acc"].count == 8
     with pytest.raises(ValueError, match=r"'bad' must be a number or a one-element tensor"):
         trainer.log(0, bad=torch.ones(2))
+
+
+def test_any_sized_iterable_of_batches_works_as_data_loader(make_trainer):
+    batches = list(tiny_loader())
+    trainer = make_trainer(loader=batches, max_iters=12)
+    trainer.train()
+    assert trainer.epoch_len == 8 and trainer.metric_storage["total_loss"].count == 12

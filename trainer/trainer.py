@@ -60,13 +60,14 @@ class Trainer:
         optimizer: The optimizer of ``model``'s parameters.
         lr_scheduler: A ``torch.optim.lr_scheduler`` scheduler (ReduceLROnPlateau included), an
             :class:`LRWarmupScheduler`, or None for a constant LR.
-        data_loader: A data loader with a length.
+        data_loader: A data loader, or any iterable with a length that yields batches (a list of
+            batches already on the GPU, say).
         max_epochs: Train this many epochs (pass exactly one of ``max_epochs``, ``max_iters``).
         max_iters: Train this many iterations, crossing data-loader passes as needed.
         work_dir: Where checkpoints, ``log.txt`` and TensorBoard files go.
         unpack_batch_dict: Call ``model(**batch)`` instead of ``model(batch)``.
         max_num_checkpoints: Keep only the newest N periodic checkpoints; None keeps all.
-        checkpoint_period: Save every N epochs (epoch-based) or iterations (iteration-based).
+        checkpoint_period: Save every N epochs (or iterations: see ``checkpoint_by_epoch``).
         log_period: Turn device metrics into numbers and log them every N iterations.
         clip_grad_norm: Clip the gradient norm to this value; 0 disables clipping.
         enable_amp: Mixed precision through ``torch.autocast``.
@@ -81,8 +82,8 @@ class Trainer:
         warmup_factor: The starting factor of ``"factor"`` and ``"auto"`` warmup.
         plateau_metric: With ReduceLROnPlateau, the metric it judges (e.g. one your
             :class:`~trainer.hooks.EvalHook` returns); it steps after each new value.
-        checkpoint_by_epoch: Count ``checkpoint_period`` in epochs (True) or iterations (False);
-            None follows the training mode. False in epoch-based training saves mid-epoch.
+        checkpoint_by_epoch: Count ``checkpoint_period`` in epochs (passes over the data, also in
+            iteration-based training) or, with False, in iterations (mid-epoch checkpoints).
 
     Example::
 
@@ -132,7 +133,7 @@ class Trainer:
         warmup_init_lr: float = 0.0,
         warmup_factor: float = 0.0,
         plateau_metric: Optional[str] = None,
-        checkpoint_by_epoch: Optional[bool] = None,
+        checkpoint_by_epoch: bool = True,
     ) -> None:
         _check_types(model, optimizer, lr_scheduler, data_loader)
         _check_epochs_or_iters(max_epochs, max_iters)
@@ -486,7 +487,7 @@ class Trainer:
 
     def _data_generators(self) -> tuple[torch.Generator, ...]:
         found: list[torch.Generator] = []
-        for owner in (self.data_loader, self.data_loader.sampler):
+        for owner in (self.data_loader, getattr(self.data_loader, "sampler", None)):
             g = getattr(owner, "generator", None)
             if isinstance(g, torch.Generator) and all(g is not f for f in found):
                 found.append(g)

@@ -12,6 +12,12 @@ def latest(trainer):
         return f.read()
 
 
+def test_iteration_based_training_counts_the_period_in_passes_by_default(make_trainer):
+    trainer = make_trainer(max_iters=20, checkpoint_period=2)
+    trainer.train()
+    assert listing(trainer) == ["iter_16.pth", "iter_20.pth", "latest.txt"]  # 8 per pass
+
+
 def test_epoch_checkpoints_with_period_and_final(make_trainer):
     trainer = make_trainer(max_epochs=5, checkpoint_period=2)
     trainer.train()
@@ -21,7 +27,7 @@ def test_epoch_checkpoints_with_period_and_final(make_trainer):
 
 def test_iteration_checkpoints_wait_for_the_epoch_end(make_trainer):
     progress = {}
-    trainer = make_trainer(max_iters=20, checkpoint_period=4)
+    trainer = make_trainer(max_iters=20, checkpoint_period=4, checkpoint_by_epoch=False)
     trainer.train()
     assert listing(trainer) == [
         "iter_12.pth", "iter_16.pth", "iter_20.pth", "iter_4.pth", "iter_8.pth", "latest.txt",

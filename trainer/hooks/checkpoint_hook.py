@@ -11,8 +11,11 @@ logger = logging.getLogger(__name__)
 
 
 class CheckpointHook(HookBase):
-    """Saves ``epoch_{N}.pth`` every ``period`` epochs, or ``iter_{N}.pth`` every ``period``
-    iterations, and always at the end of training. ``N`` counts finished epochs or iterations.
+    """Saves a checkpoint every ``period`` epochs (or iterations), and always at the end.
+
+    An epoch is one pass over the data, in iteration-based training too. A checkpoint saved at an
+    epoch's end in epoch-based training is ``epoch_{N}.pth`` (N epochs done); any other is
+    ``iter_{N}.pth`` (N iterations done).
 
     A save due on the last iteration of an epoch waits for the epoch's end, so that the checkpoint
     holds the state after ``after_epoch`` (the epoch's LR step included) and resume is exact.
@@ -47,10 +50,13 @@ class CheckpointHook(HookBase):
     def after_epoch(self) -> None:
         """Save epoch checkpoints, and iteration checkpoints due at the epoch's last iteration."""
         if self._by_epoch:
-            if self.every_n_epochs(self._period) or self.is_last_epoch():
-                self._save(f"epoch_{self.trainer.cur_epoch + 1}.pth")
-        elif self.every_n_iters(self._period) or self.is_last_iter():
-            self._save(f"iter_{self.trainer.cur_iter + 1}.pth")
+            due = self.every_n_epochs(self._period)
+        else:
+            due = self.every_n_iters(self._period)
+        if due or self.is_last_epoch():
+            at_epoch_end = self.trainer.epoch_based
+            n = self.trainer.cur_epoch + 1 if at_epoch_end else self.trainer.cur_iter + 1
+            self._save(f"{'epoch' if at_epoch_end else 'iter'}_{n}.pth")
 
     def _save(self, file_name: str) -> None:
         self._saved = [name for name in self._saved if name != file_name] + [file_name]
