@@ -38,6 +38,14 @@ from .seed import get_rng_state, set_rng_state
 logger = logging.getLogger(__name__)
 
 _AMP_DTYPES = (torch.float16, torch.bfloat16)
+_EVENTS = (
+    "before_train",
+    "after_train",
+    "before_epoch",
+    "after_epoch",
+    "before_iter",
+    "after_iter",
+)
 # SIGUSR1 is what SLURM sends ahead of preemption (with --signal=USR1@<seconds>).
 _PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # What a checkpoint needs to resume a run (a weights-only load needs "model" alone).
@@ -214,6 +222,7 @@ class Trainer:
         self._data_time = 0.0
         self._iter_start = 0.0
         self._hooks: list[HookBase] = []
+        self._event_handlers: dict[str, list[Any]] = {event: [] for event in _EVENTS}
         self._preempt_signal: Optional[int] = None
 
         _make_writable_dir(self.ckpt_dir)
@@ -293,6 +302,11 @@ class Trainer:
         hook.trainer = weakref.proxy(self)
         position = sum(1 for h in self._hooks if h.priority <= hook.priority)
         self._hooks.insert(position, hook)
+        # Per event, only the hooks that override it: the loop skips HookBase's no-ops.
+        self._event_handlers = {
+            event: [getattr(h, event) for h in self._hooks if _overrides(h, event)]
+            for event in _EVENTS
+        }
 
     def register_hooks(self, hooks: list[Optional[HookBase]]) -> None:
         """Add several hooks; None entries are skipped."""
@@ -301,8 +315,8 @@ class Trainer:
                 self.register_hook(hook)
 
     def _call_hooks(self, event: str) -> None:
-        for hook in self._hooks:
-            getattr(hook, event)()
+        for handler in self._event_handlers[event]:
+            handler()
 
     # ----------------------------------------------------------------------------------------
     # The loop
@@ -523,17 +537,18 @@ class Trainer:
             smooth: Whether the logger shows the window mean (True) or the latest value.
             metrics: Names and numbers or scalar tensors.
         """
-        self._log_pending(iter, smooth, metrics)
-
-    def _log_pending(
-        self, iter: int, smooth: bool, metrics: dict[str, Any], check_finite: bool = False
-    ) -> None:
         for name, value in metrics.items():
             if isinstance(value, torch.Tensor) and value.numel() != 1:
                 raise ValueError(
                     f"Metric {name!r} must be a number or a one-element tensor, got a tensor of "
                     f"shape {tuple(value.shape)}; reduce it first (e.g. .mean())."
                 )
+        self._log_pending(iter, smooth, metrics)
+
+    def _log_pending(
+        self, iter: int, smooth: bool, metrics: dict[str, Any], check_finite: bool = False
+    ) -> None:
+        # Called every iteration: the trainer's own values are scalars by construction.
         if metrics:
             self._pending.append((iter, smooth, metrics, check_finite))
 
@@ -795,6 +810,11 @@ def _check_epochs_or_iters(max_epochs: Any, max_iters: Any) -> None:
             "Pass exactly one of max_epochs or max_iters "
             f"(got max_epochs={max_epochs}, max_iters={max_iters})."
         )
+
+
+def _overrides(hook: HookBase, event: str) -> bool:
+    method = getattr(hook, event)
+    return getattr(method, "__func__", None) is not getattr(HookBase, event)
 
 
 def _rng_of_this_rank(per_rank: list[dict[str, Any]], path: str) -> dict[str, Any]:
