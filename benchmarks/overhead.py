@@ -122,6 +122,8 @@ def child(impl, workload, device, iters):
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
     if get_rank() == 0:
         print(json.dumps({"seconds": seconds, "peak_mem": peak}))
+    if world_size > 1:
+        torch.distributed.destroy_process_group()  # gloo can abort at exit without it
 
 
 # ---- the driver ----------------------------------------------------------------------------

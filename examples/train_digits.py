@@ -102,6 +102,8 @@ def main() -> float:
 
     acc = accuracy(net, test_set)
     logger.info(f"Final test accuracy: {acc:.4f} (world size {get_world_size()})")
+    if world_size > 1:
+        torch.distributed.destroy_process_group()
     return acc
 
 

@@ -97,6 +97,8 @@ def main():
     trainer.train()
     if rank == 0:
         real_save(net.state_dict(), os.environ["OUT"])
+    if world_size > 1:
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -107,4 +107,4 @@ class LoggerHook(HookBase):
         storage = self.trainer.metric_storage
         for name, value in self._new_values(self._written).items():
             self._writer.add_scalar(name, value, storage.latest_iter(name))
-        self._writer.flush()
+        # No flush here: the writer flushes on its own timer (flush_secs) and on close.
