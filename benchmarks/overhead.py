@@ -123,7 +123,9 @@ def child(impl, workload, device, iters):
     if get_rank() == 0:
         print(json.dumps({"seconds": seconds, "peak_mem": peak}))
     if world_size > 1:
-        torch.distributed.destroy_process_group()  # gloo can abort at exit without it
+        # Every rank done talking, then tear down: gloo can abort at exit otherwise.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 # ---- the driver ----------------------------------------------------------------------------

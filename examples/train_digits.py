@@ -103,6 +103,8 @@ def main() -> float:
     acc = accuracy(net, test_set)
     logger.info(f"Final test accuracy: {acc:.4f} (world size {get_world_size()})")
     if world_size > 1:
+        # Every rank done talking, then tear down: gloo can abort at exit otherwise.
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return acc
 

@@ -98,6 +98,8 @@ def main():
     if rank == 0:
         real_save(net.state_dict(), os.environ["OUT"])
     if world_size > 1:
+        # Every rank done talking, then tear down: gloo can abort at exit otherwise.
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 

@@ -39,6 +39,8 @@ assert out["a"].item() == 0.5 and out["b"].item() == 4.0, out
 out = reduce_dict({"a": torch.tensor(1.0)}, average=False)
 assert out["a"].item() == 2.0
 print(f"rank {rank} ok", flush=True)
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
 """
 
 
