@@ -230,13 +230,7 @@ class Trainer:
             [
                 DistributedHook(),
                 LRUpdateHook(plateau_metric=plateau_metric),
-                CheckpointHook(
-                    checkpoint_period,
-                    max_num_checkpoints,
-                    by_epoch=self.epoch_based
-                    if checkpoint_by_epoch is None
-                    else checkpoint_by_epoch,
-                ),
+                CheckpointHook(checkpoint_period, max_num_checkpoints, checkpoint_by_epoch),
                 LoggerHook(log_period),
             ]
         )
