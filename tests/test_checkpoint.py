@@ -73,3 +73,13 @@ def test_pickled_code_is_refused_and_never_runs(tmp_path):
     with pytest.raises(RuntimeError, match="evil.pth"):
         load_checkpoint_file(str(path))
     assert not os.path.exists(marker)
+
+
+def test_a_write_error_without_errno_still_names_the_path(tmp_path, monkeypatch):
+    def broken_save(obj, f):
+        raise OSError("device went away")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    with pytest.raises(OSError, match=r"^Could not write .*a.pth: device went away") as error:
+        atomic_save({"v": 1}, str(tmp_path / "a.pth"))
+    assert error.value.errno is None

@@ -91,9 +91,10 @@ def _atomic_write(path: str, write) -> None:
         if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
         if isinstance(e, OSError):
-            raise OSError(
-                e.errno,
-                f"Could not write {path}: {e.strerror or e}. The previous checkpoint "
-                "and latest.txt are untouched; free disk space or pick another work_dir.",
-            ) from e
+            message = (
+                f"Could not write {path}: {e.strerror or e}. The previous checkpoint and "
+                "latest.txt are untouched; free disk space or pick another work_dir."
+            )
+            # OSError(None, message) would read "[Errno None] ..."
+            raise (OSError(e.errno, message) if e.errno else OSError(message)) from e
         raise

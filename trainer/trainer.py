@@ -587,7 +587,7 @@ class Trainer:
         """
         self._flush_metrics()
         # Per-rank RNG, so every rank's dropout and data-worker seeds resume exactly.
-        epoch, inner = self._position
+        inner = self._position[1]
         rng = {"now": get_rng_state(self._data_generators())}
         rng["epoch_start"] = self._epoch_rng if inner > 0 else None
         rng_per_rank = gather(rng)
@@ -865,7 +865,8 @@ def _make_writable_dir(path: str) -> None:
             pass
     except OSError as e:
         raise PermissionError(
-            f"work_dir {path!r} is not writable ({e.strerror or e}); pass a writable work_dir."
+            f"{path!r} (the checkpoint folder in work_dir) is not writable ({e.strerror or e}); "
+            "pass a writable work_dir."
         ) from e
 
 

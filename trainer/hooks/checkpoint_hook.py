@@ -54,9 +54,10 @@ class CheckpointHook(HookBase):
         else:
             due = self.every_n_iters(self._period)
         if due or self.is_last_epoch():
-            at_epoch_end = self.trainer.epoch_based
-            n = self.trainer.cur_epoch + 1 if at_epoch_end else self.trainer.cur_iter + 1
-            self._save(f"{'epoch' if at_epoch_end else 'iter'}_{n}.pth")
+            if self.trainer.epoch_based:
+                self._save(f"epoch_{self.trainer.cur_epoch + 1}.pth")
+            else:
+                self._save(f"iter_{self.trainer.cur_iter + 1}.pth")
 
     def _save(self, file_name: str) -> None:
         self._saved = [name for name in self._saved if name != file_name] + [file_name]
