@@ -1,15 +1,19 @@
 import os
 import pickle
+import threading
+import time
 
 import pytest
 import torch
 
 from trainer.checkpoint import (
+    BackgroundWriter,
     atomic_save,
     load_checkpoint_file,
     read_latest_pointer,
     update_latest_pointer,
 )
+from trainer.hooks import CheckpointHook
 
 
 def test_atomic_save_round_trip_and_pointer(tmp_path):
@@ -83,3 +87,78 @@ def test_a_write_error_without_errno_still_names_the_path(tmp_path, monkeypatch)
     with pytest.raises(OSError, match=r"^Could not write .*a.pth: device went away") as error:
         atomic_save({"v": 1}, str(tmp_path / "a.pth"))
     assert error.value.errno is None
+
+
+# ---- background writes ---------------------------------------------------------------------
+
+
+class HeldSave:
+    """Replaces torch.save: each write waits until the test releases it."""
+
+    def __init__(self, monkeypatch):
+        self.release = threading.Event()
+        self.started = threading.Event()
+        real_save = torch.save
+
+        def save(obj, f, *args, **kwargs):
+            self.started.set()
+            assert self.release.wait(timeout=30), "the test never released the write"
+            return real_save(obj, f, *args, **kwargs)
+
+        monkeypatch.setattr(torch, "save", save)
+
+
+def test_save_returns_before_the_write_and_saves_the_state_of_the_call(make_trainer, monkeypatch):
+    trainer = make_trainer(max_iters=4, checkpoint_period=100)
+    trainer.train()
+    held = HeldSave(monkeypatch)
+    expected = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    path = trainer.save_checkpoint("probe.pth")
+    assert held.started.wait(timeout=30)
+    assert not os.path.exists(path)  # written in the background, still held
+    with torch.no_grad():  # training goes on and changes the weights in place
+        for p in trainer.model.parameters():
+            p.add_(1.0)
+    held.release.set()
+    trainer.wait_for_checkpoint()
+    saved = load_checkpoint_file(path)["model"]
+    assert all(torch.equal(saved[k], v) for k, v in expected.items())
+    assert read_latest_pointer(trainer.ckpt_dir) == path
+
+
+def test_old_checkpoints_are_deleted_only_once_the_new_one_is_durable(make_trainer, monkeypatch):
+    trainer = make_trainer(max_epochs=1, max_num_checkpoints=1)
+    trainer.train()
+    first = os.path.join(trainer.ckpt_dir, "epoch_1.pth")
+    held = HeldSave(monkeypatch)
+    hook = next(h for h in trainer._hooks if isinstance(h, CheckpointHook))
+    hook._save("epoch_2.pth")
+    assert held.started.wait(timeout=30)
+    assert os.path.exists(first) and read_latest_pointer(trainer.ckpt_dir) == first
+    held.release.set()
+    trainer.wait_for_checkpoint()
+    assert sorted(os.listdir(trainer.ckpt_dir)) == ["epoch_2.pth", "latest.txt"]
+
+
+def test_a_failed_background_write_raises_at_the_next_wait(make_trainer, monkeypatch):
+    trainer = make_trainer(max_iters=4, checkpoint_period=100)
+    trainer.train()
+
+    def full_disk(obj, f, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch, "save", full_disk)
+    trainer.save_checkpoint("probe.pth")  # returns: the failure happens in the background
+    with pytest.raises(OSError, match=r"Could not write .*probe.pth: No space left on device"):
+        trainer.wait_for_checkpoint()
+    trainer.wait_for_checkpoint()  # reported once
+    assert read_latest_pointer(trainer.ckpt_dir).endswith("iter_4.pth")
+
+
+def test_background_writer_runs_writes_one_at_a_time_in_order():
+    writer, order = BackgroundWriter(), []
+    for i in range(3):
+        writer.submit(lambda i=i: (time.sleep(0.05), order.append(i)))
+        assert order == list(range(i))  # submit waited for the previous write only
+    writer.wait()
+    assert order == [0, 1, 2]

@@ -1,9 +1,11 @@
 """Checkpoint files: atomic writes, a ``latest.txt`` pointer and ``weights_only`` loads."""
 
+import copy
 import glob
 import os
 import tempfile
-from typing import Any, Optional
+import threading
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -53,6 +55,76 @@ def remove_temp_files(ckpt_dir: str) -> list[str]:
     for path in stray:
         os.remove(path)
     return stray
+
+
+def copy_to_cpu(state: Any) -> Any:
+    """A copy of ``state`` (nested dicts, lists and tuples) that training cannot change under it.
+
+    Tensors are copied to CPU memory (CUDA ones through pinned memory, with one sync for all);
+    everything else is deep-copied.
+    """
+    copied_from_cuda = []
+
+    def copy_(obj: Any) -> Any:
+        if isinstance(obj, torch.Tensor):
+            if obj.device.type == "cpu":
+                return obj.detach().clone()
+            copied_from_cuda.append(obj.device)
+            return obj.detach().to("cpu", non_blocking=True)  # lands in pinned memory
+        if isinstance(obj, dict):
+            return type(obj)((k, copy_(v)) for k, v in obj.items())
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(copy_(v) for v in obj)
+        return copy.deepcopy(obj)
+
+    result = copy_(state)
+    for device in set(copied_from_cuda):
+        torch.cuda.current_stream(device).synchronize()  # the copies are done when this returns
+    return result
+
+
+class BackgroundWriter:
+    """Runs checkpoint writes on a background thread, one at a time.
+
+    :meth:`submit` waits for the previous write first; :meth:`wait` waits for the current one.
+    Both raise the exception a write ended with, so a failure surfaces at the next save or at the
+    end of training. The thread is not a daemon: an interpreter that exits finishes the write.
+
+    Example::
+
+        >>> import tempfile, os
+        >>> writer = BackgroundWriter()
+        >>> path = os.path.join(tempfile.mkdtemp(), "state.pth")
+        >>> writer.submit(lambda: atomic_save({"step": 1}, path))
+        >>> writer.wait()
+        >>> torch.load(path, weights_only=True)
+        {'step': 1}
+    """
+
+    def __init__(self) -> None:
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    def submit(self, write: Callable[[], None]) -> None:
+        """Wait for the previous write, then start ``write()`` in the background."""
+        self.wait()
+        self._thread = threading.Thread(target=self._run, args=(write,), name="checkpoint-writer")
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Wait for the write in flight, if any; raise what it raised."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _run(self, write: Callable[[], None]) -> None:
+        try:
+            write()
+        except BaseException as e:  # handed to the training thread at its next wait()
+            self._error = e
 
 
 def load_checkpoint_file(path: str) -> dict[str, Any]:

@@ -34,6 +34,13 @@ class HistoryBuffer:
         self._count += 1
         self._sum += value
 
+    def extend(self, values: list[float]) -> None:
+        """Append several values, oldest first (the same result as updating one by one)."""
+        self._window.extend(values)
+        self._count += len(values)
+        for value in values:  # one by one, so the sum does not depend on how values are batched
+            self._sum += value
+
     @property
     def latest(self) -> float:
         """The most recent value."""
@@ -118,17 +125,26 @@ class MetricStorage(Mapping):
             values: Metric names and numbers.
         """
         for name, value in values.items():
-            if name not in self._buffers:
-                self._buffers[name] = HistoryBuffer(self._window_size)
-                self._smooth[name] = smooth
-            elif self._smooth[name] != smooth:
-                raise ValueError(
-                    f"Metric {name!r} was first logged with smooth={self._smooth[name]} and now "
-                    f"with smooth={smooth}; log each metric with one smooth setting."
-                )
-            buffer = self._buffers[name]
+            buffer = self._buffer(name, smooth)
             self._latest_iter[name] = buffer.count if iter is None else iter
             buffer.update(value)
+
+    def extend(self, name: str, iters: list[int], values: list[float], smooth: bool = True) -> None:
+        """Add a series of values of one metric, oldest first, produced at iterations ``iters``."""
+        if values:
+            self._buffer(name, smooth).extend([float(v) for v in values])
+            self._latest_iter[name] = iters[-1]
+
+    def _buffer(self, name: str, smooth: bool) -> HistoryBuffer:
+        if name not in self._buffers:
+            self._buffers[name] = HistoryBuffer(self._window_size)
+            self._smooth[name] = smooth
+        elif self._smooth[name] != smooth:
+            raise ValueError(
+                f"Metric {name!r} was first logged with smooth={self._smooth[name]} and now "
+                f"with smooth={smooth}; log each metric with one smooth setting."
+            )
+        return self._buffers[name]
 
     def latest_iter(self, name: str) -> int:
         """The iteration of the latest value of ``name``."""

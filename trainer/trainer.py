@@ -11,7 +11,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -21,7 +21,9 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from .checkpoint import (
+    BackgroundWriter,
     atomic_save,
+    copy_to_cpu,
     list_checkpoints,
     load_checkpoint_file,
     remove_temp_files,
@@ -196,15 +198,15 @@ class Trainer:
         self._autocast = (
             functools.partial(torch.autocast, self.device.type, self.amp_dtype)
             if enable_amp
-            else contextlib.nullcontext
+            else _no_op
         )
         # bfloat16 has float32's range, so only float16 needs loss scaling.
         self._scaler = torch.amp.GradScaler(
             self.device.type, enabled=enable_amp and self.amp_dtype == torch.float16
         )
-        self.step_skipped = False  # whether the GradScaler skipped the last optimizer step
-        self._step_taken = False
-        self._found_inf: Optional[torch.Tensor] = None
+        # Whether the GradScaler skipped the last step: a bool, or a device tensor with fused
+        # optimizers, which skip on the device.
+        self._skipped: Union[bool, torch.Tensor] = False
 
         # Progress. cur_iter is the current (or last finished) iteration, counted from 0.
         self.cur_epoch = 0
@@ -215,7 +217,8 @@ class Trainer:
         self._position = (0, 0)  # (epoch, iterations done in it): where training goes on from
 
         self._storage = MetricStorage()
-        self._pending: list[tuple[int, bool, dict[str, Any], bool]] = []
+        # name -> (smooth, check_finite, iterations, values): what the next flush turns into numbers
+        self._pending: dict[str, tuple[bool, bool, list[int], list[Any]]] = {}
         self._data_iter: Optional[Any] = None
         self._epoch_rng: Optional[dict[str, Any]] = None
         self._batches_to_skip = 0
@@ -224,6 +227,7 @@ class Trainer:
         self._hooks: list[HookBase] = []
         self._event_handlers: dict[str, list[Any]] = {event: [] for event in _EVENTS}
         self._preempt_signal: Optional[int] = None
+        self._writer = BackgroundWriter()
 
         _make_writable_dir(self.ckpt_dir)
         self.register_hooks(
@@ -279,6 +283,14 @@ class Trainer:
         """
         self._flush_metrics()
         return self._storage
+
+    @property
+    def step_skipped(self) -> bool:
+        """Whether the float16 GradScaler skipped the last optimizer step (inf/NaN gradients).
+
+        With fused optimizers the flag lives on the device: reading it is a CPU-GPU sync.
+        """
+        return bool(self._skipped)
 
     @property
     def hook_info(self) -> list[str]:
@@ -342,7 +354,7 @@ class Trainer:
             logger.info(f"Start training from iteration {self.start_iter} of {self.max_iters}.")
             self._call_hooks("before_train")
             try:
-                with self._watch_optimizer_steps():
+                with self._watch_skipped_steps():
                     for self.cur_epoch in range(self.start_epoch, self.max_epochs):
                         self._call_hooks("before_epoch")
                         self.model.train()
@@ -360,10 +372,16 @@ class Trainer:
                         self._position = (self.cur_epoch + 1, 0)
                         self._call_hooks("after_epoch")
             finally:
-                self._call_hooks("after_train")
+                try:
+                    self._call_hooks("after_train")
+                finally:
+                    self.wait_for_checkpoint()  # the last checkpoint is on disk when train() ends
 
     @contextlib.contextmanager
-    def _watch_optimizer_steps(self) -> Iterator[None]:
+    def _watch_skipped_steps(self) -> Iterator[None]:
+        if not self._scaler.is_enabled():
+            yield
+            return
         # Removed when train() ends, so the optimizer never keeps the trainer alive.
         handle = self.optimizer.register_step_post_hook(self._on_optimizer_step)
         try:
@@ -396,6 +414,7 @@ class Trainer:
     def _exit_preempted(self) -> None:
         name = signal.Signals(self._preempt_signal).name
         path = self.save_checkpoint(f"iter_{self.cur_iter + 1}.pth")
+        self.wait_for_checkpoint()
         status = 128 + self._preempt_signal  # what a shell reports for death by this signal
         logger.warning(
             f"Preempted by {name} after iteration {self.cur_iter + 1}: saved {path}; exiting with "
@@ -416,50 +435,36 @@ class Trainer:
             # 1. fetch the batch
             batch = self.next_batch()
             # 2. forward under autocast (a no-op when AMP is off)
-            with self._skip_grad_sync_unless(micro_step == k - 1):
+            with self._no_grad_sync(micro_step < k - 1):
                 with self._autocast():
                     out = self.model(**batch) if self.unpack_batch_dict else self.model(batch)
-                losses = _check_losses(out)
-                first, *rest = losses.values()
-                loss = sum(rest, first)  # not sum(values): 0 + loss would cost an extra op
+                loss, losses = _total_loss(out)
                 # 3. backward; the scaler multiplies the loss only with float16 AMP
                 self._scaler.scale(loss / k if k > 1 else loss).backward()
-            for name, value in _loss_dict_to_log(losses, loss).items():
-                value = value.detach()
-                logged[name] = value if name not in logged else logged[name] + value
+            logged = {n: logged[n] + v for n, v in losses.items()} if logged else losses
         if k > 1:
             logged = {name: value / k for name, value in logged.items()}
+        # they stay on the device until the next log point
+        self._log_pending(self.cur_iter, logged, check_finite=True)
 
         # 4. clip gradients, unscaled first so the threshold means what it says
-        extras: dict[str, Any] = {}
         if self.clip_grad_norm > 0:
             self._scaler.unscale_(self.optimizer)
             grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
-            extras["grad_norm"] = grad_norm.detach()
+            self._log_pending(self.cur_iter, {"grad_norm": grad_norm.detach()})
 
         # 5. step; with float16 the scaler skips the step when gradients hold inf or NaN
-        self._step_taken, self._found_inf = False, None
+        self._skipped = self._scaler.is_enabled()  # until _on_optimizer_step says otherwise
         self._scaler.step(self.optimizer)
         self._scaler.update()
         if self._scaler.is_enabled():
-            self.step_skipped = not self._step_taken
-            if self._found_inf is not None:
-                # note: a CPU-GPU sync, on the fused-optimizer path only: the scaler lets such an
-                # optimizer skip on the device, but the LR schedule is decided on the host.
-                self.step_skipped = bool(self._found_inf.item())
-            extras["amp_skipped_steps"] = float(self.step_skipped)
-
-        # 6. record the numbers; they stay on the device until the next log point. The LR is the
-        # one this step used: LRUpdateHook changes it after the iteration.
-        self._log_pending(self.cur_iter, True, logged, check_finite=True)
-        self._log_pending(self.cur_iter, False, {"lr": self.lr})
-        self._log_pending(self.cur_iter, True, extras)
+            self._log_pending(self.cur_iter, {"amp_skipped_steps": self._skipped})
 
     def _on_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         # GradScaler calls optimizer.step() only for finite gradients, except with optimizers
         # that skip on the device (fused ones), which it hands the inf flag as `found_inf`.
-        self._step_taken = True
-        self._found_inf = getattr(optimizer, "found_inf", None)
+        found_inf = getattr(optimizer, "found_inf", None)
+        self._skipped = False if found_inf is None else found_inf
 
     def next_batch(self) -> Any:
         """The next batch of the current epoch's pass over the data loader."""
@@ -501,20 +506,21 @@ class Trainer:
                 found.append(g)
         return tuple(found)
 
-    def _skip_grad_sync_unless(self, sync: bool) -> contextlib.AbstractContextManager:
+    def _no_grad_sync(self, skip: bool) -> contextlib.AbstractContextManager:
         # DDP all-reduces gradients in backward; accumulate locally until the last micro-batch.
-        if not sync and isinstance(self.model, DistributedDataParallel):
+        if skip and isinstance(self.model, DistributedDataParallel):
             return self.model.no_sync()
-        return contextlib.nullcontext()
+        return _NO_OP
 
     def _end_iter(self) -> None:
         self._position = (self.cur_epoch, self.inner_iter + 1)
         iter_time = time.perf_counter() - self._iter_start
-        self._log_pending(
-            self.cur_iter, True, {"data_time": self._data_time, "iter_time": iter_time}
-        )
+        self._log_pending(self.cur_iter, {"data_time": self._data_time, "iter_time": iter_time})
         self._data_time = 0.0
         if (self.cur_iter + 1) % self.log_period == 0 or self.cur_iter == self.max_iters - 1:
+            # The LR this iteration used (LRUpdateHook changes it after the iteration); only the
+            # latest value is ever shown, so it is recorded at log points alone.
+            self._log_pending(self.cur_iter, {"lr": self.lr}, smooth=False)
             self._flush_metrics()
 
     # ----------------------------------------------------------------------------------------
@@ -532,58 +538,77 @@ class Trainer:
             metrics: Names and numbers or scalar tensors.
         """
         for name, value in metrics.items():
-            if isinstance(value, torch.Tensor) and value.numel() != 1:
-                raise ValueError(
-                    f"Metric {name!r} must be a number or a one-element tensor, got a tensor of "
-                    f"shape {tuple(value.shape)}; reduce it first (e.g. .mean())."
-                )
-        self._log_pending(iter, smooth, metrics)
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    raise ValueError(
+                        f"Metric {name!r} must be a number or a one-element tensor, got a tensor "
+                        f"of shape {tuple(value.shape)}; reduce it first (e.g. .mean())."
+                    )
+                metrics[name] = value.detach().reshape(())
+        self._log_pending(iter, metrics, smooth)
 
     def _log_pending(
-        self, iter: int, smooth: bool, metrics: dict[str, Any], check_finite: bool = False
+        self, iter: int, metrics: dict[str, Any], smooth: bool = True, check_finite: bool = False
     ) -> None:
-        # Called every iteration: the trainer's own values are scalars by construction.
-        if metrics:
-            self._pending.append((iter, smooth, metrics, check_finite))
+        # Called every iteration, so kept lean: values are numbers or detached scalar tensors.
+        for name, value in metrics.items():
+            series = self._pending.get(name)
+            if series is None:
+                series = self._pending[name] = (smooth, check_finite, [], [])
+            series[2].append(iter)
+            series[3].append(value)
 
     def _flush_metrics(self) -> None:
         """Move pending metrics into the storage in one transfer; raise on a non-finite loss."""
         if not self._pending:
             return
-        pending, self._pending = self._pending, []
-        tensors = [v for _, _, m, _ in pending for v in m.values() if isinstance(v, torch.Tensor)]
+        pending, self._pending = self._pending, {}
+        tensors = [v for *_, vs in pending.values() for v in vs if isinstance(v, torch.Tensor)]
         if tensors:
             device = tensors[0].device
-            stacked = torch.stack(
-                [t.detach().reshape(()).to(device, torch.float32) for t in tensors]
-            )
             # note: the one CPU-GPU sync of a log period
-            numbers = iter(stacked.cpu().tolist())
-        for it, smooth, metrics, check_finite in pending:
-            values = {
-                k: next(numbers) if isinstance(v, torch.Tensor) else float(v)
-                for k, v in metrics.items()
-            }
-            if check_finite and not all(math.isfinite(v) for v in values.values()):
-                raise FloatingPointError(
-                    f"Loss became NaN or infinite at iteration {it} (epoch "
-                    f"{it // self.epoch_len}): {values}. Lower the LR, enable clip_grad_norm, or "
-                    "check the data of that iteration."
-                )
-            self._storage.update(it, smooth, **values)
+            numbers = iter(torch.stack([t.to(device) for t in tensors]).float().cpu().tolist())
+        first_bad = math.inf  # the first iteration with a non-finite loss
+        for _, check, iters, values in pending.values():
+            values[:] = [next(numbers) if isinstance(v, torch.Tensor) else float(v) for v in values]
+            if check and not all(map(math.isfinite, values)):
+                bad = min(it for it, v in zip(iters, values) if not math.isfinite(v))
+                first_bad = min(first_bad, bad)
+        at_first_bad = {}
+        for name, (smooth, _, iters, values) in pending.items():
+            keep = [i for i, it in enumerate(iters) if it < first_bad]  # all, when none is bad
+            self._storage.extend(name, [iters[i] for i in keep], [values[i] for i in keep], smooth)
+            if first_bad in iters:
+                at_first_bad[name] = values[iters.index(first_bad)]
+        if at_first_bad:
+            raise FloatingPointError(
+                f"Loss became NaN or infinite at iteration {first_bad} (epoch "
+                f"{first_bad // self.epoch_len}): {at_first_bad}. Lower the LR, enable "
+                "clip_grad_norm, or check the data of that iteration."
+            )
 
     # ----------------------------------------------------------------------------------------
     # Checkpoints
 
-    def save_checkpoint(self, file_name: str) -> Optional[str]:
+    def save_checkpoint(
+        self, file_name: str, *, then: Optional[Callable[[], None]] = None
+    ) -> Optional[str]:
         """Save the full training state as ``ckpt_dir/file_name`` and point ``latest.txt`` at it.
 
-        The write is atomic. Every rank must call it: each checks its losses first (so a
-        non-finite loss raises before it can reach a checkpoint) and hands rank 0 its RNG state;
-        rank 0 alone writes.
+        Training waits only while the state is copied (to CPU memory); the file is written in the
+        background, atomically, and ``latest.txt`` moves once it is durable. The next save, the
+        end of :meth:`train`, a preemption exit and :meth:`wait_for_checkpoint` wait for the
+        write and raise its error, if any. Every rank must call this: each checks its losses
+        first (so a non-finite loss raises before it can reach a checkpoint) and hands rank 0 its
+        RNG state; rank 0 alone writes.
+
+        Args:
+            file_name: The checkpoint's file name in ``ckpt_dir``.
+            then: Called in the background once the file and ``latest.txt`` are durable (e.g. to
+                delete older checkpoints).
 
         Returns:
-            The path written, or None on other ranks.
+            The path being written, or None on other ranks.
         """
         self._flush_metrics()
         # Per-rank RNG, so every rank's dropout and data-worker seeds resume exactly.
@@ -593,11 +618,28 @@ class Trainer:
         rng_per_rank = gather(rng)
         if not is_main_process():
             return None
-        path = os.path.join(self.ckpt_dir, file_name)
-        atomic_save(self._state_dict(rng_per_rank), path)
-        update_latest_pointer(self.ckpt_dir, file_name)
-        logger.info(f"Saved checkpoint {path}")
+        self._writer.wait()  # one write at a time; raises if the previous one failed
+        state = copy_to_cpu(self._state_dict(rng_per_rank))
+        ckpt_dir = self.ckpt_dir
+        path = os.path.join(ckpt_dir, file_name)
+
+        def write() -> None:
+            atomic_save(state, path)
+            update_latest_pointer(ckpt_dir, file_name)
+            logger.info(f"Saved checkpoint {path}")
+            if then is not None:
+                then()
+
+        self._writer.submit(write)
         return path
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait until the checkpoint being written in the background is on disk.
+
+        Raises:
+            OSError: The write failed (the previous checkpoint and ``latest.txt`` are untouched).
+        """
+        self._writer.wait()
 
     def _state_dict(self, rng_per_rank: list[dict[str, Any]]) -> dict[str, Any]:
         epoch, inner = self._position
@@ -641,6 +683,7 @@ class Trainer:
 
             trainer.load_checkpoint("pretrained.pth", resume=False, strict=False)
         """
+        self.wait_for_checkpoint()  # a write in flight may be the newest checkpoint
         if path is None:
             if not auto_resume:
                 raise ValueError("Pass a checkpoint path, or auto_resume=True to use the latest.")
@@ -870,8 +913,10 @@ def _make_writable_dir(path: str) -> None:
         ) from e
 
 
-def _check_losses(out: Any) -> dict[str, torch.Tensor]:
-    """The model's output as a dict of scalar losses, or a clear error."""
+def _total_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss to back-propagate, and the detached losses to log (``total_loss`` among them)."""
+    if isinstance(out, torch.Tensor) and out.dim() == 0:  # the common case, kept short
+        return out, {"total_loss": out.detach()}
     losses = {"total_loss": out} if isinstance(out, torch.Tensor) else out
     if not isinstance(losses, dict) or not losses:
         raise TypeError(
@@ -886,12 +931,15 @@ def _check_losses(out: Any) -> dict[str, torch.Tensor]:
                 f"Loss {name!r} must be a scalar tensor, got shape {tuple(value.shape)}; "
                 "reduce it in the model (e.g. .mean())."
             )
-    return losses
+    first, *rest = losses.values()
+    total = sum(rest, first)  # not sum(values): 0 + loss would cost an extra op
+    logged = {name: value.detach() for name, value in losses.items()}
+    logged["total_loss"] = total.detach()
+    return total, logged
 
 
-def _loss_dict_to_log(
-    losses: dict[str, torch.Tensor], total: torch.Tensor
-) -> dict[str, torch.Tensor]:
-    if len(losses) == 1:
-        return {"total_loss": total}
-    return {**losses, "total_loss": total}
+_NO_OP = contextlib.nullcontext()  # reusable: entering it does nothing
+
+
+def _no_op() -> contextlib.nullcontext:
+    return _NO_OP

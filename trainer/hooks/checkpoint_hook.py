@@ -4,7 +4,6 @@ import logging
 import os
 from typing import Any, Optional
 
-from ..distributed import is_main_process
 from .hookbase import HookBase, Priority
 
 logger = logging.getLogger(__name__)
@@ -61,15 +60,21 @@ class CheckpointHook(HookBase):
 
     def _save(self, file_name: str) -> None:
         self._saved = [name for name in self._saved if name != file_name] + [file_name]
-        # The list is part of the saved state, so a resumed run knows which files to rotate.
-        self.trainer.save_checkpoint(file_name)
-        if self._max_to_keep is None or not is_main_process():
-            return
-        while len(self._saved) > self._max_to_keep:
-            old = os.path.join(self.trainer.ckpt_dir, self._saved.pop(0))
-            if os.path.exists(old):
-                os.remove(old)
-                logger.info(f"Deleted old checkpoint {old}")
+        keep = len(self._saved) if self._max_to_keep is None else self._max_to_keep
+        old = self._saved[:-keep]
+        ckpt_dir = self.trainer.ckpt_dir
+
+        def delete_old() -> None:  # in the background, once the new checkpoint is durable
+            for name in old:
+                path = os.path.join(ckpt_dir, name)
+                if os.path.exists(path):
+                    os.remove(path)
+                    logger.info(f"Deleted old checkpoint {path}")
+
+        # The checkpoint lists the old files too: a run killed before they are deleted deletes
+        # them after resuming.
+        self.trainer.save_checkpoint(file_name, then=delete_old)
+        self._saved = self._saved[-keep:]
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoints this hook wrote, oldest first."""

@@ -7,8 +7,9 @@ from .hookbase import HookBase, Priority
 
 class LRUpdateHook(HookBase):
     """Calls ``trainer.lr_scheduler.iter_update()`` after every iteration and ``epoch_update()``
-    after every epoch. An iteration whose optimizer step the float16 GradScaler skipped does not
-    advance the schedule.
+    after every epoch. The schedule counts iterations, those whose optimizer step the float16
+    GradScaler skipped included (as in PyTorch's AMP recipe): knowing about a skip on the host
+    would cost a CPU-GPU sync per step with fused optimizers.
 
     Args:
         plateau_metric: For ReduceLROnPlateau, the metric it judges. The scheduler steps at an
@@ -27,9 +28,8 @@ class LRUpdateHook(HookBase):
         self._metric_count = 0  # values of plateau_metric already fed to the scheduler
 
     def after_iter(self) -> None:
-        """Advance the iteration schedule unless the optimizer step was skipped."""
-        if not self.trainer.step_skipped:
-            self.trainer.lr_scheduler.iter_update()
+        """Advance the iteration schedule."""
+        self.trainer.lr_scheduler.iter_update()
 
     def after_epoch(self) -> None:
         """Advance the epoch schedule, with the newest plateau metric if any."""
