@@ -4,12 +4,22 @@
     python benchmarks/overhead.py --device cuda       # CUDA: tiny MLP, conv net fp32 and AMP
     python benchmarks/overhead.py --workloads mlp --repeats 7 --lengths 1000 3000
 
+One command runs the suite: the timing table, then the syncs and collectives the Trainer makes per
+iteration, then the blocking time of a checkpoint save (benchmarks/checkpoint_save.py).
+
 Every measurement runs in its own process. The implementations are interleaved (A B C A B C ...),
 each at two run lengths; the steady-state rate is (long - short) / (t_long - t_short), so imports
 and start-up cancel, and start-up is reported apart. A child times itself from after building the
 model and the data (the same in every implementation) to the end of training, the Trainer's
 construction and its final checkpoint included. Reported: medians over the repeats, their spread,
-the ratio to the sync-free hand-written loop, and peak CUDA memory.
+the ratio to the sync-free hand-written loop, and peak CUDA memory. On CPU each process uses one
+intra-op thread (--threads): the workload is launch-bound, and on a small shared machine a second
+thread mostly adds noise (a stall of either core stalls every parallel op).
+
+Counts (one more Trainer process per workload, at N and 2N iterations, so start-up and the final
+checkpoint cancel): host reads (Tensor.item, float(), bool(), int(), .tolist(), .cpu(), .numpy()),
+torch.distributed calls made from Python (DDP's gradient all-reduce runs in C++ and is not
+counted), and on CUDA the syncs that torch.cuda.set_sync_debug_mode("warn") reports.
 
 Implementations:
     raw        the hand-written loop a careful engineer writes: no host sync at all
@@ -19,12 +29,15 @@ Implementations:
 """
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 IMPLEMENTATIONS = ("raw", "raw_item", "trainer")
 # name: (device, AMP, processes)
@@ -77,11 +90,13 @@ def build(workload, device):
     return model, optimizer, batches
 
 
-def child(impl, workload, device, iters):
+def child(impl, workload, device, iters, threads):
     import torch
 
     from trainer.distributed import get_rank, init_distributed
 
+    if device == "cpu" and threads:
+        torch.set_num_threads(threads)
     _, world_size = init_distributed()
     amp = WORKLOADS[workload][1]
     model, optimizer, batches = build(workload, device)
@@ -91,18 +106,10 @@ def child(impl, workload, device, iters):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    if impl == "trainer":
-        import logging
-
-        from trainer import Trainer
-
-        logging.getLogger("trainer").setLevel(logging.WARNING)
-        with tempfile.TemporaryDirectory() as work_dir:
-            trainer = Trainer(
-                model, optimizer, None, batches, max_iters=iters, work_dir=work_dir,
-                log_period=50, enable_amp=amp, checkpoint_period=10**6,
-            )  # fmt: skip
-            trainer.train()
+    counts = {}
+    if impl in ("trainer", "count"):
+        with counting(device, enabled=impl == "count") as counts:
+            run_trainer(model, optimizer, batches, iters, amp)
     else:
         scaler = torch.amp.GradScaler(device, enabled=amp and device == "cuda")
         for it in range(iters):
@@ -121,18 +128,79 @@ def child(impl, workload, device, iters):
     seconds = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() if device == "cuda" else 0
     if get_rank() == 0:
-        print(json.dumps({"seconds": seconds, "peak_mem": peak}))
+        print(json.dumps({"seconds": seconds, "peak_mem": peak, **counts}))
     if world_size > 1:
         # Every rank done talking, then tear down: gloo can abort at exit otherwise.
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 
 
+def run_trainer(model, optimizer, batches, iters, amp):
+    import logging
+
+    from trainer import Trainer
+
+    logging.getLogger("trainer").setLevel(logging.WARNING)
+    with tempfile.TemporaryDirectory() as work_dir:
+        trainer = Trainer(
+            model, optimizer, None, batches, max_iters=iters, work_dir=work_dir,
+            log_period=50, enable_amp=amp, checkpoint_period=10**6,
+        )  # fmt: skip
+        trainer.train()
+
+
+@contextlib.contextmanager
+def counting(device, enabled):
+    """Count host reads, Python-level collectives and (on CUDA) syncs inside the block."""
+    import torch
+    import torch.distributed as dist
+
+    counts = {"host_reads": 0, "collectives": 0, "cuda_syncs": 0}
+    if not enabled:
+        yield counts
+        return
+    patches = [(torch.Tensor, name, "host_reads") for name in HOST_READS]
+    patches += [(dist, name, "collectives") for name in COLLECTIVES if hasattr(dist, name)]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+
+    def counted(original, key):
+        def call(*args, **kwargs):
+            counts[key] += 1
+            return original(*args, **kwargs)
+
+        return call
+
+    for (owner, name, key), (_, _, original) in zip(patches, originals):
+        setattr(owner, name, counted(original, key))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                yield counts
+            finally:
+                if device == "cuda":
+                    torch.cuda.set_sync_debug_mode("default")
+        counts["cuda_syncs"] = sum("synchronizing" in str(w.message) for w in caught)
+    finally:
+        for owner, name, original in originals:
+            setattr(owner, name, original)
+
+
+HOST_READS = ("item", "tolist", "cpu", "numpy", "__float__", "__bool__", "__int__")
+COLLECTIVES = (
+    "all_reduce", "all_gather", "all_gather_object", "all_gather_into_tensor", "broadcast",
+    "broadcast_object_list", "gather", "gather_object", "reduce", "reduce_scatter", "barrier",
+    "all_to_all", "send", "recv", "scatter",
+)  # fmt: skip
+
+
 # ---- the driver ----------------------------------------------------------------------------
 
 
-def measure(impl, workload, device, iters):
-    args = [__file__, "--child", impl, workload, device, str(iters)]
+def measure(impl, workload, device, iters, threads=1):
+    args = [__file__, "--child", impl, workload, device, str(iters), "--threads", str(threads)]
     if WORKLOADS[workload][2] > 1:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"] + args
     else:
@@ -143,13 +211,13 @@ def measure(impl, workload, device, iters):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def benchmark(workload, device, repeats, lengths):
+def benchmark(workload, device, repeats, lengths, threads):
     short, long = lengths
     runs = {impl: [] for impl in IMPLEMENTATIONS}
     for _ in range(repeats):
         for impl in IMPLEMENTATIONS:  # interleaved, so drifts in machine speed hit all alike
-            a = measure(impl, workload, device, short)
-            b = measure(impl, workload, device, long)
+            a = measure(impl, workload, device, short, threads)
+            b = measure(impl, workload, device, long, threads)
             rate = (long - short) / (b["seconds"] - a["seconds"])
             runs[impl].append(
                 {"rate": rate, "startup": a["seconds"] - short / rate, "peak": b["peak_mem"]}
@@ -173,9 +241,17 @@ def benchmark(workload, device, repeats, lengths):
     return rows
 
 
+def count_per_iter(workload, device, iters, threads):
+    """What the Trainer does per iteration, from runs of N and 2N iterations."""
+    a = measure("count", workload, device, iters, threads)
+    b = measure("count", workload, device, 2 * iters, threads)
+    return {key: (b[key] - a[key]) / iters for key in ("host_reads", "collectives", "cuda_syncs")}
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--child", nargs=4, metavar=("IMPL", "WORKLOAD", "DEVICE", "ITERS"))
+    parser.add_argument("--threads", type=int, default=1, help="CPU intra-op threads; 0: torch's")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--workloads", nargs="+", default=None, choices=sorted(WORKLOADS))
     parser.add_argument("--repeats", type=int, default=5)
@@ -183,24 +259,38 @@ def main():
     args = parser.parse_args()
     if args.child:
         impl, workload, device, iters = args.child
-        return child(impl, workload, device, int(iters))
+        return child(impl, workload, device, int(iters), args.threads)
 
     workloads = args.workloads or [
         name for name, (device, _, _) in WORKLOADS.items() if device in ("any", args.device)
     ]
     print(f"{time.strftime('%Y-%m-%d')}, device {args.device}, {args.repeats} repeats, "
-          f"lengths {args.lengths[0]} and {args.lengths[1]} iterations")  # fmt: skip
+          f"lengths {args.lengths[0]} and {args.lengths[1]} iterations, "
+          f"{args.threads or 'default'} CPU threads")  # fmt: skip
     print("| workload | implementation | steps/s (median) | spread | ratio to raw | start-up s "
           "| peak memory ratio |")  # fmt: skip
     print("|---|---|---|---|---|---|---|")
     for workload in workloads:
-        for row in benchmark(workload, args.device, args.repeats, args.lengths):
+        for row in benchmark(workload, args.device, args.repeats, args.lengths, args.threads):
             peak = "-" if row["peak_ratio"] is None else f"{row['peak_ratio']:.3f}"
             print(
                 f"| {workload} | {row['impl']} | {row['rate']:.0f} | {row['spread'][0]:.0f}-"
                 f"{row['spread'][1]:.0f} | {row['ratio']:.3f} | {row['startup']:.2f} | {peak} |",
                 flush=True,
             )
+
+    print(
+        "\nPer Trainer iteration (log every 50 iterations), from runs of 500 and 1000 iterations:"
+    )
+    print("| workload | host reads | Python collectives | CUDA syncs |")
+    print("|---|---|---|---|")
+    for workload in workloads:
+        c = count_per_iter(workload, args.device, 500, args.threads)
+        print(f"| {workload} | {c['host_reads']:.3f} | {c['collectives']:.3f} | "
+              f"{c['cuda_syncs']:.3f} |", flush=True)  # fmt: skip
+    print()
+    save = [sys.executable, os.path.join(os.path.dirname(__file__), "checkpoint_save.py")]
+    subprocess.run(save + ["--device", args.device], check=True)
 
 
 if __name__ == "__main__":
