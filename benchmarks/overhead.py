@@ -26,6 +26,8 @@ Implementations:
     raw_item   the same loop calling loss.item() every step (what most loops do)
     trainer    trainer.Trainer with its default hooks, logging every 50 iterations; it saves
                one checkpoint, at the end (the cost of a save is measured apart)
+    trainer_graph  (CUDA) the same with cuda_graph=True and SGD(fused=True), which a CUDA graph
+               can hold with a tensor LR; its ratio is against the eager hand-written loop
 """
 
 import argparse
@@ -40,6 +42,7 @@ import time
 import warnings
 
 IMPLEMENTATIONS = ("raw", "raw_item", "trainer")
+GRAPH_IMPLEMENTATIONS = ("trainer_graph",)  # CUDA only
 # name: (device, AMP, processes)
 WORKLOADS = {
     "mlp": ("any", False, 1),
@@ -52,7 +55,7 @@ WORKLOADS = {
 # ---- one measurement, in a child process ---------------------------------------------------
 
 
-def build(workload, device):
+def build(workload, device, fused=None):
     """The model (returning its loss), an optimizer and 50 batches already on the device."""
     import torch
     from torch import nn
@@ -86,7 +89,7 @@ def build(workload, device):
         (torch.randn(batch_size, *shape), torch.randint(0, 10, (batch_size,))) for _ in range(50)
     ]
     batches = [(x.to(device), y.to(device)) for x, y in batches]
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, fused=fused)
     return model, optimizer, batches
 
 
@@ -99,7 +102,7 @@ def child(impl, workload, device, iters, threads):
         torch.set_num_threads(threads)
     _, world_size = init_distributed()
     amp = WORKLOADS[workload][1]
-    model, optimizer, batches = build(workload, device)
+    model, optimizer, batches = build(workload, device, fused=impl == "trainer_graph" or None)
     if world_size > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     if device == "cuda":
@@ -107,9 +110,9 @@ def child(impl, workload, device, iters, threads):
         torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     counts = {}
-    if impl in ("trainer", "count"):
+    if impl in ("trainer", "trainer_graph", "count"):
         with counting(device, enabled=impl == "count") as counts:
-            run_trainer(model, optimizer, batches, iters, amp)
+            run_trainer(model, optimizer, batches, iters, amp, impl == "trainer_graph")
     else:
         scaler = torch.amp.GradScaler(device, enabled=amp and device == "cuda")
         for it in range(iters):
@@ -135,7 +138,7 @@ def child(impl, workload, device, iters, threads):
         torch.distributed.destroy_process_group()
 
 
-def run_trainer(model, optimizer, batches, iters, amp):
+def run_trainer(model, optimizer, batches, iters, amp, cuda_graph=False):
     import logging
 
     from trainer import Trainer
@@ -144,7 +147,7 @@ def run_trainer(model, optimizer, batches, iters, amp):
     with tempfile.TemporaryDirectory() as work_dir:
         trainer = Trainer(
             model, optimizer, None, batches, max_iters=iters, work_dir=work_dir,
-            log_period=50, enable_amp=amp, checkpoint_period=10**6,
+            log_period=50, enable_amp=amp, checkpoint_period=10**6, cuda_graph=cuda_graph,
         )  # fmt: skip
         trainer.train()
 
@@ -213,9 +216,10 @@ def measure(impl, workload, device, iters, threads=1):
 
 def benchmark(workload, device, repeats, lengths, threads):
     short, long = lengths
-    runs = {impl: [] for impl in IMPLEMENTATIONS}
+    impls = IMPLEMENTATIONS + (GRAPH_IMPLEMENTATIONS if device == "cuda" else ())
+    runs = {impl: [] for impl in impls}
     for _ in range(repeats):
-        for impl in IMPLEMENTATIONS:  # interleaved, so drifts in machine speed hit all alike
+        for impl in impls:  # interleaved, so drifts in machine speed hit all alike
             a = measure(impl, workload, device, short, threads)
             b = measure(impl, workload, device, long, threads)
             rate = (long - short) / (b["seconds"] - a["seconds"])
@@ -225,7 +229,7 @@ def benchmark(workload, device, repeats, lengths, threads):
     rows = []
     raw_rate = statistics.median(r["rate"] for r in runs["raw"])
     raw_peak = statistics.median(r["peak"] for r in runs["raw"])
-    for impl in IMPLEMENTATIONS:
+    for impl in impls:
         rates = [r["rate"] for r in runs[impl]]
         peak = statistics.median(r["peak"] for r in runs[impl])
         rows.append(

@@ -1,4 +1,5 @@
-"""CUDA paths: float16 with a GradScaler, bfloat16, and no host sync on non-log iterations.
+"""CUDA paths: float16 with a GradScaler, bfloat16, no host sync on non-log iterations (fused
+float16 included), exact resume, and whole-step CUDA graphs.
 
 Skipped on machines without a GPU (CI has none); run them where one is available.
 """
@@ -23,15 +24,26 @@ class MLP(nn.Module):
         return nn.functional.cross_entropy(self.net(x), y)
 
 
-def cuda_trainer(tmp_path, model_class=None, **kwargs):
+def cuda_trainer(
+    tmp_path, model_class=None, optimizer="adamw", scheduler=None, partial_last=False,
+    capturable=False, **kwargs,
+):  # fmt: skip
     torch.manual_seed(0)
     x = torch.randn(512, 64, device="cuda")
     y = torch.randint(0, 10, (512,), device="cuda")
     batches = [(x[i : i + 64], y[i : i + 64]) for i in range(0, 512, 64)]
+    if partial_last:
+        batches.append((x[:32], y[:32]))
     model = (model_class or MLP)().cuda()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    if optimizer == "sgd":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, fused=True)
+    else:  # capturable: a CUDA graph can hold its step (both twins of a comparison get it)
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=1e-3, fused=True, capturable=capturable
+        )
+    scheduler = scheduler(optimizer) if scheduler else None
     kwargs.setdefault("max_iters", 40)
-    return Trainer(model, optimizer, None, DataLoader(batches, batch_size=None),
+    return Trainer(model, optimizer, scheduler, DataLoader(batches, batch_size=None),
                    work_dir=str(tmp_path), **kwargs)  # fmt: skip
 
 
@@ -49,6 +61,7 @@ def test_default_amp_dtype_on_cuda_is_float16(tmp_path):
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"enable_amp": True, "amp_dtype": torch.bfloat16},
+                                    {"enable_amp": True, "amp_dtype": torch.float16},
                                     {"clip_grad_norm": 1.0}])  # fmt: skip
 def test_non_log_iterations_do_not_sync(tmp_path, kwargs):
     class SyncGuard(HookBase):
@@ -98,3 +111,90 @@ def test_mid_epoch_resume_on_cuda_is_bit_exact(tmp_path):
     assert resumed.start_iter == 10
     for k, v in full.model.state_dict().items():
         assert torch.equal(v, resumed.model.state_dict()[k]), k
+
+
+# ---- cuda_graph=True -------------------------------------------------------------------------
+
+
+def losses_per_iter(trainer):
+    """Train with log_period=1 and return every iteration's loss."""
+    losses = []
+
+    class Record(HookBase):
+        def after_iter(self):
+            losses.append(self.trainer.metric_storage["total_loss"].latest)
+
+    trainer.register_hook(Record())
+    trainer.train()
+    return losses
+
+
+def cosine(optimizer):
+    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=100)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"clip_grad_norm": 0.5, "warmup_t": 20, "scheduler": cosine, "by_epoch": False},
+        {"enable_amp": True, "amp_dtype": torch.float16, "clip_grad_norm": 1.0},
+        {"enable_amp": True, "amp_dtype": torch.bfloat16},
+        {"accumulation_steps": 2},
+        {"optimizer": "sgd"},
+    ],
+)
+def test_cuda_graph_matches_eager_training_over_100_steps(tmp_path, kwargs):
+    common = {"max_iters": 100, "log_period": 1, "capturable": True, **kwargs}
+    eager = cuda_trainer(tmp_path / "eager", **common)
+    graphed = cuda_trainer(tmp_path / "graph", cuda_graph=True, **common)
+    eager_losses, graph_losses = losses_per_iter(eager), losses_per_iter(graphed)
+    assert graphed._graphed_step._graph is not None  # it did capture and replay
+    torch.testing.assert_close(graph_losses, eager_losses, rtol=1e-4, atol=1e-5)
+    for k, v in eager.model.state_dict().items():
+        torch.testing.assert_close(graphed.model.state_dict()[k], v, rtol=1e-4, atol=1e-5)
+    assert eager.lr == graphed.lr  # the schedule ran the same in both
+
+
+def test_cuda_graph_runs_other_batch_shapes_eagerly_and_dropout_trains(tmp_path, caplog):
+    trainer = cuda_trainer(
+        tmp_path, DropoutMLP, max_iters=60, cuda_graph=True, capturable=True, partial_last=True
+    )
+    trainer.train()
+    loss = trainer.metric_storage["total_loss"]
+    assert loss.count == 60 and loss.latest < loss.global_avg
+    assert "differ from the captured" in caplog.text
+
+
+def test_cuda_graph_replays_make_no_sync(tmp_path):
+    class SyncGuard(HookBase):
+        priority = 0
+
+        def before_iter(self):
+            replay = self.trainer.cur_iter > 3 and (self.trainer.cur_iter + 1) % 20 != 0
+            torch.cuda.set_sync_debug_mode("error" if replay else 0)
+
+        def after_iter(self):
+            torch.cuda.set_sync_debug_mode(0)
+
+    trainer = cuda_trainer(
+        tmp_path, cuda_graph=True, capturable=True, log_period=20, enable_amp=True,
+        amp_dtype=torch.float16,
+    )  # fmt: skip
+    trainer.register_hook(SyncGuard())
+    try:
+        trainer.train()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert trainer.metric_storage["total_loss"].count == 40
+
+
+def test_cuda_graph_capture_failure_is_a_clear_error(tmp_path):
+    class Syncs(MLP):
+        def forward(self, batch):
+            loss = super().forward(batch)
+            return loss * 2 if loss.item() > 100 else loss  # data-dependent control flow
+
+    trainer = cuda_trainer(tmp_path, Syncs, cuda_graph=True, capturable=True)
+    with pytest.raises(RuntimeError, match="could not capture the training step"):
+        trainer.train()

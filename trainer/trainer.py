@@ -29,6 +29,7 @@ from .checkpoint import (
     remove_temp_files,
     update_latest_pointer,
 )
+from .cuda_graph import GraphedStep, check_graphable
 from .distributed import gather, get_rank, get_world_size, is_main_process
 from .env import collect_env
 from .hooks import CheckpointHook, DistributedHook, HookBase, LoggerHook, LRUpdateHook
@@ -94,6 +95,12 @@ class Trainer:
             :class:`~trainer.hooks.EvalHook` returns); it steps after each new value.
         checkpoint_by_epoch: Count ``checkpoint_period`` in epochs (passes over the data, also in
             iteration-based training) or, with False, in iterations (mid-epoch checkpoints).
+        cuda_graph: Capture the whole step (forward, backward, clipping, optimizer step) in a CUDA
+            graph after 3 eager iterations and replay it. Needs a static-shape model on CUDA
+            without host syncs, and an optimizer that can be captured: ``capturable=True`` for
+            Adam/AdamW and the like (plus ``fused=True`` with float16 AMP), ``fused=True`` for
+            SGD. Batches are copied into static device buffers; iterations whose batches have
+            another shape run eagerly.
 
     Example::
 
@@ -144,6 +151,7 @@ class Trainer:
         warmup_factor: float = 0.0,
         plateau_metric: Optional[str] = None,
         checkpoint_by_epoch: bool = True,
+        cuda_graph: bool = False,
     ) -> None:
         _check_types(model, optimizer, lr_scheduler, data_loader)
         _check_epochs_or_iters(max_epochs, max_iters)
@@ -195,8 +203,11 @@ class Trainer:
             torch.float16 if self.device.type == "cuda" else torch.bfloat16
         )
         # One code path: with AMP off, autocast becomes a null context and the scaler a no-op.
+        # (A CUDA graph replays the weight casts too: autocast's cache of them must stay off.)
         self._autocast = (
-            functools.partial(torch.autocast, self.device.type, self.amp_dtype)
+            functools.partial(
+                torch.autocast, self.device.type, self.amp_dtype, cache_enabled=not cuda_graph
+            )
             if enable_amp
             else _no_op
         )
@@ -204,6 +215,10 @@ class Trainer:
         self._scaler = torch.amp.GradScaler(
             self.device.type, enabled=enable_amp and self.amp_dtype == torch.float16
         )
+        self._graphed_step: Optional[GraphedStep] = None
+        if cuda_graph:
+            check_graphable(model, optimizer, self.device, self._scaler.is_enabled())
+            self._graphed_step = GraphedStep(self._step, optimizer, self.device)
         # Whether the GradScaler skipped the last step: a bool, or a device tensor with fused
         # optimizers, which skip on the device.
         self._skipped: Union[bool, torch.Tensor] = False
@@ -428,37 +443,44 @@ class Trainer:
         An override fetches data with :meth:`next_batch`, records its numbers with :meth:`log`
         (tensors stay on the device until the next log point) and steps ``self.optimizer``.
         """
-        self.optimizer.zero_grad(set_to_none=True)
-        k = self.accumulation_steps
-        logged: dict[str, torch.Tensor] = {}
-        for micro_step in range(k):
-            # 1. fetch the batch
-            batch = self.next_batch()
-            # 2. forward under autocast (a no-op when AMP is off)
+        batches = [self.next_batch() for _ in range(self.accumulation_steps)]
+        losses, extras = (self._graphed_step or self._step)(batches)
+        # they stay on the device until the next log point
+        self._log_pending(self.cur_iter, losses, check_finite=True)
+        self._log_pending(self.cur_iter, extras)
+
+    def _step(self, batches: list[Any], set_to_none: bool = True) -> tuple[dict, dict]:
+        """Forward, backward and step on ``batches`` (one per micro-step); returns the losses and
+        other metrics as device tensors. ``cuda_graph=True`` captures this whole method."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        k = len(batches)
+        losses: dict[str, torch.Tensor] = {}
+        for micro_step, batch in enumerate(batches):
+            # 1. forward under autocast (a no-op when AMP is off)
             with self._no_grad_sync(micro_step < k - 1):
                 with self._autocast():
                     out = self.model(**batch) if self.unpack_batch_dict else self.model(batch)
-                loss, losses = _total_loss(out)
-                # 3. backward; the scaler multiplies the loss only with float16 AMP
+                loss, logged = _total_loss(out)
+                # 2. backward; the scaler multiplies the loss only with float16 AMP
                 self._scaler.scale(loss / k if k > 1 else loss).backward()
-            logged = {n: logged[n] + v for n, v in losses.items()} if logged else losses
+            losses = {n: losses[n] + v for n, v in logged.items()} if losses else logged
         if k > 1:
-            logged = {name: value / k for name, value in logged.items()}
-        # they stay on the device until the next log point
-        self._log_pending(self.cur_iter, logged, check_finite=True)
+            losses = {name: value / k for name, value in losses.items()}
 
-        # 4. clip gradients, unscaled first so the threshold means what it says
+        # 3. clip gradients, unscaled first so the threshold means what it says
+        extras: dict[str, Any] = {}
         if self.clip_grad_norm > 0:
             self._scaler.unscale_(self.optimizer)
             grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
-            self._log_pending(self.cur_iter, {"grad_norm": grad_norm.detach()})
+            extras["grad_norm"] = grad_norm.detach()
 
-        # 5. step; with float16 the scaler skips the step when gradients hold inf or NaN
+        # 4. step; with float16 the scaler skips the step when gradients hold inf or NaN
         self._skipped = self._scaler.is_enabled()  # until _on_optimizer_step says otherwise
         self._scaler.step(self.optimizer)
         self._scaler.update()
         if self._scaler.is_enabled():
-            self._log_pending(self.cur_iter, {"amp_skipped_steps": self._skipped})
+            extras["amp_skipped_steps"] = self._skipped
+        return losses, extras
 
     def _on_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         # GradScaler calls optimizer.step() only for finite gradients, except with optimizers
