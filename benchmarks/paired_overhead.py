@@ -1,0 +1,86 @@
+"""The Trainer's overhead on the tiny MLP, paired in one process so that machine drift cancels.
+
+    python benchmarks/paired_overhead.py [--iters 6000] [--device cpu]
+
+overhead.py's separate processes are the reference method, but on a small shared VM the machine's
+speed drifts by 10-20% over seconds, more than the few percent being measured. Here a hook, after
+every 50th iteration, times the Trainer's last 50 iterations (one log point included) and then 50
+iterations of the hand-written loop on the same model, optimizer and batches; the two halves of
+each pair run within a tenth of a second of each other. Reported: the median ratio
+(hand-written time / Trainer time, i.e. Trainer steps/s over hand-written steps/s) and its
+quartiles. The hand-written half runs right after the Trainer's, so the comparison is not perfectly
+symmetric; treat differences below 1% as noise.
+"""
+
+import argparse
+import logging
+import statistics
+import tempfile
+import time
+
+import torch
+from overhead import build
+
+from trainer import HookBase, Trainer
+
+CHUNK = 50  # iterations per half of a pair: one log period
+
+
+class PairedTiming(HookBase):
+    """After every CHUNK iterations: time them, then time CHUNK hand-written iterations."""
+
+    priority = 100  # after every built-in hook, so the Trainer's half includes their work
+
+    def __init__(self, hand_written, skip_iters):
+        self._hand_written = hand_written
+        self._skip_iters = skip_iters
+        self._start = None
+        self.pairs = []
+
+    def after_iter(self):
+        if (self.trainer.cur_iter + 1) % CHUNK:
+            return
+        trainer_seconds = time.perf_counter() - (self._start or 0.0)
+        if self._start is not None and self.trainer.cur_iter >= self._skip_iters:
+            self.pairs.append((trainer_seconds, self._hand_written()))
+        self._start = time.perf_counter()
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--iters", type=int, default=6000)
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    args = parser.parse_args()
+    if args.device == "cpu":
+        torch.set_num_threads(1)  # as in overhead.py
+    logging.getLogger("trainer").setLevel(logging.WARNING)
+    model, optimizer, batches = build("mlp", args.device)
+
+    def hand_written():
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for batch in batches[:CHUNK]:
+            optimizer.zero_grad(set_to_none=True)
+            model(batch).backward()
+            optimizer.step()
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    timing = PairedTiming(hand_written, skip_iters=4 * CHUNK)
+    with tempfile.TemporaryDirectory() as work_dir:
+        trainer = Trainer(
+            model, optimizer, None, batches, max_iters=args.iters, work_dir=work_dir,
+            log_period=CHUNK, checkpoint_period=10**6,
+        )  # fmt: skip
+        trainer.register_hook(timing)
+        trainer.train()
+    ratios = [raw / ours for ours, raw in timing.pairs]
+    q1, median, q3 = statistics.quantiles(ratios, n=4)
+    print(f"{args.device}: Trainer / hand-written steps/s, paired: median {median:.3f} "
+          f"(quartiles {q1:.3f}-{q3:.3f}, {len(ratios)} pairs of {CHUNK} iterations)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
