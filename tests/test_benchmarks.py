@@ -1,0 +1,36 @@
+"""The benchmark scripts run (tiny sizes) and report what they claim to; the timings themselves
+are not asserted (that is what the benchmarks are for)."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
+
+
+def run(*args):
+    cmd = [sys.executable, *args]
+    result = subprocess.run(cmd, capture_output=True, text=True, timeout=240, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_overhead_counts_two_host_reads_per_log_period_and_no_collective():
+    script = os.path.join(BENCHMARKS, "overhead.py")
+    counts = [json.loads(run(script, "--child", "count", "mlp", "cpu", str(n))) for n in (100, 200)]
+    # 2 log points more (log_period 50): .cpu() and .tolist() at each; nothing in between
+    assert counts[1]["host_reads"] - counts[0]["host_reads"] == 4
+    assert counts[0]["collectives"] == counts[1]["collectives"] == 0
+    timing = json.loads(run(script, "--child", "raw", "mlp", "cpu", "20"))
+    assert timing["seconds"] > 0
+
+
+def test_paired_overhead_and_checkpoint_save_report():
+    paired = run(os.path.join(BENCHMARKS, "paired_overhead.py"), "--iters", "400")
+    assert re.search(r"paired: median [\d.]+ \(quartiles [\d.]+-[\d.]+, 4 pairs", paired)
+    save = run(os.path.join(BENCHMARKS, "checkpoint_save.py"), "--saves", "1")
+    assert re.search(r"save_checkpoint blocks training \d+ ms", save)
+    assert re.search(r"save_checkpoint is durable after \d+ ms", save)
