@@ -1,5 +1,8 @@
-"""Rank helpers, in one process and in two real gloo processes launched by torchrun."""
+"""Rank helpers and the trainer's metric reduction, in one process and in two real gloo
+processes launched by torchrun."""
 
+import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -55,3 +58,78 @@ def test_collectives_across_two_gloo_processes(tmp_path):
     result = torchrun([str(script)], timeout=60)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "rank 0 ok" in result.stdout and "rank 1 ok" in result.stdout
+
+
+TRAIN_WORKER = """
+import os, sys, time
+import torch
+from torch import nn
+from trainer import Trainer
+from trainer.distributed import init_distributed
+
+rank, world = init_distributed()
+nan_at = int(os.environ.get("NAN_AT", -1))
+
+
+class RankLoss(nn.Module):
+    # rank 0's loss is 1.0, rank 1's is 2.0; rank 1's turns NaN at iteration NAN_AT
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(1))
+        self.calls = 0
+
+    def forward(self, batch):
+        self.calls += 1
+        loss = (self.w * batch).sum() + float(rank + 1)
+        return loss * float("nan") if rank == 1 and self.calls - 1 == nan_at else loss
+
+
+class Batches:  # rank 1's batches take 50 ms each
+    def __len__(self):
+        return 8
+
+    def __iter__(self):
+        for _ in range(8):
+            if rank == 1:
+                time.sleep(0.05)
+            yield torch.zeros(1)
+
+
+model = torch.nn.parallel.DistributedDataParallel(RankLoss())
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+trainer = Trainer(model, optimizer, None, Batches(), max_iters=16, log_period=8,
+                  work_dir=sys.argv[1], checkpoint_period=100)
+try:
+    trainer.train()
+    s = trainer.metric_storage
+    print(f"rank {rank}: loss {s['total_loss'].latest} count {s['total_loss'].count} "
+          f"data_time {s['data_time'].latest:.3f}", flush=True)
+except FloatingPointError as e:
+    print(f"rank {rank} raised: {e}", flush=True)
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
+"""
+
+
+def run_train_worker(tmp_path, **env):
+    script = tmp_path / "train_worker.py"
+    script.write_text(textwrap.dedent(TRAIN_WORKER))
+    full_env = {**os.environ, **{k: str(v) for k, v in env.items()}}
+    result = torchrun([str(script), str(tmp_path / "work")], timeout=120, env=full_env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_logged_metrics_are_reduced_over_ranks_at_log_points(tmp_path):
+    out = run_train_worker(tmp_path)
+    for rank in (0, 1):  # the mean of 1.0 and 2.0; the slower rank's data time, on both ranks
+        line = re.search(rf"rank {rank}: loss ([\d.]+) count (\d+) data_time ([\d.]+)", out)
+        assert line, out
+        assert float(line.group(1)) == 1.5 and int(line.group(2)) == 16
+        assert float(line.group(3)) >= 0.045
+
+
+def test_a_nan_loss_on_one_rank_makes_every_rank_raise_at_that_iteration(tmp_path):
+    out = run_train_worker(tmp_path, NAN_AT=5)
+    for rank in (0, 1):
+        assert f"rank {rank} raised: Loss became NaN or infinite at iteration 5 (epoch 0)" in out

@@ -90,6 +90,21 @@ def all_gather(obj: Any) -> list[Any]:
     return out
 
 
+def all_gather_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """Every rank's ``tensor`` (same shape everywhere), stacked: shape ``(world_size, *shape)``.
+
+    Example::
+
+        >>> all_gather_tensor(torch.tensor([1.0, 2.0]))
+        tensor([[1., 2.]])
+    """
+    if get_world_size() == 1:
+        return tensor.unsqueeze(0)
+    out = [torch.empty_like(tensor) for _ in range(get_world_size())]
+    dist.all_gather(out, tensor)
+    return torch.stack(out)
+
+
 def gather(obj: Any, dst: int = 0) -> list[Any]:
     """Gather a picklable object from every rank on rank ``dst``; other ranks get ``[]``."""
     if get_world_size() == 1:

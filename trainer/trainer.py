@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import signal
+import statistics
 import tempfile
 import threading
 import time
@@ -30,7 +31,7 @@ from .checkpoint import (
     update_latest_pointer,
 )
 from .cuda_graph import GraphedStep, check_graphable
-from .distributed import gather, get_rank, get_world_size, is_main_process
+from .distributed import all_gather_tensor, gather, get_rank, get_world_size, is_main_process
 from .env import collect_env
 from .hooks import CheckpointHook, DistributedHook, HookBase, LoggerHook, LRUpdateHook
 from .logger import ensure_console_logging, log_file_path, log_to_file
@@ -41,6 +42,8 @@ from .seed import get_rng_state, set_rng_state
 logger = logging.getLogger(__name__)
 
 _AMP_DTYPES = (torch.float16, torch.bfloat16)
+# Reduced across ranks by max (the slowest rank sets the pace); the trainer's other metrics by mean.
+_MAX_REDUCED = frozenset({"data_time", "iter_time", "amp_skipped_steps"})
 _EVENTS = (
     "before_train",
     "after_train",
@@ -232,8 +235,9 @@ class Trainer:
         self._position = (0, 0)  # (epoch, iterations done in it): where training goes on from
 
         self._storage = MetricStorage()
-        # name -> (smooth, check_finite, iterations, values): what the next flush turns into numbers
-        self._pending: dict[str, tuple[bool, bool, list[int], list[Any]]] = {}
+        # name -> (smooth, check_finite, reduced, iterations, values): what the next flush turns
+        # into numbers; "reduced" metrics are the trainer's own, averaged (or maxed) over ranks
+        self._pending: dict[str, tuple[bool, bool, bool, list[int], list[Any]]] = {}
         self._data_iter: Optional[Any] = None
         self._epoch_rng: Optional[dict[str, Any]] = None
         self._batches_to_skip = 0
@@ -446,8 +450,8 @@ class Trainer:
         batches = [self.next_batch() for _ in range(self.accumulation_steps)]
         losses, extras = (self._graphed_step or self._step)(batches)
         # they stay on the device until the next log point
-        self._log_pending(self.cur_iter, losses, check_finite=True)
-        self._log_pending(self.cur_iter, extras)
+        self._log_pending(self.cur_iter, losses, check_finite=True, reduced=True)
+        self._log_pending(self.cur_iter, extras, reduced=True)
 
     def _step(self, batches: list[Any], set_to_none: bool = True) -> tuple[dict, dict]:
         """Forward, backward and step on ``batches`` (one per micro-step); returns the losses and
@@ -537,13 +541,14 @@ class Trainer:
     def _end_iter(self) -> None:
         self._position = (self.cur_epoch, self.inner_iter + 1)
         iter_time = time.perf_counter() - self._iter_start
-        self._log_pending(self.cur_iter, {"data_time": self._data_time, "iter_time": iter_time})
+        times = {"data_time": self._data_time, "iter_time": iter_time}
+        self._log_pending(self.cur_iter, times, reduced=True)
         self._data_time = 0.0
         if (self.cur_iter + 1) % self.log_period == 0 or self.cur_iter == self.max_iters - 1:
             # The LR this iteration used (LRUpdateHook changes it after the iteration); only the
             # latest value is ever shown, so it is recorded at log points alone.
             self._log_pending(self.cur_iter, {"lr": self.lr}, smooth=False)
-            self._flush_metrics()
+            self._flush_metrics(every_rank=True)
 
     # ----------------------------------------------------------------------------------------
     # Metrics
@@ -552,7 +557,8 @@ class Trainer:
         """Record metrics of iteration ``iter`` in :attr:`metric_storage`.
 
         Scalar tensors stay on their device until the next log point, so logging a loss every
-        iteration costs no sync.
+        iteration costs no sync. Under torchrun the values are this rank's own (the trainer's
+        own metrics, unlike these, are reduced across ranks).
 
         Args:
             iter: The iteration the values belong to.
@@ -570,34 +576,43 @@ class Trainer:
         self._log_pending(iter, metrics, smooth)
 
     def _log_pending(
-        self, iter: int, metrics: dict[str, Any], smooth: bool = True, check_finite: bool = False
+        self,
+        iter: int,
+        metrics: dict[str, Any],
+        smooth: bool = True,
+        check_finite: bool = False,
+        reduced: bool = False,
     ) -> None:
         # Called every iteration, so kept lean: values are numbers or detached scalar tensors.
         for name, value in metrics.items():
             series = self._pending.get(name)
             if series is None:
-                series = self._pending[name] = (smooth, check_finite, [], [])
-            series[2].append(iter)
-            series[3].append(value)
+                series = self._pending[name] = (smooth, check_finite, reduced, [], [])
+            series[3].append(iter)
+            series[4].append(value)
 
-    def _flush_metrics(self) -> None:
-        """Move pending metrics into the storage in one transfer; raise on a non-finite loss."""
-        if not self._pending:
+    def _flush_metrics(self, every_rank: bool = False) -> None:
+        """Move pending metrics into the storage; raise on a non-finite loss.
+
+        Under torchrun, the trainer's own metrics wait for a point that every rank reaches
+        (``every_rank``: a log iteration or a save), where one collective reduces them: losses
+        and the gradient norm are averaged, times and skipped steps maxed. A non-finite loss on
+        any rank then makes every rank raise at the same iteration.
+        """
+        distributed = get_world_size() > 1
+        names = [n for n, s in self._pending.items() if every_rank or not (distributed and s[2])]
+        if not names:
             return
-        pending, self._pending = self._pending, {}
-        tensors = [v for *_, vs in pending.values() for v in vs if isinstance(v, torch.Tensor)]
-        if tensors:
-            device = tensors[0].device
-            # note: the one CPU-GPU sync of a log period
-            numbers = iter(torch.stack([t.to(device) for t in tensors]).float().cpu().tolist())
+        pending = {name: self._pending.pop(name) for name in names}
+        numbers = self._numbers(pending, distributed)
         first_bad = math.inf  # the first iteration with a non-finite loss
-        for _, check, iters, values in pending.values():
-            values[:] = [next(numbers) if isinstance(v, torch.Tensor) else float(v) for v in values]
-            if check and not all(map(math.isfinite, values)):
-                bad = min(it for it, v in zip(iters, values) if not math.isfinite(v))
+        for name, (_, check, _, iters, _) in pending.items():
+            if check and not all(map(math.isfinite, numbers[name])):
+                bad = min(it for it, v in zip(iters, numbers[name]) if not math.isfinite(v))
                 first_bad = min(first_bad, bad)
         at_first_bad = {}
-        for name, (smooth, _, iters, values) in pending.items():
+        for name, (smooth, _, _, iters, _) in pending.items():
+            values = numbers[name]
             keep = [i for i, it in enumerate(iters) if it < first_bad]  # all, when none is bad
             self._storage.extend(name, [iters[i] for i in keep], [values[i] for i in keep], smooth)
             if first_bad in iters:
@@ -608,6 +623,21 @@ class Trainer:
                 f"{first_bad // self.epoch_len}): {at_first_bad}. Lower the LR, enable "
                 "clip_grad_norm, or check the data of that iteration."
             )
+
+    def _numbers(self, pending: dict[str, tuple], distributed: bool) -> dict[str, list[float]]:
+        """The pending values as numbers: this rank's in one transfer, reduced ones over ranks."""
+        reduced = sorted(n for n, s in pending.items() if distributed and s[2])  # same order
+        local = [n for n in pending if n not in reduced]
+        # note: the one CPU-GPU sync of a log period
+        flat = iter(_to_host([v for n in local for v in pending[n][4]]))
+        numbers = {n: [next(flat) for _ in pending[n][4]] for n in local}
+        if reduced:
+            packed = torch.cat([_to_tensor(pending[n][4], self.device) for n in reduced])
+            columns = iter(zip(*all_gather_tensor(packed).cpu().tolist()))  # one per value
+            for n in reduced:
+                reduce = max if n in _MAX_REDUCED else statistics.fmean
+                numbers[n] = [reduce(next(columns)) for _ in pending[n][4]]
+        return numbers
 
     # ----------------------------------------------------------------------------------------
     # Checkpoints
@@ -632,7 +662,7 @@ class Trainer:
         Returns:
             The path being written, or None on other ranks.
         """
-        self._flush_metrics()
+        self._flush_metrics(every_rank=True)
         # Per-rank RNG, so every rank's dropout and data-worker seeds resume exactly.
         inner = self._position[1]
         rng = {"now": get_rng_state(self._data_generators())}
@@ -933,6 +963,23 @@ def _make_writable_dir(path: str) -> None:
             f"{path!r} (the checkpoint folder in work_dir) is not writable ({e.strerror or e}); "
             "pass a writable work_dir."
         ) from e
+
+
+def _to_host(values: list[Any]) -> list[float]:
+    """Numbers and scalar tensors as floats, the tensors copied to the host together."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if tensors:
+        device = tensors[0].device
+        copied = iter(torch.stack([t.to(device) for t in tensors]).float().cpu().tolist())
+    return [next(copied) if isinstance(v, torch.Tensor) else float(v) for v in values]
+
+
+def _to_tensor(values: list[Any], device: torch.device) -> torch.Tensor:
+    """Numbers and scalar tensors as one float64 tensor on ``device``, without a sync."""
+    if any(isinstance(v, torch.Tensor) for v in values):
+        as_tensors = [v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in values]
+        return torch.stack([t.to(device, torch.float64) for t in as_tensors])
+    return torch.tensor([float(v) for v in values], dtype=torch.float64).to(device)
 
 
 def _total_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
