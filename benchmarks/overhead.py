@@ -133,9 +133,13 @@ def child(impl, workload, device, iters, threads):
     if get_rank() == 0:
         print(json.dumps({"seconds": seconds, "peak_mem": peak, **counts}))
     if world_size > 1:
-        # Every rank done talking, then tear down: gloo can abort at exit otherwise.
+        # Every rank done talking, then tear down: gloo can abort at exit otherwise. Even so, a
+        # gloo thread was seen aborting the interpreter's exit now and then ("terminate called
+        # without an active exception"); the measurement is done, so skip the exit's destructors.
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+        sys.stdout.flush()
+        os._exit(0)
 
 
 def run_trainer(model, optimizer, batches, iters, amp, cuda_graph=False):
