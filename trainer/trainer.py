@@ -12,7 +12,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Union
 
 import torch
 from torch import nn
@@ -42,6 +42,19 @@ from .seed import get_rng_state, set_rng_state
 logger = logging.getLogger(__name__)
 
 _AMP_DTYPES = (torch.float16, torch.bfloat16)
+
+
+class _Series(NamedTuple):
+    """One metric's values waiting for the next flush. ``reduced``: the trainer's own metrics,
+    averaged (or maxed) over ranks under torchrun; ``check_finite``: losses."""
+
+    smooth: bool
+    check_finite: bool
+    reduced: bool
+    iters: list[int]
+    values: list[Any]
+
+
 # Reduced across ranks by max (the slowest rank sets the pace); the trainer's other metrics by mean.
 _MAX_REDUCED = frozenset({"data_time", "iter_time", "amp_skipped_steps"})
 _EVENTS = (
@@ -235,9 +248,7 @@ class Trainer:
         self._position = (0, 0)  # (epoch, iterations done in it): where training goes on from
 
         self._storage = MetricStorage()
-        # name -> (smooth, check_finite, reduced, iterations, values): what the next flush turns
-        # into numbers; "reduced" metrics are the trainer's own, averaged (or maxed) over ranks
-        self._pending: dict[str, tuple[bool, bool, bool, list[int], list[Any]]] = {}
+        self._pending: dict[str, _Series] = {}  # what the next flush turns into numbers
         self._data_iter: Optional[Any] = None
         self._epoch_rng: Optional[dict[str, Any]] = None
         self._batches_to_skip = 0
@@ -587,9 +598,9 @@ class Trainer:
         for name, value in metrics.items():
             series = self._pending.get(name)
             if series is None:
-                series = self._pending[name] = (smooth, check_finite, reduced, [], [])
-            series[3].append(iter)
-            series[4].append(value)
+                series = self._pending[name] = _Series(smooth, check_finite, reduced, [], [])
+            series.iters.append(iter)
+            series.values.append(value)
 
     def _flush_metrics(self, every_rank: bool = False) -> None:
         """Move pending metrics into the storage; raise on a non-finite loss.
@@ -600,21 +611,24 @@ class Trainer:
         any rank then makes every rank raise at the same iteration.
         """
         distributed = get_world_size() > 1
-        names = [n for n, s in self._pending.items() if every_rank or not (distributed and s[2])]
+        names = [
+            n for n, s in self._pending.items() if every_rank or not (distributed and s.reduced)
+        ]
         if not names:
             return
         pending = {name: self._pending.pop(name) for name in names}
         numbers = self._numbers(pending, distributed)
         first_bad = math.inf  # the first iteration with a non-finite loss
-        for name, (_, check, _, iters, _) in pending.items():
-            if check and not all(map(math.isfinite, numbers[name])):
-                bad = min(it for it, v in zip(iters, numbers[name]) if not math.isfinite(v))
+        for name, series in pending.items():
+            if series.check_finite and not all(map(math.isfinite, numbers[name])):
+                bad = min(it for it, v in zip(series.iters, numbers[name]) if not math.isfinite(v))
                 first_bad = min(first_bad, bad)
         at_first_bad = {}
-        for name, (smooth, _, _, iters, _) in pending.items():
-            values = numbers[name]
+        for name, series in pending.items():
+            iters, values = series.iters, numbers[name]
             keep = [i for i, it in enumerate(iters) if it < first_bad]  # all, when none is bad
-            self._storage.extend(name, [iters[i] for i in keep], [values[i] for i in keep], smooth)
+            kept_iters, kept_values = [iters[i] for i in keep], [values[i] for i in keep]
+            self._storage.extend(name, kept_iters, kept_values, series.smooth)
             if first_bad in iters:
                 at_first_bad[name] = values[iters.index(first_bad)]
         if at_first_bad:
@@ -624,19 +638,19 @@ class Trainer:
                 "clip_grad_norm, or check the data of that iteration."
             )
 
-    def _numbers(self, pending: dict[str, tuple], distributed: bool) -> dict[str, list[float]]:
+    def _numbers(self, pending: dict[str, _Series], distributed: bool) -> dict[str, list[float]]:
         """The pending values as numbers: this rank's in one transfer, reduced ones over ranks."""
-        reduced = sorted(n for n, s in pending.items() if distributed and s[2])  # same order
+        reduced = sorted(n for n, s in pending.items() if distributed and s.reduced)  # same order
         local = [n for n in pending if n not in reduced]
         # note: the one CPU-GPU sync of a log period
-        flat = iter(_to_host([v for n in local for v in pending[n][4]]))
-        numbers = {n: [next(flat) for _ in pending[n][4]] for n in local}
+        flat = iter(_to_host([v for n in local for v in pending[n].values]))
+        numbers = {n: [next(flat) for _ in pending[n].values] for n in local}
         if reduced:
-            packed = torch.cat([_to_tensor(pending[n][4], self.device) for n in reduced])
+            packed = torch.cat([_to_tensor(pending[n].values, self.device) for n in reduced])
             columns = iter(zip(*all_gather_tensor(packed).cpu().tolist()))  # one per value
             for n in reduced:
                 reduce = max if n in _MAX_REDUCED else statistics.fmean
-                numbers[n] = [reduce(next(columns)) for _ in pending[n][4]]
+                numbers[n] = [reduce(next(columns)) for _ in pending[n].values]
         return numbers
 
     # ----------------------------------------------------------------------------------------
