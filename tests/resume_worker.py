@@ -11,6 +11,7 @@ Under torchrun it trains with DistributedDataParallel and a DistributedSampler.
     KILL_IN_SAVE=n        SIGKILL it halfway through writing its n-th checkpoint
     KILL_BEFORE_POINTER=n SIGKILL it after its n-th checkpoint file, before latest.txt moves
     SLOW_SAVE=s           sleep s seconds in every checkpoint write (after creating WORK_DIR/saving)
+    PID_DIR               write this process's pid to PID_DIR/pid_{rank}
 """
 
 import os
@@ -75,6 +76,9 @@ def main():
             return nn.functional.mse_loss(self.net(x), y)
 
     rank, world_size = init_distributed()  # under torchrun: gloo, DDP and a DistributedSampler
+    if os.environ.get("PID_DIR"):
+        with open(os.path.join(os.environ["PID_DIR"], f"pid_{rank}"), "w") as f:
+            f.write(str(os.getpid()))
     set_random_seed(rank)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(40, 4, generator=g), torch.randn(40, 1, generator=g))

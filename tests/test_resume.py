@@ -3,6 +3,7 @@ rerun must end with the same weights, bit for bit, as one uninterrupted run."""
 
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -31,6 +32,22 @@ def start(work_dir, out, **env):
 def run(work_dir, out, **env):
     proc = start(work_dir, out, **env)
     _, stderr = proc.communicate(timeout=120)
+    return proc.returncode, stderr
+
+
+def start_torchrun(work_dir, out, **env):
+    """The worker under torchrun, two ranks on gloo."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", WORKER]
+    full_env = {**os.environ, "WORK_DIR": str(work_dir), "OUT": str(out), "MODE": "epoch"}
+    full_env.update({k: str(v) for k, v in env.items()})
+    return subprocess.Popen(
+        cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def torchrun(work_dir, out, **env):
+    proc = start_torchrun(work_dir, out, **env)
+    _, stderr = proc.communicate(timeout=180)
     return proc.returncode, stderr
 
 
@@ -86,14 +103,6 @@ def test_sigkill_then_rerun_is_bit_exact(tmp_path, reference, mode, num_workers,
 
 def test_sigkill_under_torchrun_then_rerun_is_bit_exact(tmp_path):
     """Two ranks (gloo): each rank's RNG state is in the checkpoint, so both resume exactly."""
-
-    def torchrun(work, out, **env):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", WORKER]
-        full_env = {**os.environ, "WORK_DIR": str(work), "OUT": str(out), "MODE": "epoch"}
-        full_env.update({k: str(v) for k, v in env.items()})
-        result = subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=180)
-        return result.returncode, result.stderr
-
     code, err = torchrun(tmp_path / "full", tmp_path / "full.pth")
     assert code == 0, err[-3000:]
     code, _ = torchrun(tmp_path / "cut", tmp_path / "cut.pth", KILL_AT_ITER=7)  # epochs of 5
@@ -102,6 +111,32 @@ def test_sigkill_under_torchrun_then_rerun_is_bit_exact(tmp_path):
     assert code == 0, err[-3000:]
     assert "Resumed from checkpoint" in err
     assert_bit_equal(load(tmp_path / "cut.pth"), load(tmp_path / "full.pth"))
+
+
+def test_sigterm_to_one_rank_stops_every_rank_at_one_checkpoint(tmp_path):
+    """Under torchrun the ranks agree at the next log point, save one checkpoint and all exit."""
+    full = tmp_path / "full"
+    code, err = torchrun(full, tmp_path / "full.pth")
+    assert code == 0, err[-3000:]
+    work, out = tmp_path / "cut", tmp_path / "cut.pth"
+    proc = start_torchrun(work, out, SLOW=0.2, CKPT_PERIOD=1000, PID_DIR=tmp_path)
+    wait_for_training(work, proc)
+    time.sleep(0.3)
+    os.kill(int((tmp_path / "pid_1").read_text()), signal.SIGTERM)  # rank 1 only
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and not out.exists()
+    stops = [
+        re.search(r"Preempted by SIGTERM after iteration (\d+)", (work / log).read_text())
+        for log in ("log.txt", "log_rank1.txt")
+    ]
+    assert stops[0] and stops[1], err[-3000:]
+    n = int(stops[0].group(1))
+    assert int(stops[1].group(1)) == n and n % 5 == 0  # both, at a log point (log_period 5)
+    assert sorted(os.listdir(work / "checkpoints")) == [f"iter_{n}.pth", "latest.txt"]
+    code, err = torchrun(work, out)
+    assert code == 0, err[-3000:]
+    assert "Resumed from checkpoint" in err
+    assert_bit_equal(load(out), load(tmp_path / "full.pth"))
 
 
 def test_sigkill_at_random_moments_until_done(tmp_path, reference):
@@ -355,3 +390,21 @@ def test_iteration_checkpoints_in_epoch_based_training_resume_exactly(tmp_path):
 def test_resume_from_a_missing_path_raises(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.pth"):
         build(tmp_path).train(resume_from_checkpoint=str(tmp_path / "nope.pth"))
+
+
+def test_preemption_at_an_epochs_last_iteration_resumes_exactly(tmp_path):
+    class SigtermAt(HookBase):
+        def after_iter(self):
+            if self.trainer.cur_iter == 7:  # the last of epoch 0's 8 iterations
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer = build(tmp_path, max_epochs=3, checkpoint_period=100)
+    trainer.register_hook(SigtermAt())
+    with pytest.raises(SystemExit) as exit_info:
+        trainer.train()
+    assert exit_info.value.code == 128 + signal.SIGTERM
+    assert os.path.isfile(tmp_path / "checkpoints" / "iter_8.pth")
+    resumed = build(tmp_path, max_epochs=3, checkpoint_period=100)
+    resumed.train()
+    assert resumed.start_iter == 8
+    assert_bit_equal(resumed.model.state_dict(), uninterrupted(tmp_path, max_epochs=3))

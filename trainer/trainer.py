@@ -256,7 +256,8 @@ class Trainer:
         self._iter_start = 0.0
         self._hooks: list[HookBase] = []
         self._event_handlers: dict[str, list[Any]] = {event: [] for event in _EVENTS}
-        self._preempt_signal: Optional[int] = None
+        self._preempt_signal: Optional[int] = None  # caught by this process
+        self._agreed_signal = 0  # under torchrun: caught by any rank, as of the last log point
         self._writer = BackgroundWriter()
 
         _make_writable_dir(self.ckpt_dir)
@@ -395,7 +396,7 @@ class Trainer:
                             self.train_one_iter()
                             self._end_iter()
                             self._call_hooks("after_iter")
-                            if self._preempt_signal and self.cur_iter < self.max_iters - 1:
+                            if self._stop_signal() and self.cur_iter < self.max_iters - 1:
                                 self._exit_preempted()
                         start_inner = 0
                         self._data_iter = None
@@ -425,7 +426,7 @@ class Trainer:
         if threading.current_thread() is not threading.main_thread():
             yield  # Python lets only the main thread handle signals
             return
-        self._preempt_signal = None
+        self._preempt_signal, self._agreed_signal = None, 0
         previous = {sig: signal.signal(sig, self._on_preempt_signal) for sig in _PREEMPT_SIGNALS}
         try:
             yield
@@ -441,14 +442,23 @@ class Trainer:
             os.kill(os.getpid(), signum)
         self._preempt_signal = signum
 
+    def _stop_signal(self) -> int:
+        # Under torchrun every rank must stop at the same iteration (the save is a collective):
+        # they learn of each other's signals at log points, with the metrics.
+        if get_world_size() > 1:
+            return self._agreed_signal
+        return self._preempt_signal or 0
+
     def _exit_preempted(self) -> None:
-        name = signal.Signals(self._preempt_signal).name
+        signum = self._stop_signal()
+        name = signal.Signals(signum).name
         path = self.save_checkpoint(f"iter_{self.cur_iter + 1}.pth")
         self.wait_for_checkpoint()
-        status = 128 + self._preempt_signal  # what a shell reports for death by this signal
+        status = 128 + signum  # what a shell reports for death by this signal
         logger.warning(
-            f"Preempted by {name} after iteration {self.cur_iter + 1}: saved {path}; exiting with "
-            f"status {status}. Rerun the same command to resume."
+            f"Preempted by {name} after iteration {self.cur_iter + 1}: saved "
+            f"{path or 'a checkpoint (rank 0 writes)'}; exiting with status {status}. Rerun the "
+            "same command to resume."
         )
         raise SystemExit(status)
 
@@ -646,8 +656,13 @@ class Trainer:
         flat = iter(_to_host([v for n in local for v in pending[n].values]))
         numbers = {n: [next(flat) for _ in pending[n].values] for n in local}
         if reduced:
-            packed = torch.cat([_to_tensor(pending[n].values, self.device) for n in reduced])
-            columns = iter(zip(*all_gather_tensor(packed).cpu().tolist()))  # one per value
+            # the last element: the preemption signal this rank caught, if any
+            caught = torch.tensor([float(self._preempt_signal or 0)], dtype=torch.float64)
+            values = [_to_tensor(pending[n].values, self.device) for n in reduced]
+            packed = torch.cat([*values, caught.to(self.device)])
+            *per_rank, signals = zip(*all_gather_tensor(packed).cpu().tolist())
+            self._agreed_signal = int(max(signals))
+            columns = iter(per_rank)  # one per value, each holding every rank's
             for n in reduced:
                 reduce = max if n in _MAX_REDUCED else statistics.fmean
                 numbers[n] = [reduce(next(columns)) for _ in pending[n].values]
@@ -782,7 +797,10 @@ class Trainer:
         progress = data["progress"]
         self._epoch_rng = rng["epoch_start"]
         self._position = (progress["epoch"], progress["inner_iter"])
-        self._batches_to_skip = progress["inner_iter"] * self.accumulation_steps
+        # A checkpoint from an epoch's last iteration (a preemption there) resumes with the
+        # epoch's end: the next pass starts fresh, nothing to skip.
+        inner = progress["inner_iter"]
+        self._batches_to_skip = inner * self.accumulation_steps if inner < self.epoch_len else 0
         self._data_iter = None
         self.start_iter = min(
             self.max_iters, self._position[0] * self.epoch_len + self._position[1]
