@@ -64,23 +64,29 @@ def test_default_amp_dtype_on_cuda_is_float16(tmp_path):
                                     {"enable_amp": True, "amp_dtype": torch.float16},
                                     {"clip_grad_norm": 1.0}])  # fmt: skip
 def test_non_log_iterations_do_not_sync(tmp_path, kwargs):
+    trainer = cuda_trainer(tmp_path, log_period=20, checkpoint_period=1000, **kwargs)
+    train_forbidding_syncs(trainer, lambda it: (it + 1) % 20 != 0)
+    assert trainer.metric_storage["total_loss"].count == 40
+
+
+def train_forbidding_syncs(trainer, forbidden):
+    """Train with every host sync an error in the iterations where ``forbidden(iter)`` holds."""
+
     class SyncGuard(HookBase):
         priority = 0  # first in every event, so it brackets train_one_iter
 
         def before_iter(self):
-            log_iter = (self.trainer.cur_iter + 1) % self.trainer.log_period == 0
-            torch.cuda.set_sync_debug_mode(0 if log_iter else "error")
+            forbid = forbidden(self.trainer.cur_iter)
+            torch.cuda.set_sync_debug_mode("error" if forbid else 0)
 
         def after_iter(self):
             torch.cuda.set_sync_debug_mode(0)
 
-    trainer = cuda_trainer(tmp_path, log_period=20, checkpoint_period=1000, **kwargs)
     trainer.register_hook(SyncGuard())
     try:
         trainer.train()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert trainer.metric_storage["total_loss"].count == 40
 
 
 class DropoutMLP(MLP):
@@ -167,25 +173,12 @@ def test_cuda_graph_runs_other_batch_shapes_eagerly_and_dropout_trains(tmp_path,
 
 
 def test_cuda_graph_replays_make_no_sync(tmp_path):
-    class SyncGuard(HookBase):
-        priority = 0
-
-        def before_iter(self):
-            replay = self.trainer.cur_iter > 3 and (self.trainer.cur_iter + 1) % 20 != 0
-            torch.cuda.set_sync_debug_mode("error" if replay else 0)
-
-        def after_iter(self):
-            torch.cuda.set_sync_debug_mode(0)
-
     trainer = cuda_trainer(
         tmp_path, cuda_graph=True, capturable=True, log_period=20, enable_amp=True,
         amp_dtype=torch.float16,
     )  # fmt: skip
-    trainer.register_hook(SyncGuard())
-    try:
-        trainer.train()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
+    # iterations 0-2 run eagerly and 3 captures (a sync); later ones replay
+    train_forbidding_syncs(trainer, lambda it: it > 3 and (it + 1) % 20 != 0)
     assert trainer.metric_storage["total_loss"].count == 40
 
 
