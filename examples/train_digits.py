@@ -16,6 +16,7 @@ import torch
 from sklearn.datasets import load_digits
 from sklearn.model_selection import train_test_split
 from torch import nn
+from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -66,6 +67,7 @@ def accuracy(model: DigitsNet, data: TensorDataset) -> float:
     return (model.logits(images).argmax(1) == labels).float().mean().item()
 
 
+@record  # under torchrun: a failing rank's traceback goes into torchrun's error summary
 def main() -> float:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=15)

@@ -64,11 +64,14 @@ TRAIN_WORKER = """
 import os, sys, time
 import torch
 from torch import nn
-from trainer import Trainer
+from torch.distributed.elastic.multiprocessing.errors import record
+from trainer import HookBase, Trainer
 from trainer.distributed import init_distributed
 
-rank, world = init_distributed()
+rank, world = init_distributed(timeout_s=float(os.environ.get("PG_TIMEOUT", 60)))
 nan_at = int(os.environ.get("NAN_AT", -1))
+fail_at = int(os.environ.get("FAIL_AT", -1))  # rank 1 raises after this iteration
+hang_at = int(os.environ.get("HANG_AT", -1))  # rank 1 stalls for 15 s after this iteration
 
 
 class RankLoss(nn.Module):
@@ -95,19 +98,33 @@ class Batches:  # rank 1's batches take 50 ms each
             yield torch.zeros(1)
 
 
-model = torch.nn.parallel.DistributedDataParallel(RankLoss())
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-trainer = Trainer(model, optimizer, None, Batches(), max_iters=16, log_period=8,
-                  work_dir=sys.argv[1], checkpoint_period=100)
-try:
-    trainer.train()
-    s = trainer.metric_storage
-    print(f"rank {rank}: loss {s['total_loss'].latest} count {s['total_loss'].count} "
-          f"data_time {s['data_time'].latest:.3f}", flush=True)
-except FloatingPointError as e:
-    print(f"rank {rank} raised: {e}", flush=True)
-torch.distributed.barrier()
-torch.distributed.destroy_process_group()
+class Fault(HookBase):
+    def after_iter(self):
+        if rank == 1 and self.trainer.cur_iter == fail_at:
+            raise RuntimeError(f"injected failure on rank 1 at iteration {fail_at}")
+        if rank == 1 and self.trainer.cur_iter == hang_at:
+            time.sleep(15)
+
+
+@record  # torchrun's summary then names the failing rank and shows its traceback
+def main():
+    model = torch.nn.parallel.DistributedDataParallel(RankLoss())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    trainer = Trainer(model, optimizer, None, Batches(), max_iters=16, log_period=8,
+                      work_dir=sys.argv[1], checkpoint_period=100)
+    trainer.register_hook(Fault())
+    try:
+        trainer.train()
+        s = trainer.metric_storage
+        print(f"rank {rank}: loss {s['total_loss'].latest} count {s['total_loss'].count} "
+              f"data_time {s['data_time'].latest:.3f}", flush=True)
+    except FloatingPointError as e:
+        print(f"rank {rank} raised: {e}", flush=True)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+main()
 """
 
 
@@ -133,3 +150,29 @@ def test_a_nan_loss_on_one_rank_makes_every_rank_raise_at_that_iteration(tmp_pat
     out = run_train_worker(tmp_path, NAN_AT=5)
     for rank in (0, 1):
         assert f"rank {rank} raised: Loss became NaN or infinite at iteration 5 (epoch 0)" in out
+
+
+def run_failing_worker(tmp_path, **env):
+    """The train worker with a fault injected on rank 1."""
+    script = tmp_path / "train_worker.py"
+    script.write_text(textwrap.dedent(TRAIN_WORKER))
+    full_env = {**os.environ, **{k: str(v) for k, v in env.items()}}
+    return torchrun([str(script), str(tmp_path / "work")], timeout=90, env=full_env)
+
+
+def test_an_exception_on_one_rank_ends_the_job_and_names_the_rank(tmp_path):
+    result = run_failing_worker(tmp_path, FAIL_AT=5)
+    assert result.returncode == 1
+    # torchrun's summary (from @record): the root cause is rank 1, with its traceback
+    root_cause = result.stderr.split("Root Cause (first observed failure):")[1]
+    assert re.search(r"rank\s+: 1 \(local_rank: 1\)", root_cause), result.stderr[-3000:]
+    assert "RuntimeError: injected failure on rank 1 at iteration 5" in root_cause
+    log = (tmp_path / "work" / "log_rank1.txt").read_text()
+    assert "Training failed in iteration 5:" in log and "injected failure" in log
+
+
+def test_a_stalled_rank_makes_the_others_fail_after_the_process_group_timeout(tmp_path):
+    # rank 1 stalls for 15 s; rank 0 gives up at its next collective after 5 s
+    result = run_failing_worker(tmp_path, HANG_AT=5, PG_TIMEOUT=5)
+    assert result.returncode == 1
+    assert "Timed out waiting 5000ms" in result.stderr, result.stderr[-3000:]

@@ -402,6 +402,10 @@ class Trainer:
                         self._data_iter = None
                         self._position = (self.cur_epoch + 1, 0)
                         self._call_hooks("after_epoch")
+            except Exception:
+                # in this rank's log file too, tagged with the iteration
+                logger.exception(f"Training failed in iteration {self.cur_iter}:")
+                raise
             finally:
                 try:
                     self._call_hooks("after_train")
