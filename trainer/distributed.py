@@ -11,7 +11,7 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 
-def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -> tuple[int, int]:
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) -> tuple[int, int]:
     """Join the process group that ``torchrun`` describes in the environment.
 
     Binds each process to a GPU by its ``LOCAL_RANK`` and picks nccl when every local process has a
@@ -20,7 +20,8 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 1800.0) -
 
     Args:
         backend: Force a backend (``"nccl"``, ``"gloo"``); None chooses as above.
-        timeout_s: How long a collective may wait for the other ranks before failing.
+        timeout_s: How long a collective may wait for the other ranks before it fails (and with
+            it the job): bounds the hang when a rank stalls.
 
     Returns:
         ``(rank, world_size)``.
