@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 
 from trainer.distributed import (
@@ -67,6 +68,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from trainer import HookBase, Trainer
 from trainer.distributed import init_distributed
+from trainer.hooks import EvalHook
 
 rank, world = init_distributed(timeout_s=float(os.environ.get("PG_TIMEOUT", 60)))
 nan_at = int(os.environ.get("NAN_AT", -1))
@@ -113,11 +115,19 @@ def main():
     trainer = Trainer(model, optimizer, None, Batches(), max_iters=16, log_period=8,
                       work_dir=sys.argv[1], checkpoint_period=100)
     trainer.register_hook(Fault())
+    evals = {
+        "shard": lambda: {"acc": float(rank)},  # each rank its own shard's number
+        "rank0": lambda: {"acc": 0.75} if rank == 0 else None,  # rank 0 alone evaluates
+    }
+    if os.environ.get("EVAL"):
+        trainer.register_hook(EvalHook(8, evals[os.environ["EVAL"]]))
     try:
         trainer.train()
         s = trainer.metric_storage
         print(f"rank {rank}: loss {s['total_loss'].latest} count {s['total_loss'].count} "
               f"data_time {s['data_time'].latest:.3f}", flush=True)
+        if os.environ.get("EVAL"):
+            print(f"rank {rank}: acc {s['acc'].latest} count {s['acc'].count}", flush=True)
     except FloatingPointError as e:
         print(f"rank {rank} raised: {e}", flush=True)
     torch.distributed.barrier()
@@ -150,6 +160,13 @@ def test_a_nan_loss_on_one_rank_makes_every_rank_raise_at_that_iteration(tmp_pat
     out = run_train_worker(tmp_path, NAN_AT=5)
     for rank in (0, 1):
         assert f"rank {rank} raised: Loss became NaN or infinite at iteration 5 (epoch 0)" in out
+
+
+@pytest.mark.parametrize("how, acc", [("shard", 0.5), ("rank0", 0.75)])
+def test_evaluation_results_are_the_same_on_every_rank(tmp_path, how, acc):
+    out = run_train_worker(tmp_path, EVAL=how)
+    for rank in (0, 1):  # evaluated after iterations 8 and 16
+        assert f"rank {rank}: acc {acc} count 2" in out, out
 
 
 def run_failing_worker(tmp_path, **env):

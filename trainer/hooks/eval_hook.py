@@ -2,10 +2,12 @@
 
 import logging
 import numbers
+import statistics
 from typing import Callable, Optional
 
 import torch
 
+from ..distributed import all_gather, get_world_size
 from .hookbase import HookBase, Priority
 
 logger = logging.getLogger(__name__)
@@ -18,6 +20,11 @@ class EvalHook(HookBase):
 
     Results land in ``trainer.metric_storage`` (not smoothed), TensorBoard and the console, where
     ``LRUpdateHook`` finds the metric that ``ReduceLROnPlateau`` judges.
+
+    Under torchrun every rank calls ``eval_func`` and every rank logs the mean of the results
+    over the ranks that returned some, so decisions taken on them agree. Either evaluate a shard
+    per rank and return its numbers, or evaluate on rank 0 and return None elsewhere (the other
+    ranks wait in the collective that shares rank 0's results).
 
     Args:
         period: Epochs or iterations between evaluations.
@@ -53,9 +60,12 @@ class EvalHook(HookBase):
             results = self._eval_func()
         finally:
             self.trainer.model.train()
+        if results is not None:
+            results = _check_results(results)
+        if get_world_size() > 1:
+            results = _mean_over_ranks(results)
         if results is None:
             return
-        results = _check_results(results)
         line = "  ".join(f"{k}: {v:.5g}" for k, v in results.items())
         logger.info(f"Evaluation after iteration {self.trainer.cur_iter + 1}: {line}")
         self.trainer.log(self.trainer.cur_iter, smooth=False, **results)
@@ -77,3 +87,18 @@ def _check_results(results: object) -> dict[str, float]:
             )
         checked[str(name)] = float(value)
     return checked
+
+
+def _mean_over_ranks(results: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
+    """The mean of every rank's results, on every rank; ranks that returned None do not count."""
+    per_rank = all_gather(results)  # once per evaluation: a small object
+    given = [r for r in per_rank if r is not None]
+    if not given:
+        return None
+    if any(r.keys() != given[0].keys() for r in given):
+        names = {rank: sorted(r) for rank, r in enumerate(per_rank) if r is not None}
+        raise RuntimeError(
+            f"eval_func returned different names on different ranks: {names}. Return the same "
+            "names on every rank, or None on the ranks that do not evaluate."
+        )
+    return {name: statistics.fmean(r[name] for r in given) for name in given[0]}
