@@ -2,6 +2,9 @@
 
     python examples/train_digits.py
     torchrun --nproc_per_node 2 examples/train_digits.py
+    # two nodes (here both on localhost): run on each, with the first node's address
+    torchrun --nnodes 2 --nproc_per_node 1 --rdzv-backend c10d --rdzv-endpoint localhost:29500 \
+        --rdzv-id digits examples/train_digits.py
 
 The same file runs in one process or under torchrun: ``init_distributed`` joins the process group
 torchrun describes (gloo on CPU, nccl on GPUs), the model is wrapped in DistributedDataParallel and

@@ -2,10 +2,12 @@
 
 import os
 import re
+import socket
 import subprocess
 import sys
 
 import pytest
+import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytest.importorskip("sklearn", reason="the examples extra (scikit-learn) is not installed")
@@ -43,6 +45,46 @@ def test_train_digits_under_torchrun_with_two_processes(tmp_path):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == [
         "epoch_14.pth", "epoch_15.pth", "latest.txt"
     ]  # fmt: skip
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_train_digits_as_two_torchrun_nodes_on_localhost(tmp_path):
+    """Two one-process "nodes" meeting at a c10d rendezvous train exactly as one two-process
+    node does."""
+    script = os.path.join(ROOT, "examples", "train_digits.py")
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]
+    args = [script, "--epochs", "2"]
+    run(torchrun + ["--nproc_per_node", "2"] + args + ["--work-dir", "one"], cwd=tmp_path)
+    rdzv = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d"]
+    rdzv += ["--rdzv-endpoint", f"localhost:{free_port()}", "--rdzv-id", "digits"]
+    # torchrun gives one-process nodes all CPU threads: one each, as on the single node
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [
+        subprocess.Popen(
+            torchrun + rdzv + ["--node_rank", str(n)] + args + ["--work-dir", "two"],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )  # fmt: skip
+        for n in (0, 1)
+    ]
+    outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    for node, output in zip(nodes, outputs):
+        assert node.returncode == 0, output[-3000:]
+    assert "world size 2" in "".join(outputs)  # from the node that got rank 0
+    one, two = (
+        torch.load(tmp_path / d / "checkpoints" / "epoch_2.pth", weights_only=True)["model"]
+        for d in ("one", "two")
+    )
+    assert one.keys() == two.keys()
+    assert all(torch.equal(one[k], two[k]) for k in one)
 
 
 def test_custom_hook_example(tmp_path):
