@@ -1,6 +1,10 @@
 """A tiny model, a tiny in-memory dataset and a ``make_trainer(**overrides)`` factory."""
 
+import glob
 import logging
+import os
+import signal
+import subprocess
 
 import pytest
 import torch
@@ -72,3 +76,35 @@ def _quiet_trainer_logs():
     # Keep test output short; records still reach caplog and each trainer's log file.
     logging.getLogger("trainer").setLevel(logging.INFO)
     yield
+
+
+def communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """``proc.communicate(timeout=...)``; on a timeout every process under ``proc`` is killed
+    (torchrun starts its workers in sessions of their own) before the test fails."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in _process_tree(proc.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        proc.communicate()
+        raise
+
+
+def _process_tree(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat) as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.split("/")[2]))
+    tree, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        tree.append(pid)
+        todo.extend(children.get(pid, []))
+    return tree

@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from subprocess import PIPE
 
 import pytest
 import torch
@@ -19,6 +20,8 @@ from trainer.distributed import (
     is_main_process,
     reduce_dict,
 )
+
+from conftest import communicate
 
 
 def test_single_process_fallbacks(monkeypatch):
@@ -48,9 +51,11 @@ torch.distributed.destroy_process_group()
 """
 
 
-def torchrun(args, timeout=120, **kwargs):
+def torchrun(args, timeout, env=None):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"] + args
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)
+    proc = subprocess.Popen(cmd, stdout=PIPE, stderr=PIPE, text=True, env=env)
+    stdout, stderr = communicate(proc, timeout)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def test_collectives_across_two_gloo_processes(tmp_path):
@@ -142,7 +147,7 @@ def run_train_worker(tmp_path, **env):
     script = tmp_path / "train_worker.py"
     script.write_text(textwrap.dedent(TRAIN_WORKER))
     full_env = {**os.environ, **{k: str(v) for k, v in env.items()}}
-    result = torchrun([str(script), str(tmp_path / "work")], timeout=120, env=full_env)
+    result = torchrun([str(script), str(tmp_path / "work")], timeout=90, env=full_env)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 

@@ -5,18 +5,22 @@ import re
 import socket
 import subprocess
 import sys
+from subprocess import PIPE
 
 import pytest
 import torch
+
+from conftest import communicate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytest.importorskip("sklearn", reason="the examples extra (scikit-learn) is not installed")
 
 
-def run(cmd, cwd, timeout=240):
-    result = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result.stdout + result.stderr
+def run(cmd, cwd, timeout=180):
+    proc = subprocess.Popen(cmd, cwd=cwd, stdout=PIPE, stderr=PIPE, text=True)
+    stdout, stderr = communicate(proc, timeout)
+    assert proc.returncode == 0, stderr[-3000:]
+    return stdout + stderr
 
 
 def final_accuracy(output):
@@ -75,7 +79,7 @@ def test_train_digits_as_two_torchrun_nodes_on_localhost(tmp_path):
         )  # fmt: skip
         for n in (0, 1)
     ]
-    outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    outputs = [communicate(node, timeout=90)[0] for node in nodes]
     for node, output in zip(nodes, outputs):
         assert node.returncode == 0, output[-3000:]
     assert "world size 2" in "".join(outputs)  # from the node that got rank 0

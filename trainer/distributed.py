@@ -43,7 +43,13 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) ->
     if backend is None:
         # nccl cannot put two ranks on one GPU
         backend = "nccl" if num_gpus >= local_world_size else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # torchrun's store outlives a restart of the workers (--max-restarts): without a prefix of
+    # its own, an attempt can read the previous attempt's addresses and fail to connect.
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"trainer/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     logger.info(
         f"Initialized {backend} rank {dist.get_rank()} of {dist.get_world_size()} "
         f"({num_gpus} GPUs for {local_world_size} local processes)."
