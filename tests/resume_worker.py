@@ -5,13 +5,18 @@ Configured by environment variables:
     MODE                  "epoch" (3 epochs of 10 iterations) or "iter" (25 iterations)
     NUM_WORKERS           the data loader's worker processes
 Under torchrun it trains with DistributedDataParallel and a DistributedSampler.
+    SHARD=1               under torchrun: shard the model with FSDP2's fully_shard instead of DDP
+    CLIP=c                clip_grad_norm
+    ACCUM=k               accumulation_steps
     SLOW                  seconds to sleep in every iteration (gives signals time to land)
     CKPT_PERIOD           the checkpoint period, in iterations
     KILL_AT_ITER=n        SIGKILL this process after iteration n
+    KILL_RANK=r           only rank r kills itself (KILL_* act only in torchrun's first attempt)
     KILL_IN_SAVE=n        SIGKILL it halfway through writing its n-th checkpoint
     KILL_BEFORE_POINTER=n SIGKILL it after its n-th checkpoint file, before latest.txt moves
     SLOW_SAVE=s           sleep s seconds in every checkpoint write (after creating WORK_DIR/saving)
     PID_DIR               write this process's pid to PID_DIR/pid_{rank}
+    RESTART_DELAY=s       in an attempt that torchrun restarted, rank 0 joins the group s late
 """
 
 import os
@@ -26,6 +31,8 @@ def env_int(name, default=0):
 def main():
     import torch
     from torch import nn
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
@@ -34,6 +41,11 @@ def main():
     from trainer.distributed import init_distributed
 
     work_dir = os.environ["WORK_DIR"]
+    rank = env_int("RANK")
+    # Faults are injected into the first attempt only: workers that torchrun restarts run clean.
+    if env_int("TORCHELASTIC_RESTART_COUNT") > 0 or env_int("KILL_RANK", rank) != rank:
+        for name in ("KILL_AT_ITER", "KILL_IN_SAVE", "KILL_BEFORE_POINTER"):
+            os.environ.pop(name, None)
     saves = {"n": 0}
     real_save = torch.save
 
@@ -75,11 +87,12 @@ def main():
             x, y = batch
             return nn.functional.mse_loss(self.net(x), y)
 
+    if env_int("TORCHELASTIC_RESTART_COUNT") > 0 and rank == 0:
+        time.sleep(float(os.environ.get("RESTART_DELAY", 0)))
     rank, world_size = init_distributed()  # under torchrun: gloo, DDP and a DistributedSampler
     if os.environ.get("PID_DIR"):
         with open(os.path.join(os.environ["PID_DIR"], f"pid_{rank}"), "w") as f:
             f.write(str(os.getpid()))
-    set_random_seed(rank)
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(40, 4, generator=g), torch.randn(40, 1, generator=g))
     sampler = DistributedSampler(data, seed=0) if world_size > 1 else None
@@ -87,20 +100,30 @@ def main():
         data, batch_size=4, shuffle=sampler is None, sampler=sampler,
         num_workers=env_int("NUM_WORKERS"),
     )  # fmt: skip
+    torch.manual_seed(0)  # the same initial weights on every rank, for fully_shard
     net = Model()
-    model = DistributedDataParallel(net) if world_size > 1 else net
+    set_random_seed(rank)
+    if world_size > 1 and env_int("SHARD"):
+        for layer in net.net:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer)
+        model = fully_shard(net)
+    else:
+        model = DistributedDataParallel(net) if world_size > 1 else net
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     length = {"max_epochs": 3} if os.environ["MODE"] == "epoch" else {"max_iters": 25}
     trainer = Trainer(
         model, optimizer, scheduler, loader, **length, work_dir=work_dir, log_period=5,
         checkpoint_period=env_int("CKPT_PERIOD", 3), checkpoint_by_epoch=False, warmup_t=5,
-        warmup_init_lr=0.005,
+        warmup_init_lr=0.005, clip_grad_norm=float(os.environ.get("CLIP", 0)),
+        accumulation_steps=env_int("ACCUM", 1),
     )  # fmt: skip
     trainer.register_hook(Crash())
     trainer.train()
+    weights = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True))
     if rank == 0:
-        real_save(net.state_dict(), os.environ["OUT"])
+        real_save(weights, os.environ["OUT"])
     if world_size > 1:
         # Every rank done talking, then tear down: gloo can abort at exit otherwise.
         torch.distributed.barrier()

@@ -15,7 +15,7 @@ from torch import nn
 
 from trainer import HookBase
 
-from conftest import TinyModel, build
+from conftest import TinyModel, build, communicate
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "resume_worker.py")
 
@@ -31,13 +31,13 @@ def start(work_dir, out, **env):
 
 def run(work_dir, out, **env):
     proc = start(work_dir, out, **env)
-    _, stderr = proc.communicate(timeout=120)
+    _, stderr = communicate(proc, timeout=90)
     return proc.returncode, stderr
 
 
-def start_torchrun(work_dir, out, **env):
-    """The worker under torchrun, two ranks on gloo."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", WORKER]
+def start_torchrun(work_dir, out, *, args=(), **env):
+    """The worker under torchrun, two ranks on gloo; ``args`` go to torchrun."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *args, WORKER]
     full_env = {**os.environ, "WORK_DIR": str(work_dir), "OUT": str(out), "MODE": "epoch"}
     full_env.update({k: str(v) for k, v in env.items()})
     return subprocess.Popen(
@@ -45,9 +45,9 @@ def start_torchrun(work_dir, out, **env):
     )
 
 
-def torchrun(work_dir, out, **env):
-    proc = start_torchrun(work_dir, out, **env)
-    _, stderr = proc.communicate(timeout=180)
+def torchrun(work_dir, out, *, args=(), **env):
+    proc = start_torchrun(work_dir, out, args=args, **env)
+    _, stderr = communicate(proc, timeout=90)
     return proc.returncode, stderr
 
 
@@ -101,29 +101,95 @@ def test_sigkill_then_rerun_is_bit_exact(tmp_path, reference, mode, num_workers,
     assert_bit_equal(load(out), reference(mode, num_workers))
 
 
-def test_sigkill_under_torchrun_then_rerun_is_bit_exact(tmp_path):
-    """Two ranks (gloo): each rank's RNG state is in the checkpoint, so both resume exactly."""
-    code, err = torchrun(tmp_path / "full", tmp_path / "full.pth")
+@pytest.fixture(scope="module")
+def torchrun_reference(tmp_path_factory):
+    """Final weights of an uninterrupted run under torchrun (two ranks)."""
+    root = tmp_path_factory.mktemp("ref-torchrun")
+    code, err = torchrun(root / "work", root / "out.pth")
     assert code == 0, err[-3000:]
+    return load(root / "out.pth")
+
+
+def test_sigkill_under_torchrun_then_rerun_is_bit_exact(tmp_path, torchrun_reference):
+    """Two ranks (gloo): each rank's RNG state is in the checkpoint, so both resume exactly."""
     code, _ = torchrun(tmp_path / "cut", tmp_path / "cut.pth", KILL_AT_ITER=7)  # epochs of 5
     assert code != 0 and not (tmp_path / "cut.pth").exists()
     code, err = torchrun(tmp_path / "cut", tmp_path / "cut.pth")
     assert code == 0, err[-3000:]
     assert "Resumed from checkpoint" in err
-    assert_bit_equal(load(tmp_path / "cut.pth"), load(tmp_path / "full.pth"))
+    assert_bit_equal(load(tmp_path / "cut.pth"), torchrun_reference)
 
 
-def test_sigterm_to_one_rank_stops_every_rank_at_one_checkpoint(tmp_path):
-    """Under torchrun the ranks agree at the next log point, save one checkpoint and all exit."""
-    full = tmp_path / "full"
-    code, err = torchrun(full, tmp_path / "full.pth")
+def test_elastic_restart_after_a_killed_worker_is_bit_exact(tmp_path, torchrun_reference):
+    """torchrun --max-restarts 1: rank 1 dies, torchrun restarts both ranks, they resume from
+    the latest checkpoint and finish as if nothing happened."""
+    out = tmp_path / "out.pth"
+    args = ["--max-restarts", "1"]
+    # rank 1 of the new attempt then finds the old attempt's address of rank 0 first, if any
+    faults = {"KILL_AT_ITER": 7, "KILL_RANK": 1, "RESTART_DELAY": 3}
+    code, err = torchrun(tmp_path / "work", out, args=args, **faults)
     assert code == 0, err[-3000:]
+    assert "failed (exitcode: -9) local_rank: 1" in err  # torchrun saw rank 1 killed
+    assert "Resumed from checkpoint" in err and "at iteration 6" in err  # saved every 3
+    assert_bit_equal(load(out), torchrun_reference)
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(tmp_path_factory):
+    """An uninterrupted run under torchrun with the model sharded by fully_shard (FSDP2) and
+    gradients clipped (their norm is about 2, so clipping at 0.05 acts in every step)."""
+    root = tmp_path_factory.mktemp("fsdp")
+    code, err = torchrun(root / "work", root / "out.pth", SHARD=1, CLIP=0.05)
+    assert code == 0, err[-3000:]
+    return root
+
+
+def test_fsdp2_trains_as_ddp_does_and_its_checkpoint_loads_into_a_plain_model(tmp_path, fsdp_run):
+    code, err = torchrun(tmp_path / "work", tmp_path / "ddp.pth", CLIP=0.05)
+    assert code == 0, err[-3000:]
+    fsdp, ddp = load(fsdp_run / "out.pth"), load(tmp_path / "ddp.pth")
+    assert fsdp.keys() == ddp.keys()
+    for name in fsdp:  # a per-shard gradient norm would clip differently
+        torch.testing.assert_close(fsdp[name], ddp[name], rtol=1e-6, atol=1e-7)
+    # the last checkpoint holds the full weights as plain tensors (rank 0 wrote it)
+    ckpt_dir = fsdp_run / "work" / "checkpoints"
+    ckpt = load(ckpt_dir / (ckpt_dir / "latest.txt").read_text().strip())
+    plain = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+    plain.load_state_dict({k.removeprefix("net."): v for k, v in ckpt["model"].items()})
+    assert_bit_equal(plain.state_dict(), {k.removeprefix("net."): v for k, v in fsdp.items()})
+    assert set(ckpt["optimizer"]["state"]) == set(fsdp)  # momentum, keyed by parameter name
+
+
+def test_fsdp2_with_gradient_accumulation_trains_as_ddp_does(tmp_path):
+    # FSDP2 reduces gradients on the last micro-batch only, as DDP does under no_sync
+    for shard in (0, 1):
+        code, err = torchrun(
+            tmp_path / f"w{shard}", tmp_path / f"{shard}.pth", SHARD=shard, ACCUM=2
+        )
+        assert code == 0, err[-3000:]
+    fsdp, ddp = load(tmp_path / "1.pth"), load(tmp_path / "0.pth")
+    for name in fsdp:
+        torch.testing.assert_close(fsdp[name], ddp[name], rtol=1e-6, atol=1e-7)
+
+
+def test_fsdp2_sigkill_then_rerun_is_bit_exact(tmp_path, fsdp_run):
+    work, out = tmp_path / "work", tmp_path / "out.pth"
+    code, _ = torchrun(work, out, SHARD=1, CLIP=0.05, KILL_AT_ITER=7)
+    assert code != 0 and not out.exists()
+    code, err = torchrun(work, out, SHARD=1, CLIP=0.05)
+    assert code == 0, err[-3000:]
+    assert "Resumed from checkpoint" in err and "at iteration 6" in err
+    assert_bit_equal(load(out), load(fsdp_run / "out.pth"))
+
+
+def test_sigterm_to_one_rank_stops_every_rank_at_one_checkpoint(tmp_path, torchrun_reference):
+    """Under torchrun the ranks agree at the next log point, save one checkpoint and all exit."""
     work, out = tmp_path / "cut", tmp_path / "cut.pth"
     proc = start_torchrun(work, out, SLOW=0.2, CKPT_PERIOD=1000, PID_DIR=tmp_path)
     wait_for_training(work, proc)
     time.sleep(0.3)
     os.kill(int((tmp_path / "pid_1").read_text()), signal.SIGTERM)  # rank 1 only
-    _, err = proc.communicate(timeout=120)
+    _, err = communicate(proc, timeout=90)
     assert proc.returncode != 0 and not out.exists()
     stops = [
         re.search(r"Preempted by SIGTERM after iteration (\d+)", (work / log).read_text())
@@ -136,7 +202,7 @@ def test_sigterm_to_one_rank_stops_every_rank_at_one_checkpoint(tmp_path):
     code, err = torchrun(work, out)
     assert code == 0, err[-3000:]
     assert "Resumed from checkpoint" in err
-    assert_bit_equal(load(out), load(tmp_path / "full.pth"))
+    assert_bit_equal(load(out), torchrun_reference)
 
 
 def test_sigkill_at_random_moments_until_done(tmp_path, reference):

@@ -33,6 +33,15 @@ from .checkpoint import (
 from .cuda_graph import GraphedStep, check_graphable
 from .distributed import all_gather_tensor, gather, get_rank, get_world_size, is_main_process
 from .env import collect_env
+from .fsdp import (
+    full_state_dicts,
+    is_sharded,
+    keyed_by_name,
+    load_full_model_state,
+    load_full_optimizer_state,
+    local_value,
+    no_gradient_sync,
+)
 from .hooks import CheckpointHook, DistributedHook, HookBase, LoggerHook, LRUpdateHook
 from .logger import ensure_console_logging, log_file_path, log_to_file
 from .lr_scheduler import LRWarmupScheduler
@@ -231,7 +240,13 @@ class Trainer:
         self._scaler = torch.amp.GradScaler(
             self.device.type, enabled=enable_amp and self.amp_dtype == torch.float16
         )
+        self._sharded = is_sharded(model)  # by FSDP2's fully_shard
         self._graphed_step: Optional[GraphedStep] = None
+        if cuda_graph and self._sharded:
+            raise ValueError(
+                "cuda_graph=True does not support models sharded with fully_shard (FSDP2): "
+                "its collectives cannot be captured here. Pass cuda_graph=False."
+            )
         if cuda_graph:
             check_graphable(model, optimizer, self.device, self._scaler.is_enabled())
             self._graphed_step = GraphedStep(self._step, optimizer, self.device)
@@ -501,7 +516,7 @@ class Trainer:
         if self.clip_grad_norm > 0:
             self._scaler.unscale_(self.optimizer)
             grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
-            extras["grad_norm"] = grad_norm.detach()
+            extras["grad_norm"] = local_value(grad_norm.detach())  # FSDP2: a replicated DTensor
 
         # 4. step; with float16 the scaler skips the step when gradients hold inf or NaN
         self._skipped = self._scaler.is_enabled()  # until _on_optimizer_step says otherwise
@@ -558,9 +573,12 @@ class Trainer:
         return tuple(found)
 
     def _no_grad_sync(self, skip: bool) -> contextlib.AbstractContextManager:
-        # DDP all-reduces gradients in backward; accumulate locally until the last micro-batch.
+        # DDP all-reduces (FSDP2 reduce-scatters) gradients in backward; accumulate locally until
+        # the last micro-batch.
         if skip and isinstance(self.model, DistributedDataParallel):
             return self.model.no_sync()
+        if skip and self._sharded:
+            return no_gradient_sync(self.model)
         return _NO_OP
 
     def _end_iter(self) -> None:
@@ -696,6 +714,8 @@ class Trainer:
             The path being written, or None on other ranks.
         """
         self._flush_metrics(every_rank=True)
+        # FSDP2: every rank takes part in gathering the full weights, which rank 0 writes.
+        weights = full_state_dicts(self.model, self.optimizer) if self._sharded else None
         # Per-rank RNG, so every rank's dropout and data-worker seeds resume exactly.
         inner = self._position[1]
         rng = {"now": get_rng_state(self._data_generators())}
@@ -704,7 +724,7 @@ class Trainer:
         if not is_main_process():
             return None
         self._writer.wait()  # one write at a time; raises if the previous one failed
-        state = copy_to_cpu(self._state_dict(rng_per_rank))
+        state = copy_to_cpu(self._state_dict(rng_per_rank, weights))
         ckpt_dir = self.ckpt_dir
         path = os.path.join(ckpt_dir, file_name)
 
@@ -726,13 +746,19 @@ class Trainer:
         """
         self._writer.wait()
 
-    def _state_dict(self, rng_per_rank: list[dict[str, Any]]) -> dict[str, Any]:
+    def _state_dict(
+        self, rng_per_rank: list[dict[str, Any]], weights: Optional[tuple[dict, dict]] = None
+    ) -> dict[str, Any]:
         epoch, inner = self._position
+        model, optimizer = weights or (
+            self.model_or_module.state_dict(),
+            self.optimizer.state_dict(),
+        )
         return {
             "progress": {"epoch": epoch, "inner_iter": inner, "epoch_len": self.epoch_len},
             "config": self._config(),
-            "model": self.model_or_module.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": model,
+            "optimizer": optimizer,
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "grad_scaler": self._scaler.state_dict(),
             "metric_storage": self._storage.state_dict(),
@@ -785,7 +811,7 @@ class Trainer:
             logger.info(f"Loaded model weights from {path}; the training state is not restored.")
             return True
         self._check_config(data["config"], data["progress"]["epoch_len"], path)
-        self.optimizer.load_state_dict(data["optimizer"])
+        self._load_optimizer(data["optimizer"], path)
         self.lr_scheduler.load_state_dict(data["lr_scheduler"])
         self._scaler.load_state_dict(data["grad_scaler"])
         self._storage.load_state_dict(data["metric_storage"])
@@ -862,7 +888,23 @@ class Trainer:
         if problems:
             logger.warning(f"Loading {path} with strict=False skipped:{problems}")
             state = {k: v for k, v in state.items() if k in own and k not in wrong_shape}
-        self.model_or_module.load_state_dict(state, strict=strict)
+        if self._sharded:
+            load_full_model_state(self.model, state, strict)
+        else:
+            self.model_or_module.load_state_dict(state, strict=strict)
+
+    def _load_optimizer(self, state: dict[str, Any], path: str) -> None:
+        # Checkpoints of sharded models key the optimizer state by parameter name.
+        if keyed_by_name(state):
+            load_full_optimizer_state(self.model_or_module, self.optimizer, state)
+        elif self._sharded:
+            raise RuntimeError(
+                f"Checkpoint {path!r} was saved by a model that was not sharded; this one is "
+                "(fully_shard), and the optimizer state cannot be mapped. Resume it without "
+                "sharding, or load the weights alone: load_checkpoint(path, resume=False)."
+            )
+        else:
+            self.optimizer.load_state_dict(state)
 
     def _config(self) -> dict[str, Any]:
         amp = str(self.amp_dtype).replace("torch.", "") if self.enable_amp else "off"
