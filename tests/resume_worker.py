@@ -8,6 +8,9 @@ Under torchrun it trains with DistributedDataParallel and a DistributedSampler.
     SHARD=1               under torchrun: shard the model with FSDP2's fully_shard instead of DDP
     CLIP=c                clip_grad_norm
     ACCUM=k               accumulation_steps
+    BATCH=b               batch size per process (4)
+    DIST_SAMPLER=1        a DistributedSampler in a single process too
+    RECORD=path           append the indices of every batch the model sees to this file
     SLOW                  seconds to sleep in every iteration (gives signals time to land)
     CKPT_PERIOD           the checkpoint period, in iterations
     KILL_AT_ITER=n        SIGKILL this process after iteration n
@@ -84,7 +87,10 @@ def main():
             self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
 
         def forward(self, batch):
-            x, y = batch
+            x, y, index = batch
+            if os.environ.get("RECORD"):
+                with open(os.environ["RECORD"], "a") as f:
+                    f.write(" ".join(map(str, index.tolist())) + "\n")
             return nn.functional.mse_loss(self.net(x), y)
 
     if env_int("TORCHELASTIC_RESTART_COUNT") > 0 and rank == 0:
@@ -94,10 +100,13 @@ def main():
         with open(os.path.join(os.environ["PID_DIR"], f"pid_{rank}"), "w") as f:
             f.write(str(os.getpid()))
     g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(40, 4, generator=g), torch.randn(40, 1, generator=g))
-    sampler = DistributedSampler(data, seed=0) if world_size > 1 else None
+    x, y = torch.randn(40, 4, generator=g), torch.randn(40, 1, generator=g)
+    data = TensorDataset(x, y, torch.arange(40))
+    sampler = None
+    if world_size > 1 or env_int("DIST_SAMPLER"):
+        sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, seed=0)
     loader = DataLoader(
-        data, batch_size=4, shuffle=sampler is None, sampler=sampler,
+        data, batch_size=env_int("BATCH", 4), shuffle=sampler is None, sampler=sampler,
         num_workers=env_int("NUM_WORKERS"),
     )  # fmt: skip
     torch.manual_seed(0)  # the same initial weights on every rank, for fully_shard

@@ -134,6 +134,27 @@ def test_elastic_restart_after_a_killed_worker_is_bit_exact(tmp_path, torchrun_r
     assert_bit_equal(load(out), torchrun_reference)
 
 
+def test_resume_with_one_process_instead_of_two_maps_the_data_position(tmp_path):
+    work = tmp_path / "work"
+    code, _ = torchrun(work, tmp_path / "cut.pth", KILL_AT_ITER=7)  # epochs of 5 iterations
+    assert code != 0  # the latest checkpoint: epoch 1 after 1 iteration of 2 ranks x 4 samples
+    code, err = run(work, tmp_path / "out.pth", DIST_SAMPLER=1, BATCH=3)
+    assert code == 1 and "(1 of 5 iterations, 8 samples)" in err and "cannot continue" in err
+    record = tmp_path / "seen.txt"
+    code, err = run(work, tmp_path / "out.pth", DIST_SAMPLER=1, RECORD=record)
+    assert code == 0, err[-3000:]
+    assert (
+        "with 2 processes x batches of 4 to 1 x 4: epoch 1 stopped after 1 iterations = 8 "
+        "samples, so this run goes on from iteration 2 of 10 of that epoch" in err
+    )
+    seen = [int(i) for i in record.read_text().split()]
+    # A DistributedSampler's order is torch.randperm seeded with seed + epoch, for any world
+    # size: the run goes on with exactly the 32 samples epoch 1 had left, then all of epoch 2.
+    epoch_1 = torch.randperm(40, generator=torch.Generator().manual_seed(0 + 1)).tolist()
+    assert seen[:32] == epoch_1[8:]
+    assert sorted(seen[32:]) == list(range(40))
+
+
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     """An uninterrupted run under torchrun with the model sharded by fully_shard (FSDP2) and

@@ -205,6 +205,7 @@ class Trainer:
         self.log_period = log_period
 
         self.epoch_len = _check_epoch_len(data_loader, accumulation_steps)
+        self._batch_size = getattr(data_loader, "batch_size", None)  # per process
         self.epoch_based = max_epochs > 0
         self.max_epochs = max_epochs if self.epoch_based else math.ceil(max_iters / self.epoch_len)
         self.max_iters = max_epochs * self.epoch_len if self.epoch_based else max_iters
@@ -755,7 +756,13 @@ class Trainer:
             self.optimizer.state_dict(),
         )
         return {
-            "progress": {"epoch": epoch, "inner_iter": inner, "epoch_len": self.epoch_len},
+            "progress": {
+                "epoch": epoch,
+                "inner_iter": inner,
+                "epoch_len": self.epoch_len,
+                "world_size": get_world_size(),
+                "batch_size": self._batch_size,
+            },  # fmt: skip
             "config": self._config(),
             "model": model,
             "optimizer": optimizer,
@@ -810,7 +817,8 @@ class Trainer:
         if not resume:
             logger.info(f"Loaded model weights from {path}; the training state is not restored.")
             return True
-        self._check_config(data["config"], data["progress"]["epoch_len"], path)
+        self._check_config(data["config"], path)
+        position = self._resume_position(data["progress"], path)
         self._load_optimizer(data["optimizer"], path)
         self.lr_scheduler.load_state_dict(data["lr_scheduler"])
         self._scaler.load_state_dict(data["grad_scaler"])
@@ -824,12 +832,11 @@ class Trainer:
                 logger.warning(f"Checkpoint has state for hook {key!r}, which is not registered.")
         rng = _rng_of_this_rank(data["rng"], path)
         set_rng_state(rng["now"], self._data_generators())
-        progress = data["progress"]
         self._epoch_rng = rng["epoch_start"]
-        self._position = (progress["epoch"], progress["inner_iter"])
+        self._position = position
         # A checkpoint from an epoch's last iteration (a preemption there) resumes with the
         # epoch's end: the next pass starts fresh, nothing to skip.
-        inner = progress["inner_iter"]
+        inner = position[1]
         self._batches_to_skip = inner * self.accumulation_steps if inner < self.epoch_len else 0
         self._data_iter = None
         self.start_iter = min(
@@ -910,7 +917,7 @@ class Trainer:
         amp = str(self.amp_dtype).replace("torch.", "") if self.enable_amp else "off"
         return {"amp": amp, "accumulation_steps": self.accumulation_steps}
 
-    def _check_config(self, saved: dict[str, Any], epoch_len: int, path: str) -> None:
+    def _check_config(self, saved: dict[str, Any], path: str) -> None:
         now = self._config()
         if saved["accumulation_steps"] != now["accumulation_steps"]:
             raise ValueError(
@@ -918,16 +925,53 @@ class Trainer:
                 f"{saved['accumulation_steps']}, this trainer has {now['accumulation_steps']}; "
                 "the data position cannot be mapped. Resume with the same accumulation_steps."
             )
-        if epoch_len != self.epoch_len:
-            raise ValueError(
-                f"Checkpoint {path!r} was saved with {epoch_len} iterations per epoch, this "
-                f"trainer has {self.epoch_len}; resume with the same data loader."
-            )
         if saved["amp"] != now["amp"]:
             logger.warning(
                 f"Checkpoint {path} was trained with AMP {saved['amp']}, this run uses AMP "
                 f"{now['amp']}: training goes on, but not bit for bit as the original run would."
             )
+
+    def _resume_position(self, progress: dict[str, Any], path: str) -> tuple[int, int]:
+        """Where to go on from: (epoch, iterations done in it). When the number of processes or
+        the batch size changed, the iterations done are mapped by the samples they consumed."""
+        epoch, inner, epoch_len = progress["epoch"], progress["inner_iter"], progress["epoch_len"]
+        saved = (progress.get("world_size", get_world_size()), progress.get("batch_size"))
+        now = (get_world_size(), self._batch_size)
+        if saved == now or "world_size" not in progress:  # the latter: an older checkpoint
+            if epoch_len != self.epoch_len:
+                raise ValueError(
+                    f"Checkpoint {path!r} was saved with {epoch_len} iterations per epoch, this "
+                    f"trainer has {self.epoch_len}; resume with the same data loader."
+                )
+            return epoch, inner
+        how = f"{saved[0]} processes x batches of {saved[1]} to {now[0]} x {now[1]}"
+        if inner in (0, epoch_len):  # between epochs: nothing to map
+            new_inner = 0 if inner == 0 else self.epoch_len
+            logger.warning(
+                f"Resuming {path} with {how}, at the {'start' if inner == 0 else 'end'} of "
+                f"epoch {epoch}: the data position needs no mapping."
+            )
+            return epoch, new_inner
+        samples = [w * b * self.accumulation_steps if b else None for w, b in (saved, now)]
+        consumed = inner * samples[0] if samples[0] else None
+        if consumed is None or samples[1] is None or consumed % samples[1]:
+            raise RuntimeError(
+                f"Checkpoint {path!r} stopped in the middle of epoch {epoch} ({inner} of "
+                f"{epoch_len} iterations, {consumed or 'an unknown number of'} samples), and "
+                f"this run changes from {how}: {samples[1] or 'an unknown number of'} samples "
+                "per iteration cannot continue at that sample. Resume with the same number of "
+                "processes and batch size, pick a batch size whose iterations divide the "
+                "samples consumed, or resume from a checkpoint saved at an epoch's end."
+            )
+        new_inner = consumed // samples[1]
+        logger.warning(
+            f"Resuming {path} with {how}: epoch {epoch} stopped after {inner} iterations = "
+            f"{consumed} samples, so this run goes on from iteration {new_inner} of "
+            f"{self.epoch_len} of that epoch. With a DistributedSampler (its order depends "
+            "on seed and epoch only) these are exactly the samples not yet seen; the LR "
+            "schedule goes on from its saved step."
+        )
+        return epoch, new_inner
 
     def _checkpointable_hooks(self) -> dict[str, HookBase]:
         keys: dict[str, HookBase] = {}
