@@ -11,6 +11,7 @@ Under torchrun it trains with DistributedDataParallel and a DistributedSampler.
     BATCH=b               batch size per process (4)
     DIST_SAMPLER=1        a DistributedSampler in a single process too
     RECORD=path           append the indices of every batch the model sees to this file
+    DROPOUT=p             the dropout probability (0.2)
     SLOW                  seconds to sleep in every iteration (gives signals time to land)
     CKPT_PERIOD           the checkpoint period, in iterations
     KILL_AT_ITER=n        SIGKILL this process after iteration n
@@ -84,7 +85,8 @@ def main():
     class Model(nn.Module):
         def __init__(self):
             super().__init__()
-            self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+            dropout = nn.Dropout(float(os.environ.get("DROPOUT", 0.2)))
+            self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), dropout, nn.Linear(16, 1))
 
         def forward(self, batch):
             x, y, index = batch

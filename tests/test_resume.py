@@ -165,6 +165,18 @@ def fsdp_run(tmp_path_factory):
     return root
 
 
+def test_ddp_on_two_ranks_trains_as_one_process_on_the_global_batch(tmp_path):
+    # without dropout; a DistributedSampler gives the one process the same batches of 8 that
+    # the two ranks split 4 + 4, and DDP averages the two ranks' gradients
+    code, err = torchrun(tmp_path / "w2", tmp_path / "ddp.pth", DROPOUT=0)
+    assert code == 0, err[-3000:]
+    code, err = run(tmp_path / "w1", tmp_path / "one.pth", DROPOUT=0, DIST_SAMPLER=1, BATCH=8)
+    assert code == 0, err[-3000:]
+    ddp, one = load(tmp_path / "ddp.pth"), load(tmp_path / "one.pth")
+    for name in ddp:
+        torch.testing.assert_close(ddp[name], one[name], rtol=1e-5, atol=1e-6)
+
+
 def test_fsdp2_trains_as_ddp_does_and_its_checkpoint_loads_into_a_plain_model(tmp_path, fsdp_run):
     code, err = torchrun(tmp_path / "work", tmp_path / "ddp.pth", CLIP=0.05)
     assert code == 0, err[-3000:]
@@ -203,13 +215,18 @@ def test_fsdp2_sigkill_then_rerun_is_bit_exact(tmp_path, fsdp_run):
     assert_bit_equal(load(out), load(fsdp_run / "out.pth"))
 
 
-def test_sigterm_to_one_rank_stops_every_rank_at_one_checkpoint(tmp_path, torchrun_reference):
-    """Under torchrun the ranks agree at the next log point, save one checkpoint and all exit."""
+@pytest.mark.parametrize("target", ["rank 1", "torchrun"])
+def test_sigterm_stops_every_rank_at_one_checkpoint(tmp_path, torchrun_reference, target):
+    """SIGTERM to one rank, or to torchrun (which forwards it to every rank): the ranks agree at
+    the next log point, save one checkpoint and all exit."""
     work, out = tmp_path / "cut", tmp_path / "cut.pth"
     proc = start_torchrun(work, out, SLOW=0.2, CKPT_PERIOD=1000, PID_DIR=tmp_path)
     wait_for_training(work, proc)
     time.sleep(0.3)
-    os.kill(int((tmp_path / "pid_1").read_text()), signal.SIGTERM)  # rank 1 only
+    if target == "torchrun":
+        proc.send_signal(signal.SIGTERM)
+    else:
+        os.kill(int((tmp_path / "pid_1").read_text()), signal.SIGTERM)
     _, err = communicate(proc, timeout=90)
     assert proc.returncode != 0 and not out.exists()
     stops = [

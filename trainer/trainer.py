@@ -762,7 +762,7 @@ class Trainer:
                 "epoch_len": self.epoch_len,
                 "world_size": get_world_size(),
                 "batch_size": self._batch_size,
-            },  # fmt: skip
+            },
             "config": self._config(),
             "model": model,
             "optimizer": optimizer,
@@ -963,7 +963,7 @@ class Trainer:
                 "processes and batch size, pick a batch size whose iterations divide the "
                 "samples consumed, or resume from a checkpoint saved at an epoch's end."
             )
-        new_inner = consumed // samples[1]
+        new_inner = min(consumed // samples[1], self.epoch_len)
         logger.warning(
             f"Resuming {path} with {how}: epoch {epoch} stopped after {inner} iterations = "
             f"{consumed} samples, so this run goes on from iteration {new_inner} of "
