@@ -198,3 +198,68 @@ def test_a_stalled_rank_makes_the_others_fail_after_the_process_group_timeout(tm
     result = run_failing_worker(tmp_path, HANG_AT=5, PG_TIMEOUT=5)
     assert result.returncode == 1
     assert "Timed out waiting 5000ms" in result.stderr, result.stderr[-3000:]
+
+
+ACCUMULATION_WORKER = """
+import sys
+import torch
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.distributed.fsdp import fully_shard
+from trainer import Trainer
+from trainer.distributed import init_distributed
+
+rank, world = init_distributed()
+reductions = {"n": 0}
+
+
+class Regression(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+
+    def forward(self, batch):
+        x, y = batch
+        return nn.functional.mse_loss(self.linear(x), y)
+
+
+def counting_allreduce(state, bucket):
+    reductions["n"] += 1
+    return allreduce_hook(state, bucket)
+
+
+torch.manual_seed(0)
+net = Regression()
+if sys.argv[2] == "ddp":
+    model = nn.parallel.DistributedDataParallel(net)
+    model.register_comm_hook(None, counting_allreduce)
+else:
+    real = torch.distributed.reduce_scatter_single  # what FSDP2 reduces gradients with
+
+    def counting(*args, **kwargs):
+        reductions["n"] += 1
+        return real(*args, **kwargs)
+
+    torch.distributed.reduce_scatter_single = counting
+    model = fully_shard(net)
+batches = [(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(8)]
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+trainer = Trainer(model, optimizer, None, batches, max_iters=4, accumulation_steps=2,
+                  work_dir=sys.argv[1], log_period=100, checkpoint_period=100)
+trainer.train()
+print(f"rank {rank}: {reductions['n']} gradient reductions in 4 iterations", flush=True)
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+def test_accumulation_reduces_gradients_once_per_iteration(tmp_path, wrapper):
+    """DDP's no_sync and FSDP2's set_requires_gradient_sync(False) on the first micro-batch:
+    4 iterations of 2 micro-batches make 4 gradient reductions, not 8."""
+    script = tmp_path / "worker.py"
+    script.write_text(ACCUMULATION_WORKER)
+    result = torchrun([str(script), str(tmp_path / "work"), wrapper], timeout=90)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: 4 gradient reductions in 4 iterations" in result.stdout
