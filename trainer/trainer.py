@@ -725,7 +725,9 @@ class Trainer:
         if not is_main_process():
             return None
         self._writer.wait()  # one write at a time; raises if the previous one failed
-        state = copy_to_cpu(self._state_dict(rng_per_rank, weights))
+        state = copy_to_cpu(self._state_dict(rng_per_rank, weights is None))
+        if weights is not None:  # gathered into fresh CPU tensors already: no second copy
+            state["model"], state["optimizer"] = weights
         ckpt_dir = self.ckpt_dir
         path = os.path.join(ckpt_dir, file_name)
 
@@ -747,15 +749,9 @@ class Trainer:
         """
         self._writer.wait()
 
-    def _state_dict(
-        self, rng_per_rank: list[dict[str, Any]], weights: Optional[tuple[dict, dict]] = None
-    ) -> dict[str, Any]:
+    def _state_dict(self, rng_per_rank: list[dict[str, Any]], with_weights: bool) -> dict[str, Any]:
         epoch, inner = self._position
-        model, optimizer = weights or (
-            self.model_or_module.state_dict(),
-            self.optimizer.state_dict(),
-        )
-        return {
+        state = {
             "progress": {
                 "epoch": epoch,
                 "inner_iter": inner,
@@ -764,14 +760,16 @@ class Trainer:
                 "batch_size": self._batch_size,
             },
             "config": self._config(),
-            "model": model,
-            "optimizer": optimizer,
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "grad_scaler": self._scaler.state_dict(),
             "metric_storage": self._storage.state_dict(),
             "hooks": {key: h.state_dict() for key, h in self._checkpointable_hooks().items()},
             "rng": rng_per_rank,
         }
+        if with_weights:
+            state["model"] = self.model_or_module.state_dict()
+            state["optimizer"] = self.optimizer.state_dict()
+        return state
 
     def load_checkpoint(
         self,
