@@ -73,7 +73,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from trainer import HookBase, Trainer
 from trainer.distributed import init_distributed
-from trainer.hooks import EvalHook
+from trainer.hooks import EarlyStoppingHook, EvalHook
 
 rank, world = init_distributed(timeout_s=float(os.environ.get("PG_TIMEOUT", 60)))
 nan_at = int(os.environ.get("NAN_AT", -1))
@@ -123,9 +123,13 @@ def main():
     evals = {
         "shard": lambda: {"acc": float(rank)},  # each rank its own shard's number
         "rank0": lambda: {"acc": 0.75} if rank == 0 else None,  # rank 0 alone evaluates
+        # better at every evaluation on rank 0; rank 1 drops after iteration 8, and the mean too
+        "worse": lambda: {"acc": trainer.cur_iter / 100 - rank * (trainer.cur_iter > 8)},
     }
     if os.environ.get("EVAL"):
-        trainer.register_hook(EvalHook(8, evals[os.environ["EVAL"]]))
+        trainer.register_hook(EvalHook(4, evals[os.environ["EVAL"]]))
+    if os.environ.get("EARLY_STOP"):
+        trainer.register_hook(EarlyStoppingHook("acc", patience=1))
     try:
         trainer.train()
         s = trainer.metric_storage
@@ -133,6 +137,7 @@ def main():
               f"data_time {s['data_time'].latest:.3f}", flush=True)
         if os.environ.get("EVAL"):
             print(f"rank {rank}: acc {s['acc'].latest} count {s['acc'].count}", flush=True)
+        print(f"rank {rank}: stopped after {trainer.cur_iter + 1}", flush=True)
     except FloatingPointError as e:
         print(f"rank {rank} raised: {e}", flush=True)
     torch.distributed.barrier()
@@ -170,8 +175,14 @@ def test_a_nan_loss_on_one_rank_makes_every_rank_raise_at_that_iteration(tmp_pat
 @pytest.mark.parametrize("how, acc", [("shard", 0.5), ("rank0", 0.75)])
 def test_evaluation_results_are_the_same_on_every_rank(tmp_path, how, acc):
     out = run_train_worker(tmp_path, EVAL=how)
-    for rank in (0, 1):  # evaluated after iterations 8 and 16
-        assert f"rank {rank}: acc {acc} count 2" in out, out
+    for rank in (0, 1):  # evaluated after iterations 4, 8, 12 and 16
+        assert f"rank {rank}: acc {acc} count 4" in out, out
+
+
+def test_early_stopping_stops_every_rank_at_the_same_iteration(tmp_path):
+    out = run_train_worker(tmp_path, EVAL="worse", EARLY_STOP=1)
+    for rank in (0, 1):  # the mean: 0.03 after iteration 4, 0.07 after 8, -0.39 after 12
+        assert f"rank {rank}: stopped after 12" in out, out
 
 
 def run_failing_worker(tmp_path, **env):

@@ -73,6 +73,7 @@ _EVENTS = (
     "after_epoch",
     "before_iter",
     "after_iter",
+    "after_eval",
 )
 # SIGUSR1 is what SLURM sends ahead of preemption (with --signal=USR1@<seconds>).
 _PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -274,6 +275,9 @@ class Trainer:
         self._event_handlers: dict[str, list[Any]] = {event: [] for event in _EVENTS}
         self._preempt_signal: Optional[int] = None  # caught by this process
         self._agreed_signal = 0  # under torchrun: caught by any rank, as of the last log point
+        self._stop_requested = False
+        self._resumed_stopped = False  # the loaded checkpoint was saved after stop()
+        self._saved = ((-1, -1), False)  # (position, stopped) of the last checkpoint
         self._writer = BackgroundWriter()
 
         _make_writable_dir(self.ckpt_dir)
@@ -367,14 +371,19 @@ class Trainer:
             if hook is not None:
                 self.register_hook(hook)
 
-    def _call_hooks(self, event: str) -> None:
+    def _call_hooks(self, event: str, *args: Any) -> None:
         for handler in self._event_handlers[event]:
-            handler()
+            handler(*args)
 
     # ----------------------------------------------------------------------------------------
     # The loop
 
-    def train(self, resume_from_checkpoint: Optional[str] = None, auto_resume: bool = True) -> None:
+    def train(
+        self,
+        resume_from_checkpoint: Optional[str] = None,
+        auto_resume: bool = True,
+        continue_after_stop: bool = False,
+    ) -> None:
         """Train, first resuming from ``resume_from_checkpoint`` or the latest checkpoint.
 
         SIGTERM or SIGUSR1 (preemption) makes it finish the current iteration, save a checkpoint
@@ -384,6 +393,8 @@ class Trainer:
             resume_from_checkpoint: A checkpoint to resume from; it must exist.
             auto_resume: Without ``resume_from_checkpoint``, resume from ``work_dir``'s latest
                 checkpoint when there is one.
+            continue_after_stop: Train on from a checkpoint that :meth:`stop` ended; by default
+                such a run stays stopped.
         """
         ensure_console_logging("trainer", get_rank())
         # Signals are caught from the start: one during start-up exits after the first iteration.
@@ -398,11 +409,18 @@ class Trainer:
             elif auto_resume:
                 self.load_checkpoint(auto_resume=True)
             self.start_epoch, start_inner = self._position
+            self._stop_requested = self._resumed_stopped and not continue_after_stop
+            if self._stop_requested:
+                logger.info(
+                    f"The run was ended by stop() at iteration {self.start_iter}: not training "
+                    "on. Pass train(continue_after_stop=True) to go on."
+                )
             logger.info(f"Start training from iteration {self.start_iter} of {self.max_iters}.")
             self._call_hooks("before_train")
             try:
                 with self._watch_skipped_steps():
-                    for self.cur_epoch in range(self.start_epoch, self.max_epochs):
+                    end_epoch = self.start_epoch if self._stop_requested else self.max_epochs
+                    for self.cur_epoch in range(self.start_epoch, end_epoch):
                         self._call_hooks("before_epoch")
                         self.model.train()
                         for self.inner_iter in range(start_inner, self.epoch_iters):
@@ -412,12 +430,21 @@ class Trainer:
                             self.train_one_iter()
                             self._end_iter()
                             self._call_hooks("after_iter")
+                            if self._stop_requested:
+                                break
                             if self._stop_signal() and self.cur_iter < self.max_iters - 1:
                                 self._exit_preempted()
+                        if self._position[1] < self.epoch_iters:  # stop() in mid-epoch
+                            break
                         start_inner = 0
                         self._data_iter = None
                         self._position = (self.cur_epoch + 1, 0)
                         self._call_hooks("after_epoch")
+                        if self._stop_requested:
+                            break
+                if self._stop_requested and self._saved != (self._position, True):
+                    # so that a rerun resumes here and stays stopped
+                    self.save_checkpoint(self._stop_checkpoint_name())
             except Exception:
                 # in this rank's log file too, tagged with the iteration
                 logger.exception(f"Training failed in iteration {self.cur_iter}:")
@@ -427,6 +454,24 @@ class Trainer:
                     self._call_hooks("after_train")
                 finally:
                     self.wait_for_checkpoint()  # the last checkpoint is on disk when train() ends
+
+    def stop(self) -> None:
+        """End training after the current iteration, or after this epoch when called at its end.
+
+        The remaining hooks of the iteration (or epoch) run, then ``after_train``; the state is
+        saved in a checkpoint that remembers the stop, so rerunning the script does not train
+        on unless ``train(continue_after_stop=True)``. Under torchrun, call it on every rank at
+        the same iteration, as hooks acting on evaluation results (the same on every rank) do.
+        """
+        if not self._stop_requested:
+            logger.info(f"Stopping after iteration {self.cur_iter + 1}, as stop() asked.")
+        self._stop_requested = True
+
+    def _stop_checkpoint_name(self) -> str:
+        epoch, inner = self._position
+        if self.epoch_based and inner == 0:
+            return f"epoch_{epoch}.pth"
+        return f"iter_{epoch * self.epoch_len + inner}.pth"
 
     @contextlib.contextmanager
     def _watch_skipped_steps(self) -> Iterator[None]:
@@ -715,6 +760,7 @@ class Trainer:
             The path being written, or None on other ranks.
         """
         self._flush_metrics(every_rank=True)
+        self._saved = (self._position, self._stop_requested)
         # FSDP2: every rank takes part in gathering the full weights, which rank 0 writes.
         weights = full_state_dicts(self.model, self.optimizer) if self._sharded else None
         # Per-rank RNG, so every rank's dropout and data-worker seeds resume exactly.
@@ -758,6 +804,7 @@ class Trainer:
                 "epoch_len": self.epoch_len,
                 "world_size": get_world_size(),
                 "batch_size": self._batch_size,
+                "stopped": self._stop_requested,
             },
             "config": self._config(),
             "lr_scheduler": self.lr_scheduler.state_dict(),
@@ -832,6 +879,8 @@ class Trainer:
         set_rng_state(rng["now"], self._data_generators())
         self._epoch_rng = rng["epoch_start"]
         self._position = position
+        self._resumed_stopped = data["progress"].get("stopped", False)
+        self._saved = (position, self._resumed_stopped)
         # A checkpoint from an epoch's last iteration (a preemption there) resumes with the
         # epoch's end: the next pass starts fresh, nothing to skip.
         inner = position[1]

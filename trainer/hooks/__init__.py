@@ -1,15 +1,19 @@
 """The hooks that ship with ``trainer``, one per file."""
 
+from .best_checkpoint_hook import BestCheckpointHook
 from .checkpoint_hook import CheckpointHook
 from .distributed_hook import DistributedHook
+from .early_stopping_hook import EarlyStoppingHook
 from .eval_hook import EvalHook
 from .hookbase import HookBase, Priority
 from .logger_hook import LoggerHook
 from .lr_update_hook import LRUpdateHook
 
 __all__ = [
+    "BestCheckpointHook",
     "CheckpointHook",
     "DistributedHook",
+    "EarlyStoppingHook",
     "EvalHook",
     "HookBase",
     "LoggerHook",

@@ -69,6 +69,7 @@ class EvalHook(HookBase):
         line = "  ".join(f"{k}: {v:.5g}" for k, v in results.items())
         logger.info(f"Evaluation after iteration {self.trainer.cur_iter + 1}: {line}")
         self.trainer.log(self.trainer.cur_iter, smooth=False, **results)
+        self.trainer._call_hooks("after_eval", results)
 
 
 def _check_results(results: object) -> dict[str, float]:

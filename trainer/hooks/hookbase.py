@@ -34,6 +34,9 @@ class HookBase:
             hook.after_epoch()
         hook.after_train()  # also when training raises
 
+    and ``hook.after_eval(results)`` whenever an :class:`EvalHook` has evaluated (inside its
+    ``after_iter`` or ``after_epoch``). A hook may end training with ``self.trainer.stop()``.
+
     ``self.trainer`` is a ``weakref.proxy`` to the trainer, set by ``register_hook``.
 
     Example::
@@ -63,6 +66,9 @@ class HookBase:
 
     def after_iter(self) -> None:
         """Called after every ``train_one_iter``."""
+
+    def after_eval(self, results: dict[str, float]) -> None:
+        """Called with the numbers an ``EvalHook`` just logged (the same on every rank)."""
 
     def state_dict(self) -> dict[str, Any]:
         """The hook's state as plain data, saved in checkpoints; empty for stateless hooks."""

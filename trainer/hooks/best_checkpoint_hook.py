@@ -1,0 +1,68 @@
+"""Keeps a checkpoint of the best evaluation result."""
+
+import logging
+from typing import Any
+
+from .hookbase import HookBase, Priority
+from .metric_watch import MetricWatch
+
+logger = logging.getLogger(__name__)
+
+
+class BestCheckpointHook(HookBase):
+    """Saves ``best.pth`` (a full checkpoint, written atomically like every other) whenever the
+    evaluation metric ``metric`` reaches a new best.
+
+    The save waits for the end of the iteration or epoch (after the LR update and the regular
+    checkpoint), so ``best.pth`` resumes exactly too. The best value is saved in checkpoints,
+    so a resumed run only replaces ``best.pth`` with something better.
+
+    Args:
+        metric: A name that the ``EvalHook``'s function returns.
+        mode: ``"max"`` (higher is better) or ``"min"``.
+        file_name: The file name in ``trainer.ckpt_dir``.
+
+    Example::
+
+        >>> hook = BestCheckpointHook("val_acc", mode="max")
+    """
+
+    priority = Priority.CHECKPOINT + 5
+
+    def __init__(self, metric: str, mode: str = "max", file_name: str = "best.pth") -> None:
+        self._watch = MetricWatch(metric, mode)
+        self._file_name = file_name
+        self._due = False  # a new best, not saved yet
+        self._saved_best = None  # the value best.pth holds
+
+    def after_eval(self, results: dict[str, float]) -> None:
+        """Note a new best; it is saved when the state is complete."""
+        value = results.get(self._watch.metric)
+        if value is not None and self._watch.improves(value):
+            logger.info(f"New best {self._watch.metric}: {value:.5g}.")
+            self._due = True
+
+    def after_iter(self) -> None:
+        """Save a best found in iteration-based evaluation (at an epoch's end: after it)."""
+        if self._due and not self.is_last_inner_iter():
+            self._save()
+
+    def after_epoch(self) -> None:
+        """Save a best found in this epoch's evaluation."""
+        if self._due:
+            self._save()
+
+    def _save(self) -> None:
+        self._due = False
+        self._saved_best = self._watch.best
+        self.trainer.save_checkpoint(self._file_name)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The value ``best.pth`` holds (a best not saved yet does not count: a run killed
+        before saving it must not take it for saved)."""
+        return {"best": self._saved_best}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self._watch.load_state_dict(state)
+        self._saved_best = state["best"]

@@ -1,0 +1,74 @@
+"""Ends training when an evaluation metric stops improving."""
+
+import logging
+from typing import Any
+
+from .hookbase import HookBase, Priority
+from .metric_watch import MetricWatch
+
+logger = logging.getLogger(__name__)
+
+
+class EarlyStoppingHook(HookBase):
+    """Calls ``trainer.stop()`` after ``patience`` evaluations in a row without an improvement
+    of ``metric`` (one that ``EvalHook``'s function returns) by more than ``min_delta``.
+
+    Its counters are saved in checkpoints, so a resumed run counts on where it stopped. Every
+    rank sees the same evaluation results, so under torchrun every rank stops together.
+
+    Args:
+        metric: The evaluation metric to watch.
+        patience: Evaluations without improvement to tolerate.
+        mode: ``"max"`` (higher is better) or ``"min"``.
+        min_delta: How much better a value must be to count as an improvement.
+
+    Example::
+
+        >>> hook = EarlyStoppingHook("val_loss", patience=3, mode="min")
+    """
+
+    priority = Priority.EVAL
+
+    def __init__(
+        self, metric: str, patience: int = 5, mode: str = "max", min_delta: float = 0.0
+    ) -> None:
+        if not isinstance(patience, int) or isinstance(patience, bool) or patience < 1:
+            raise ValueError(f"patience must be an int >= 1, got {patience!r}.")
+        self._watch = MetricWatch(metric, mode, min_delta)
+        self._patience = patience
+        self._bad_evals = 0  # evaluations since the last improvement
+        self._seen = False
+
+    def after_eval(self, results: dict[str, float]) -> None:
+        """Count an evaluation without improvement; stop after ``patience`` of them."""
+        if self._watch.metric not in results:
+            return
+        self._seen = True
+        value = results[self._watch.metric]
+        if self._watch.improves(value):
+            self._bad_evals = 0
+            return
+        self._bad_evals += 1
+        if self._bad_evals >= self._patience:
+            logger.info(
+                f"Early stopping: {self._watch.metric} has not improved on "
+                f"{self._watch.best:.5g} for {self._bad_evals} evaluations (now {value:.5g})."
+            )
+            self.trainer.stop()
+
+    def after_train(self) -> None:
+        """Warn when the metric was never evaluated: a misspelt name, most likely."""
+        if not self._seen and self._watch.best is None:
+            logger.warning(
+                f"EarlyStoppingHook watched {self._watch.metric!r}, which no evaluation "
+                "returned; check the names your EvalHook's function returns."
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The best value and the evaluations since it."""
+        return {**self._watch.state_dict(), "bad_evals": self._bad_evals}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self._watch.load_state_dict(state)
+        self._bad_evals = state["bad_evals"]
