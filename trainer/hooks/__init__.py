@@ -4,6 +4,7 @@ from .best_checkpoint_hook import BestCheckpointHook
 from .checkpoint_hook import CheckpointHook
 from .distributed_hook import DistributedHook
 from .early_stopping_hook import EarlyStoppingHook
+from .ema_hook import EMAHook
 from .eval_hook import EvalHook
 from .hookbase import HookBase, Priority
 from .logger_hook import LoggerHook
@@ -14,6 +15,7 @@ __all__ = [
     "CheckpointHook",
     "DistributedHook",
     "EarlyStoppingHook",
+    "EMAHook",
     "EvalHook",
     "HookBase",
     "LoggerHook",

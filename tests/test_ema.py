@@ -1,0 +1,71 @@
+"""EMAHook: the average against a reference computation, resume, evaluation, export."""
+
+import os
+
+import pytest
+import torch
+
+from trainer import HookBase
+from trainer.hooks import EMAHook
+
+
+class Snapshots(HookBase):
+    """The model's parameters after every step (runs before EMAHook)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def after_iter(self):
+        self.seen.append({k: p.detach().clone() for k, p in self.trainer.model.named_parameters()})
+
+
+def test_the_average_matches_a_reference_computation(make_trainer):
+    trainer = make_trainer(max_epochs=2)
+    start = {k: p.detach().clone() for k, p in trainer.model.named_parameters()}
+    snapshots, ema = Snapshots(), EMAHook(decay=0.9, period=2)
+    trainer.register_hooks([snapshots, ema])
+    trainer.train()
+    expected = dict(start)
+    for weights in snapshots.seen[1::2]:  # after iterations 2, 4, ...
+        expected = {k: torch.lerp(expected[k], weights[k], 0.1) for k in expected}
+    got = ema.ema_state_dict()
+    assert got.keys() == trainer.model.state_dict().keys()
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=0, atol=1e-7)
+        assert not torch.equal(got[name], trainer.model.state_dict()[name])
+
+
+def test_the_average_is_checkpointed_and_resumes_exactly(make_trainer, tmp_path):
+    full, full_run = EMAHook(decay=0.8), make_trainer(max_epochs=2, work_dir=tmp_path / "full")
+    full_run.register_hook(full)
+    full_run.train()
+    first = make_trainer(max_epochs=1)
+    first.register_hook(EMAHook(decay=0.8))
+    first.train()
+    saved = torch.load(os.path.join(first.ckpt_dir, "epoch_1.pth"), weights_only=True)
+    assert set(saved["hooks"]["EMAHook"]["ema"]) == {"linear.weight", "linear.bias"}
+    resumed_ema = EMAHook(decay=0.8)
+    resumed = make_trainer(max_epochs=2)
+    resumed.register_hook(resumed_ema)
+    resumed.train()
+    for name, value in full.ema_state_dict().items():
+        assert torch.equal(value, resumed_ema.ema_state_dict()[name]), name
+
+
+def test_swapped_evaluates_with_the_average_and_restores_the_weights(make_trainer):
+    trainer = make_trainer(max_epochs=1)
+    ema = EMAHook(decay=0.5)
+    trainer.register_hook(ema)
+    trainer.train()
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    inside = ema.evaluate(lambda: {k: v.clone() for k, v in trainer.model.state_dict().items()})
+    for name, value in ema.ema_state_dict().items():
+        assert torch.equal(inside[name], value)
+        assert torch.equal(trainer.model.state_dict()[name], before[name])
+
+
+def test_bad_arguments_are_refused():
+    with pytest.raises(ValueError, match=r"decay must be in \[0, 1\), got 1.0"):
+        EMAHook(decay=1.0)
+    with pytest.raises(ValueError, match="period must be an int >= 1, got 0"):
+        EMAHook(period=0)

@@ -1,0 +1,108 @@
+"""An exponential moving average of the model's weights."""
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+
+from .hookbase import HookBase, Priority
+
+
+class EMAHook(HookBase):
+    """Keeps ``ema = decay * ema + (1 - decay) * weights`` after every ``period``-th step, on the
+    weights' device with foreach ops (no host-device sync). Floating-point buffers (BatchNorm's
+    running statistics) are averaged too; other buffers are copied.
+
+    The average is saved in checkpoints and resumed exactly. Evaluate with it inside
+    :meth:`swapped`, and export it with :meth:`ema_state_dict`. Under torchrun every rank
+    holds the same weights, and so the same average; models sharded with ``fully_shard``
+    are not supported.
+
+    Args:
+        decay: The weight of the old average, in [0, 1).
+        period: Iterations between updates.
+
+    Example::
+
+        ema = EMAHook(decay=0.999)
+        trainer.register_hook(ema)
+        trainer.register_hook(EvalHook(1, lambda: {"acc": evaluate(model)}))
+        trainer.register_hook(EvalHook(1, lambda: {"acc_ema": ema.evaluate(evaluate, model)}))
+    """
+
+    # after the user's hooks, before evaluation and the checkpoint
+    priority = Priority.NORMAL + 5
+
+    def __init__(self, decay: float = 0.999, period: int = 1) -> None:
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1), got {decay!r}.")
+        if not isinstance(period, int) or isinstance(period, bool) or period < 1:
+            raise ValueError(f"period must be an int >= 1, got {period!r}.")
+        self.decay = decay
+        self._period = period
+        self._ema: Optional[dict[str, torch.Tensor]] = None
+
+    def _model_tensors(self) -> dict[str, torch.Tensor]:
+        module = self.trainer.model_or_module
+        return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+
+    def before_train(self) -> None:
+        """Start the average at the current weights, unless a checkpoint restored it."""
+        if self._ema is None:
+            self._ema = {k: t.detach().clone() for k, t in self._model_tensors().items()}
+
+    def after_iter(self) -> None:
+        """Update the average every ``period`` iterations."""
+        if not self.every_n_iters(self._period):
+            return
+        assert self._ema is not None  # set in before_train
+        averaged, weights, copied, sources = [], [], [], []
+        for name, tensor in self._model_tensors().items():
+            if tensor.is_floating_point():
+                averaged.append(self._ema[name])
+                weights.append(tensor.detach())
+            else:
+                copied.append(self._ema[name])
+                sources.append(tensor)
+        if averaged:
+            torch._foreach_lerp_(averaged, weights, 1.0 - self.decay)
+        if copied:
+            torch._foreach_copy_(copied, sources)
+
+    def ema_state_dict(self) -> dict[str, torch.Tensor]:
+        """The averaged weights under the model's ``state_dict`` names (a copy), to save or
+        to load into a model: ``model.load_state_dict(ema.ema_state_dict())``."""
+        if self._ema is None:
+            raise RuntimeError("EMAHook has no average yet: call it after train() started.")
+        names = self.trainer.model_or_module.state_dict().keys()
+        return {name: self._ema[name].detach().clone() for name in names}
+
+    @contextlib.contextmanager
+    def swapped(self) -> Iterator[None]:
+        """Put the averaged weights into the model for the duration of the context."""
+        tensors = self._model_tensors()
+        saved = {k: t.detach().clone() for k, t in tensors.items()}
+        try:
+            with torch.no_grad():
+                for name, tensor in tensors.items():
+                    tensor.copy_(self._ema[name])
+            yield
+        finally:
+            with torch.no_grad():
+                for name, tensor in tensors.items():
+                    tensor.copy_(saved[name])
+
+    def evaluate(self, func: Any, *args: Any, **kwargs: Any) -> Any:
+        """``func(*args, **kwargs)`` with the averaged weights in the model."""
+        with self.swapped():
+            return func(*args, **kwargs)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The average (saved in checkpoints)."""
+        return {"ema": self._ema}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the average, on the model's devices."""
+        if state["ema"] is not None:
+            tensors = self._model_tensors()
+            self._ema = {k: v.to(tensors[k].device) for k, v in state["ema"].items()}
