@@ -12,7 +12,7 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import Any, Callable, NamedTuple, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -47,6 +47,7 @@ from .logger import ensure_console_logging, log_file_path, log_to_file
 from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import MetricStorage
 from .seed import get_rng_state, set_rng_state
+from .writers import MetricWriter
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +128,9 @@ class Trainer:
             Adam/AdamW and the like (plus ``fused=True`` with float16 AMP), ``fused=True`` for
             SGD. Batches are copied into static device buffers; iterations whose batches have
             another shape run eagerly.
+        metric_writers: More places for the metrics of each log point (rank 0 only), besides
+            the console, TensorBoard and ``work_dir/metrics.jsonl``: see
+            :class:`~trainer.writers.MetricWriter`.
 
     Example::
 
@@ -178,6 +182,7 @@ class Trainer:
         plateau_metric: Optional[str] = None,
         checkpoint_by_epoch: bool = True,
         cuda_graph: bool = False,
+        metric_writers: Sequence[MetricWriter] = (),
     ) -> None:
         _check_types(model, optimizer, lr_scheduler, data_loader)
         _check_epochs_or_iters(max_epochs, max_iters)
@@ -286,7 +291,7 @@ class Trainer:
                 DistributedHook(),
                 LRUpdateHook(plateau_metric=plateau_metric),
                 CheckpointHook(checkpoint_period, max_num_checkpoints, checkpoint_by_epoch),
-                LoggerHook(log_period),
+                LoggerHook(log_period, list(metric_writers)),
             ]
         )
 

@@ -1,10 +1,13 @@
+import json
 import logging
+import os
 import re
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from trainer.hooks import EvalHook
+from trainer.writers import MetricWriter
 
 
 def read_scalars(log_dir):
@@ -41,3 +44,43 @@ def test_console_and_log_file_lines(make_trainer, caplog, tmp_path):
     log_text = (tmp_path / "work" / "log.txt").read_text()
     assert progress[-1] in log_text
     assert "Training ran for" in log_text
+
+
+class Recorder(MetricWriter):
+    def __init__(self):
+        self.calls, self.closed = [], False
+
+    def write(self, trainer, iter, metrics):
+        self.calls.append((iter, sorted(metrics)))
+
+    def close(self):
+        self.closed = True
+
+
+def test_metrics_go_to_metrics_jsonl_and_to_your_writers(make_trainer):
+    recorder = Recorder()
+    trainer = make_trainer(max_epochs=2, log_period=4, metric_writers=[recorder])
+    trainer.register_hook(EvalHook(1, lambda: {"val_acc": 0.25 * (trainer.cur_epoch + 1)}))
+    trainer.train()
+    lines = [json.loads(line) for line in open(os.path.join(trainer.work_dir, "metrics.jsonl"))]
+    pairs = [(r["iter"], r["epoch"]) for r in lines]
+    assert pairs == [(3, 1), (7, 1), (7, 1), (11, 2), (15, 2), (15, 2)]
+    assert lines[1].keys() == {"iter", "epoch", "lr", "total_loss", "data_time", "iter_time"}
+    assert lines[2] == {"iter": 7, "epoch": 1, "val_acc": 0.25}  # the epoch-end evaluation
+    assert lines[-2]["total_loss"] == pytest.approx(trainer.metric_storage["total_loss"].avg)
+    assert [(it, names) for it, names in recorder.calls] == [
+        (r["iter"], sorted(set(r) - {"iter", "epoch"})) for r in lines
+    ]
+    assert recorder.closed
+
+
+def test_resuming_drops_the_metrics_lines_of_repeated_iterations(make_trainer):
+    make_trainer(max_epochs=1, log_period=4).train()
+    path = os.path.join(make_trainer(max_epochs=1).work_dir, "metrics.jsonl")
+    with open(path, "a") as f:  # as if the run had gone on after its checkpoint, then died
+        f.write(json.dumps({"iter": 11, "epoch": 2, "total_loss": 123.0}) + "\n")
+        f.write('{"iter": 12, "ep')  # cut short
+    make_trainer(max_epochs=2, log_period=4).train()
+    lines = [json.loads(line) for line in open(path)]
+    assert [r["iter"] for r in lines] == [3, 7, 11, 15]
+    assert all(r.get("total_loss") != 123.0 for r in lines)

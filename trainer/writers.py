@@ -1,0 +1,131 @@
+"""Where the metrics of each log point go: the console, TensorBoard, a JSON Lines file, or a
+writer of your own behind the same small interface."""
+
+import datetime
+import json
+import logging
+import os
+import time
+from typing import Any
+
+import torch
+
+logger = logging.getLogger("trainer.hooks.logger_hook")
+
+
+class MetricWriter:
+    """Receives metrics from ``LoggerHook``: override :meth:`write`, and :meth:`close` if the
+    writer holds a resource.
+
+    ``write`` is called at every log point, and at an epoch's end when other hooks (an
+    evaluation, say) logged something new. Writers other than the console run on rank 0 only.
+
+    Example::
+
+        class PrintWriter(MetricWriter):
+            def write(self, trainer, iter, metrics):
+                print(iter, metrics)
+    """
+
+    #: Only at log points (the console line), not at epoch ends.
+    log_points_only = False
+
+    def write(self, trainer: Any, iter: int, metrics: dict[str, float]) -> None:
+        """Record ``metrics`` (the values new since the last call: window means for smoothed
+        metrics, the latest value for others) at iteration ``iter``, counted from 0 as
+        ``trainer.cur_iter`` and TensorBoard's steps are."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Flush and release what the writer holds; called when training ends."""
+
+
+class ConsoleWriter(MetricWriter):
+    """The log line: progress, ETA, LR, metrics and peak CUDA memory, to the console and
+    ``log.txt``. The ETA spreads the time of everything since training started (evaluation and
+    checkpoints included) over the iterations done."""
+
+    log_points_only = True
+
+    def __init__(self, start_time: float, start_iter: int) -> None:
+        self._start_time = start_time
+        self._start_iter = start_iter
+
+    def write(self, trainer: Any, iter: int, metrics: dict[str, float]) -> None:
+        done = iter + 1
+        elapsed = time.perf_counter() - self._start_time
+        seconds_per_iter = elapsed / max(done - self._start_iter, 1)
+        eta = datetime.timedelta(seconds=int(seconds_per_iter * (trainer.max_iters - done)))
+        metrics = dict(metrics)
+        parts = [
+            f"epoch {trainer.cur_epoch + 1}/{trainer.max_epochs}"
+            f" [{trainer.inner_iter + 1}/{trainer.epoch_iters}]",
+            f"iter {done}/{trainer.max_iters}",
+            f"ETA {eta}",
+        ]
+        if "lr" in metrics:
+            parts.append(f"lr {metrics.pop('lr'):.4g}")
+        parts += [f"{name} {value:.4g}" for name, value in metrics.items()]
+        if trainer.device.type == "cuda":
+            # reads the allocator's counters: no device sync
+            peak = torch.cuda.max_memory_allocated(trainer.device) / 2**20
+            parts.append(f"max_mem {peak:.0f}M")
+        logger.info("  ".join(parts))
+
+
+class TensorBoardWriter(MetricWriter):
+    """Scalars in TensorBoard event files under ``log_dir``."""
+
+    def __init__(self, log_dir: str) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._writer = SummaryWriter(log_dir=log_dir)
+
+    def write(self, trainer: Any, iter: int, metrics: dict[str, float]) -> None:
+        for name, value in metrics.items():
+            self._writer.add_scalar(name, value, iter)
+        # No flush here: the writer flushes on its own timer (flush_secs) and on close.
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class JSONLinesWriter(MetricWriter):
+    """One JSON object per line in ``path``: ``{"iter": ..., "epoch": ..., <metric>: ...}``
+    (``iter`` counted from 0, ``epoch`` from 1), for scripts and notebooks
+    (``pandas.read_json(path, lines=True)``).
+
+    Resuming drops the lines of iterations the resumed run repeats (left by the interrupted
+    run), so the file tells one consistent history.
+    """
+
+    def __init__(self, path: str, start_iter: int = 0) -> None:
+        self._path = path
+        if os.path.exists(path):
+            _keep_lines_before(path, start_iter)
+        self._file = open(path, "a", encoding="utf-8")
+
+    def write(self, trainer: Any, iter: int, metrics: dict[str, float]) -> None:
+        record = {"iter": iter, "epoch": trainer.cur_epoch + 1, **metrics}
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def _keep_lines_before(path: str, start_iter: int) -> None:
+    with open(path, encoding="utf-8") as f:
+        lines = f.readlines()
+    kept = []
+    for line in lines:
+        try:
+            if json.loads(line)["iter"] < start_iter:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            break  # a line cut short by a crash, and whatever follows it
+    if len(kept) < len(lines):
+        temp = path + ".tmp"
+        with open(temp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(temp, path)
