@@ -6,6 +6,7 @@ import re
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from trainer import HookBase
 from trainer.hooks import EvalHook
 from trainer.writers import MetricWriter
 
@@ -84,3 +85,32 @@ def test_resuming_drops_the_metrics_lines_of_repeated_iterations(make_trainer):
     lines = [json.loads(line) for line in open(path)]
     assert [r["iter"] for r in lines] == [3, 7, 11, 15]
     assert all(r.get("total_loss") != 123.0 for r in lines)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def test_the_eta_spreads_evaluation_time_over_the_iterations(make_trainer, caplog, monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr("trainer.writers.time", clock)
+    monkeypatch.setattr("trainer.hooks.logger_hook.time", clock)
+
+    class Tick(HookBase):  # every iteration takes 1 s
+        def after_iter(self):
+            clock.now += 1.0
+
+    def evaluate():  # and every evaluation 8 s
+        clock.now += 8.0
+        return {"acc": 1.0}
+
+    trainer = make_trainer(max_epochs=2, log_period=4)
+    trainer.register_hooks([Tick(), EvalHook(1, evaluate)])
+    trainer.train()
+    etas = re.findall(r"iter (\d+)/16  ETA (\S+)", caplog.text)
+    # after 12 iterations: 12 s of steps + 8 s of evaluation = 20 s, so 4 more take 6.7 s
+    assert etas == [("4", "0:00:12"), ("8", "0:00:08"), ("12", "0:00:06"), ("16", "0:00:00")]
