@@ -7,6 +7,7 @@ import math
 import os
 import signal
 import statistics
+import sys
 import tempfile
 import threading
 import time
@@ -183,6 +184,7 @@ class Trainer:
         checkpoint_by_epoch: bool = True,
         cuda_graph: bool = False,
         metric_writers: Sequence[MetricWriter] = (),
+        compile: Union[bool, dict[str, Any]] = False,
     ) -> None:
         _check_types(model, optimizer, lr_scheduler, data_loader)
         _check_epochs_or_iters(max_epochs, max_iters)
@@ -201,7 +203,23 @@ class Trainer:
                 f"amp_dtype must be torch.float16, torch.bfloat16 or None, got {amp_dtype!r}."
             )
 
+        if not isinstance(compile, (bool, dict)):
+            raise TypeError(
+                f"compile must be a bool or a dict of torch.compile arguments, got "
+                f"{type(compile).__name__}."
+            )
+        if compile and cuda_graph:
+            raise ValueError(
+                "compile and cuda_graph=True do not combine here; for CUDA graphs under "
+                'torch.compile, pass compile={"mode": "reduce-overhead"} instead.'
+            )
         self.model = model
+        # DDP (also under torch.compile) skips its gradient all-reduce with no_sync()
+        self._ddp = next(
+            (m for m in _wrappers(model) if isinstance(m, DistributedDataParallel)), None
+        )
+        if compile:
+            self.model = torch.compile(model, **(compile if isinstance(compile, dict) else {}))
         self.optimizer = optimizer
         self.data_loader = data_loader
         self.work_dir = work_dir
@@ -310,10 +328,10 @@ class Trainer:
 
     @property
     def model_or_module(self) -> nn.Module:
-        """The model without its DistributedDataParallel / DataParallel wrapper."""
-        if isinstance(self.model, (DistributedDataParallel, DataParallel)):
-            return self.model.module
-        return self.model
+        """The model without its torch.compile and DistributedDataParallel / DataParallel
+        wrappers: the module whose weights checkpoints hold."""
+        *_, module = _wrappers(self.model)
+        return module
 
     @property
     def ckpt_dir(self) -> str:
@@ -626,8 +644,8 @@ class Trainer:
     def _no_grad_sync(self, skip: bool) -> contextlib.AbstractContextManager:
         # DDP all-reduces (FSDP2 reduce-scatters) gradients in backward; accumulate locally until
         # the last micro-batch.
-        if skip and isinstance(self.model, DistributedDataParallel):
-            return self.model.no_sync()
+        if skip and self._ddp is not None:
+            return self._ddp.no_sync()
         if skip and self._sharded:
             return no_gradient_sync(self.model)
         return _NO_OP
@@ -921,6 +939,8 @@ class Trainer:
         return None
 
     def _load_model(self, state: dict[str, Any], path: str, strict: bool) -> None:
+        # weights saved from a torch.compile-d model by other means carry its prefix
+        state = {k.replace("_orig_mod.", ""): v for k, v in state.items()}
         own = self.model_or_module.state_dict()
         shape = {k: getattr(v, "shape", None) for k, v in own.items()}
         wrong_shape = [
@@ -1073,6 +1093,20 @@ def _check_epochs_or_iters(max_epochs: Any, max_iters: Any) -> None:
             "Pass exactly one of max_epochs or max_iters "
             f"(got max_epochs={max_epochs}, max_iters={max_iters})."
         )
+
+
+def _wrappers(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` and the modules torch.compile / DDP / DataParallel wrap, outermost first."""
+    # torch._dynamo is slow to import; a compiled model has imported it
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    while True:
+        yield model
+        if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+            model = model._orig_mod
+        elif isinstance(model, (DistributedDataParallel, DataParallel)):
+            model = model.module
+        else:
+            return
 
 
 def _overrides(hook: HookBase, event: str) -> bool:
