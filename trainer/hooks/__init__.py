@@ -9,6 +9,7 @@ from .eval_hook import EvalHook
 from .hookbase import HookBase, Priority
 from .logger_hook import LoggerHook
 from .lr_update_hook import LRUpdateHook
+from .profiler_hook import ProfilerHook
 
 __all__ = [
     "BestCheckpointHook",
@@ -21,4 +22,5 @@ __all__ = [
     "LoggerHook",
     "LRUpdateHook",
     "Priority",
+    "ProfilerHook",
 ]
