@@ -384,9 +384,12 @@ class Trainer:
         self._hooks.insert(position, hook)
         # Per event, only the hooks that override it: the loop skips HookBase's no-ops.
         self._event_handlers = {
-            event: [getattr(h, event) for h in self._hooks if _overrides(h, event)]
+            event: [
+                (i, getattr(h, event)) for i, h in enumerate(self._hooks) if _overrides(h, event)
+            ]
             for event in _EVENTS
         }
+        self._hook_seconds = [0.0] * len(self._hooks)
 
     def register_hooks(self, hooks: list[Optional[HookBase]]) -> None:
         """Add several hooks; None entries are skipped."""
@@ -395,8 +398,21 @@ class Trainer:
                 self.register_hook(hook)
 
     def _call_hooks(self, event: str, *args: Any) -> None:
-        for handler in self._event_handlers[event]:
+        seconds = self._hook_seconds
+        for i, handler in self._event_handlers[event]:
+            start = time.perf_counter()
             handler(*args)
+            seconds[i] += time.perf_counter() - start
+
+    @property
+    def hook_seconds(self) -> dict[str, float]:
+        """Seconds spent in each hook since :meth:`train` started, by class name (a hook's
+        ``after_eval`` time also counts in the ``EvalHook`` that calls it)."""
+        totals: dict[str, float] = {}
+        for hook, seconds in zip(self._hooks, self._hook_seconds):
+            name = type(hook).__name__
+            totals[name] = totals.get(name, 0.0) + seconds
+        return totals
 
     # ----------------------------------------------------------------------------------------
     # The loop
@@ -420,6 +436,7 @@ class Trainer:
                 such a run stays stopped.
         """
         ensure_console_logging("trainer", get_rank())
+        self._hook_seconds = [0.0] * len(self._hooks)
         # Signals are caught from the start: one during start-up exits after the first iteration.
         with log_to_file("trainer", self.log_file), self._catch_preemption():
             logger.info(f"Environment:\n{collect_env()}")

@@ -114,3 +114,25 @@ def test_the_eta_spreads_evaluation_time_over_the_iterations(make_trainer, caplo
     etas = re.findall(r"iter (\d+)/16  ETA (\S+)", caplog.text)
     # after 12 iterations: 12 s of steps + 8 s of evaluation = 20 s, so 4 more take 6.7 s
     assert etas == [("4", "0:00:12"), ("8", "0:00:08"), ("12", "0:00:06"), ("16", "0:00:00")]
+
+
+def test_time_in_hooks_is_reported(make_trainer, caplog, monkeypatch):
+    clock = FakeClock()
+    for module in ("trainer.trainer", "trainer.writers", "trainer.hooks.logger_hook"):
+        monkeypatch.setattr(f"{module}.time", clock)
+
+    class Slow(HookBase):  # 0.5 s at every epoch's end
+        def after_epoch(self):
+            clock.now += 0.5
+
+    class Tick(HookBase):  # 0.25 s per iteration
+        def after_iter(self):
+            clock.now += 0.25
+
+    trainer = make_trainer(max_epochs=2, log_period=1)  # a report every 10 iterations
+    trainer.register_hooks([Slow(), Tick()])
+    trainer.train()
+    assert trainer.hook_seconds["Slow"] == 1.0 and trainer.hook_seconds["Tick"] == 4.0
+    reports = re.findall(r"Time in hooks, of (\S+) s of training: (.*)\.", caplog.text)
+    assert reports[0][0] == "3" and reports[0][1].startswith("Tick 2.5 s, Slow 0.5 s")
+    assert reports[-1][0] == "5" and reports[-1][1].startswith("Tick 4 s, Slow 1 s")

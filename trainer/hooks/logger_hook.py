@@ -17,7 +17,9 @@ class LoggerHook(HookBase):
     """Every ``period`` iterations, writes the new metrics to its writers: the console line
     (progress, ETA, LR, losses, data and iteration time, peak CUDA memory; every rank, to its
     console and log file), and on rank 0 TensorBoard (``trainer.tb_log_dir``), the JSON Lines
-    file ``work_dir/metrics.jsonl`` and the ``writers`` you pass.
+    file ``work_dir/metrics.jsonl`` and the ``writers`` you pass. Every ``10 * period``
+    iterations and at the end it also logs the time spent in each hook (see
+    ``trainer.hook_seconds``).
 
     Args:
         period: Iterations between log points.
@@ -55,6 +57,8 @@ class LoggerHook(HookBase):
         """Write at every ``period``-th and at the last iteration."""
         if self.every_n_iters(self._period) or self.is_last_iter():
             self._write(log_point=True)
+        if self.every_n_iters(10 * self._period):
+            self._log_hook_times()
 
     def after_epoch(self) -> None:
         """Write what other hooks logged at the epoch's end (e.g. evaluation)."""
@@ -68,8 +72,15 @@ class LoggerHook(HookBase):
             for writer in self._writers:
                 writer.close()
             self._writers = []
+        self._log_hook_times()
         total = datetime.timedelta(seconds=int(time.perf_counter() - self._train_start))
         logger.info(f"Training ran for {total} (up to iteration {self.trainer.cur_iter + 1}).")
+
+    def _log_hook_times(self) -> None:
+        elapsed = time.perf_counter() - self._train_start
+        times = sorted(self.trainer.hook_seconds.items(), key=lambda item: -item[1])
+        parts = ", ".join(f"{name} {seconds:.3g} s" for name, seconds in times)
+        logger.info(f"Time in hooks, of {elapsed:.3g} s of training: {parts}.")
 
     def _write(self, log_point: bool) -> None:
         storage = self.trainer.metric_storage
