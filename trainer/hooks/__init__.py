@@ -10,6 +10,7 @@ from .hookbase import HookBase, Priority
 from .logger_hook import LoggerHook
 from .lr_update_hook import LRUpdateHook
 from .profiler_hook import ProfilerHook
+from .watchdog_hook import WatchdogHook
 
 __all__ = [
     "BestCheckpointHook",
@@ -23,4 +24,5 @@ __all__ = [
     "LRUpdateHook",
     "Priority",
     "ProfilerHook",
+    "WatchdogHook",
 ]
