@@ -73,7 +73,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from trainer import HookBase, Trainer
 from trainer.distributed import init_distributed
-from trainer.hooks import EarlyStoppingHook, EvalHook
+from trainer.hooks import BestCheckpointHook, EarlyStoppingHook, EvalHook
 
 rank, world = init_distributed(timeout_s=float(os.environ.get("PG_TIMEOUT", 60)))
 nan_at = int(os.environ.get("NAN_AT", -1))
@@ -130,6 +130,7 @@ def main():
         trainer.register_hook(EvalHook(4, evals[os.environ["EVAL"]]))
     if os.environ.get("EARLY_STOP"):
         trainer.register_hook(EarlyStoppingHook("acc", patience=1))
+        trainer.register_hook(BestCheckpointHook("acc"))
     try:
         trainer.train()
         s = trainer.metric_storage
@@ -179,10 +180,13 @@ def test_evaluation_results_are_the_same_on_every_rank(tmp_path, how, acc):
         assert f"rank {rank}: acc {acc} count 4" in out, out
 
 
-def test_early_stopping_stops_every_rank_at_the_same_iteration(tmp_path):
+def test_early_stopping_and_best_checkpoint_decide_alike_on_every_rank(tmp_path):
     out = run_train_worker(tmp_path, EVAL="worse", EARLY_STOP=1)
     for rank in (0, 1):  # the mean: 0.03 after iteration 4, 0.07 after 8, -0.39 after 12
         assert f"rank {rank}: stopped after 12" in out, out
+    best = torch.load(tmp_path / "work" / "checkpoints" / "best.pth", weights_only=True)
+    # evaluated best after iteration 8, the end of the first epoch of 8 batches
+    assert (best["progress"]["epoch"], best["progress"]["inner_iter"]) == (1, 0)
 
 
 def run_failing_worker(tmp_path, **env):
