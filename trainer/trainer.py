@@ -299,8 +299,8 @@ class Trainer:
         self._preempt_signal: Optional[int] = None  # caught by this process
         self._agreed_signal = 0  # under torchrun: caught by any rank, as of the last log point
         self._stop_requested = False
-        self._resumed_stopped = False  # the loaded checkpoint was saved after stop()
-        self._saved = ((-1, -1), False)  # (position, stopped) of the last checkpoint
+        # (position, stopped) of the last checkpoint saved or loaded
+        self._saved = ((-1, -1), False)
         self._writer = BackgroundWriter()
 
         _make_writable_dir(self.ckpt_dir)
@@ -449,7 +449,9 @@ class Trainer:
             elif auto_resume:
                 self.load_checkpoint(auto_resume=True)
             self.start_epoch, start_inner = self._position
-            self._stop_requested = self._resumed_stopped and not continue_after_stop
+            # a checkpoint that stop() ended, where training goes on from: stay stopped
+            resumed_stopped = self._saved == (self._position, True)
+            self._stop_requested = resumed_stopped and not continue_after_stop
             if self._stop_requested:
                 logger.info(
                     f"The run was ended by stop() at iteration {self.start_iter}: not training "
@@ -511,7 +513,7 @@ class Trainer:
         epoch, inner = self._position
         if self.epoch_based and inner == 0:
             return f"epoch_{epoch}.pth"
-        return f"iter_{epoch * self.epoch_len + inner}.pth"
+        return f"iter_{self.cur_iter + 1}.pth"  # as preemption and CheckpointHook name them
 
     @contextlib.contextmanager
     def _watch_skipped_steps(self) -> Iterator[None]:
@@ -602,7 +604,9 @@ class Trainer:
         if self.clip_grad_norm > 0:
             self._scaler.unscale_(self.optimizer)
             grad_norm = nn.utils.clip_grad_norm_(self.model.parameters(), self.clip_grad_norm)
-            extras["grad_norm"] = local_value(grad_norm.detach())  # FSDP2: a replicated DTensor
+            grad_norm = grad_norm.detach()
+            # FSDP2: a replicated DTensor
+            extras["grad_norm"] = local_value(grad_norm) if self._sharded else grad_norm
 
         # 4. step; with float16 the scaler skips the step when gradients hold inf or NaN
         self._skipped = self._scaler.is_enabled()  # until _on_optimizer_step says otherwise
@@ -919,8 +923,7 @@ class Trainer:
         set_rng_state(rng["now"], self._data_generators())
         self._epoch_rng = rng["epoch_start"]
         self._position = position
-        self._resumed_stopped = data["progress"].get("stopped", False)
-        self._saved = (position, self._resumed_stopped)
+        self._saved = (position, data["progress"].get("stopped", False))
         # A checkpoint from an epoch's last iteration (a preemption there) resumes with the
         # epoch's end: the next pass starts fresh, nothing to skip.
         inner = position[1]
