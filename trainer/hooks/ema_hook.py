@@ -41,6 +41,8 @@ class EMAHook(HookBase):
         self.decay = decay
         self._period = period
         self._ema: Optional[dict[str, torch.Tensor]] = None
+        # (averages, weights, copies, sources): the foreach operands, built once per train()
+        self._operands: Optional[tuple[list, list, list, list]] = None
 
     def _model_tensors(self) -> dict[str, torch.Tensor]:
         module = self.trainer.model_or_module
@@ -50,12 +52,6 @@ class EMAHook(HookBase):
         """Start the average at the current weights, unless a checkpoint restored it."""
         if self._ema is None:
             self._ema = {k: t.detach().clone() for k, t in self._model_tensors().items()}
-
-    def after_iter(self) -> None:
-        """Update the average every ``period`` iterations."""
-        if not self.every_n_iters(self._period):
-            return
-        assert self._ema is not None  # set in before_train
         averaged, weights, copied, sources = [], [], [], []
         for name, tensor in self._model_tensors().items():
             if tensor.is_floating_point():
@@ -64,6 +60,14 @@ class EMAHook(HookBase):
             else:
                 copied.append(self._ema[name])
                 sources.append(tensor)
+        self._operands = (averaged, weights, copied, sources)
+
+    def after_iter(self) -> None:
+        """Update the average every ``period`` iterations."""
+        if not self.every_n_iters(self._period):
+            return
+        assert self._operands is not None  # set in before_train
+        averaged, weights, copied, sources = self._operands
         if averaged:
             torch._foreach_lerp_(averaged, weights, 1.0 - self.decay)
         if copied:
@@ -103,6 +107,11 @@ class EMAHook(HookBase):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the average, on the model's devices."""
-        if state["ema"] is not None:
-            tensors = self._model_tensors()
-            self._ema = {k: v.to(tensors[k].device) for k, v in state["ema"].items()}
+        if state["ema"] is None:
+            return
+        if self._ema is not None:  # in place, where the foreach operands point
+            for name, value in state["ema"].items():
+                self._ema[name].copy_(value)
+            return
+        tensors = self._model_tensors()
+        self._ema = {k: v.to(tensors[k].device) for k, v in state["ema"].items()}
