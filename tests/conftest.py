@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainer import Trainer
+from trainer import HookBase, Trainer
 
 
 class TinyModel(nn.Module):
@@ -37,9 +37,17 @@ def tiny_loader(n: int = 32, batch_size: int = 4, **kwargs) -> DataLoader:
 
 
 def build(
-    work_dir, model=None, loader=None, lr=0.1, scheduler="step", fused=None, **overrides
+    work_dir,
+    model=None,
+    loader=None,
+    lr=0.1,
+    scheduler="step",
+    fused=None,
+    cls=Trainer,
+    **overrides,
 ) -> Trainer:
-    """A trainer of TinyModel on tiny_loader(): SGD with momentum, a StepLR, 2 epochs."""
+    """A trainer (``cls``) of TinyModel on tiny_loader(): SGD with momentum, a StepLR, 2
+    epochs."""
     torch.manual_seed(0)
     model = TinyModel() if model is None else model
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, fused=fused)
@@ -51,13 +59,23 @@ def build(
     if "max_iters" not in overrides:
         kwargs["max_epochs"] = 2
     kwargs.update(overrides)
-    return Trainer(
+    return cls(
         model,
         optimizer,
         scheduler,
         tiny_loader(shuffle=True) if loader is None else loader,
         **kwargs,
     )
+
+
+class RecordLR(HookBase):
+    """Records the LR each iteration starts with."""
+
+    def __init__(self):
+        self.lrs = []
+
+    def before_iter(self):
+        self.lrs.append(self.trainer.lr)
 
 
 @pytest.fixture

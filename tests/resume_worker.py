@@ -14,6 +14,8 @@ Under torchrun it trains with DistributedDataParallel and a DistributedSampler.
     DROPOUT=p             the dropout probability (0.2)
     SLOW                  seconds to sleep in every iteration (gives signals time to land)
     CKPT_PERIOD           the checkpoint period, in iterations
+    LOG_PERIOD            the log period (5)
+    PREEMPT_CHECK         preempt_check_period (10)
     KILL_AT_ITER=n        SIGKILL this process after iteration n
     KILL_RANK=r           only rank r kills itself (KILL_* act only in torchrun's first attempt)
     KILL_IN_SAVE=n        SIGKILL it halfway through writing its n-th checkpoint
@@ -40,7 +42,7 @@ def main():
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    import trainer.trainer as trainer_module
+    import trainer.checkpoint as checkpoint_module
     from trainer import HookBase, Trainer, set_random_seed
     from trainer.distributed import init_distributed
 
@@ -66,7 +68,7 @@ def main():
 
     torch.save = save
     pointer_moves = {"n": 0}
-    real_pointer = trainer_module.update_latest_pointer
+    real_pointer = checkpoint_module.update_latest_pointer
 
     def update_pointer(*args):
         pointer_moves["n"] += 1
@@ -74,7 +76,7 @@ def main():
             os.kill(os.getpid(), signal.SIGKILL)
         real_pointer(*args)
 
-    trainer_module.update_latest_pointer = update_pointer
+    checkpoint_module.update_latest_pointer = update_pointer
 
     class Crash(HookBase):
         def after_iter(self):
@@ -125,7 +127,8 @@ def main():
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     length = {"max_epochs": 3} if os.environ["MODE"] == "epoch" else {"max_iters": 25}
     trainer = Trainer(
-        model, optimizer, scheduler, loader, **length, work_dir=work_dir, log_period=5,
+        model, optimizer, scheduler, loader, **length, work_dir=work_dir,
+        log_period=env_int("LOG_PERIOD", 5), preempt_check_period=env_int("PREEMPT_CHECK", 10),
         checkpoint_period=env_int("CKPT_PERIOD", 3), checkpoint_by_epoch=False, warmup_t=5,
         warmup_init_lr=0.005, clip_grad_norm=float(os.environ.get("CLIP", 0)),
         accumulation_steps=env_int("ACCUM", 1),

@@ -127,16 +127,27 @@ def test_save_returns_before_the_write_and_saves_the_state_of_the_call(make_trai
 
 
 def test_old_checkpoints_are_deleted_only_once_the_new_one_is_durable(make_trainer, monkeypatch):
-    trainer = make_trainer(max_epochs=1, max_num_checkpoints=1)
-    trainer.train()
+    def trainer_keeping_one(max_epochs):
+        trainer = make_trainer(max_epochs=max_epochs, checkpoint_period=0)  # no default hook
+        trainer.register_hook(CheckpointHook(period=1, max_to_keep=1))
+        return trainer
+
+    trainer_keeping_one(1).train()
+    trainer = trainer_keeping_one(2)  # resumes, then saves epoch_2.pth
     first = os.path.join(trainer.ckpt_dir, "epoch_1.pth")
-    held = HeldSave(monkeypatch)
-    hook = next(h for h in trainer._hooks if isinstance(h, CheckpointHook))
-    hook._save("epoch_2.pth")
-    assert held.started.wait(timeout=30)
-    assert os.path.exists(first) and read_latest_pointer(trainer.ckpt_dir) == first
-    held.release.set()
-    trainer.wait_for_checkpoint()
+    held, seen = HeldSave(monkeypatch), {}
+
+    def while_held():
+        if held.started.wait(timeout=30):
+            seen["first"] = os.path.exists(first)
+            seen["pointer"] = read_latest_pointer(trainer.ckpt_dir)
+        held.release.set()
+
+    watcher = threading.Thread(target=while_held)
+    watcher.start()
+    trainer.train()  # its end waits for the write
+    watcher.join()
+    assert seen == {"first": True, "pointer": first}
     assert sorted(os.listdir(trainer.ckpt_dir)) == ["epoch_2.pth", "latest.txt"]
 
 

@@ -1,9 +1,16 @@
+"""HistoryBuffer, MetricStorage, and the pending metrics: kept on the device until a log point,
+NaN-checked there."""
+
 import io
+import math
+import os
 
 import pytest
 import torch
 
-from trainer import HistoryBuffer, MetricStorage
+from trainer import HistoryBuffer, HookBase, MetricStorage
+
+from conftest import TinyModel
 
 
 def test_history_buffer_statistics():
@@ -68,3 +75,54 @@ def test_storage_state_round_trips_through_weights_only_load():
     restored.update(iter=5, loss=5.0)
     storage.update(iter=5, loss=5.0)
     assert restored["loss"].avg == storage["loss"].avg == 4.5
+
+
+class NaNAt(TinyModel):
+    def __init__(self, bad_iter):
+        super().__init__()
+        self.bad_iter, self.calls = bad_iter, 0
+
+    def forward(self, batch):
+        loss = super().forward(batch)
+        self.calls += 1
+        return loss * math.nan if self.calls - 1 == self.bad_iter else loss
+
+
+def test_nan_loss_raises_at_the_next_log_point_naming_the_first_bad_iteration(make_trainer):
+    reached = []
+
+    class Last(HookBase):
+        def after_iter(self):
+            reached.append(self.trainer.cur_iter)
+
+    trainer = make_trainer(model=NaNAt(5), max_iters=20, log_period=8, checkpoint_period=100)
+    trainer.register_hook(Last())
+    with pytest.raises(FloatingPointError, match=r"NaN or infinite at iteration 5 \(epoch 0\)"):
+        trainer.train()
+    assert reached == list(range(7))  # raised at iteration 7, the log point
+    assert trainer.metric_storage["total_loss"].count == 5  # iterations 0-4 were recorded
+
+
+def test_nan_loss_never_reaches_a_checkpoint(make_trainer):
+    trainer = make_trainer(
+        model=NaNAt(5), max_iters=20, log_period=10, checkpoint_period=2, checkpoint_by_epoch=False
+    )
+    with pytest.raises(FloatingPointError, match="iteration 5"):
+        trainer.train()
+    saved = sorted(os.listdir(trainer.ckpt_dir))
+    assert saved == ["iter_2.pth", "iter_4.pth", "latest.txt"]
+    with open(os.path.join(trainer.ckpt_dir, "latest.txt")) as f:
+        assert f.read() == "iter_4.pth"
+
+
+def test_log_keeps_tensors_on_device_until_the_log_point(make_trainer):
+    class LogAcc(HookBase):
+        def after_iter(self):
+            self.trainer.log(self.trainer.cur_iter, acc=torch.tensor(0.5))
+
+    trainer = make_trainer(max_epochs=1, log_period=4)
+    trainer.register_hook(LogAcc())
+    trainer.train()
+    assert trainer.metric_storage["acc"].count == 8
+    with pytest.raises(ValueError, match=r"'bad' must be a number or a one-element tensor"):
+        trainer.log(0, bad=torch.ones(2))

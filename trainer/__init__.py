@@ -1,7 +1,19 @@
-"""trainer: a minimal, hook-based PyTorch training loop."""
+"""trainer: a minimal, hook-based PyTorch training loop.
 
+The public names of core-pytorch-utils (``cpu``) import from here as they do from there.
+"""
+
+from .distributed import (
+    all_gather,
+    gather,
+    get_rank,
+    get_world_size,
+    init_distributed,
+    is_main_process,
+    reduce_dict,
+)
 from .env import collect_env
-from .hooks import HookBase
+from .hooks import CheckpointHook, DistributedHook, EvalHook, HookBase, LoggerHook, LRUpdateHook
 from .logger import setup_logger
 from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import HistoryBuffer, MetricStorage
@@ -11,12 +23,24 @@ from .trainer import Trainer
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointHook",
+    "DistributedHook",
+    "EvalHook",
     "HistoryBuffer",
     "HookBase",
+    "LoggerHook",
+    "LRUpdateHook",
     "LRWarmupScheduler",
     "MetricStorage",
     "Trainer",
+    "all_gather",
     "collect_env",
+    "gather",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
+    "is_main_process",
+    "reduce_dict",
     "set_random_seed",
     "setup_logger",
 ]

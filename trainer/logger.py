@@ -12,11 +12,19 @@ _DATE_FORMAT = "%m/%d %H:%M:%S"
 
 
 def setup_logger(
-    name: str = "trainer", output: Optional[str] = None, rank: int = 0, level: int = logging.INFO
+    name: str = "trainer",
+    output: Optional[str] = None,
+    rank: int = 0,
+    level: int = logging.INFO,
+    *,
+    output_dir: Optional[str] = None,
+    log_level: Optional[int] = None,
+    color: bool = False,
 ) -> logging.Logger:
     """Make logger ``name`` print to the console on rank 0 and, optionally, to a file.
 
-    Calling it again with the same arguments adds nothing twice.
+    Calling it again with the same arguments adds nothing twice. core-pytorch-utils' argument
+    names (``output_dir``, ``log_level``, ``color``) are accepted too.
 
     Args:
         name: The logger, e.g. ``"trainer"`` for this library or ``__name__`` for a script.
@@ -24,12 +32,22 @@ def setup_logger(
             0 write ``log_rank{rank}.txt`` beside it.
         rank: This process's rank; only rank 0 prints to the console.
         level: The logging level.
+        output_dir: ``output``, by core-pytorch-utils' name.
+        log_level: ``level``, by core-pytorch-utils' name.
+        color: Accepted for core-pytorch-utils' sake; the output is never colored.
 
     Example::
 
         >>> log = setup_logger("my_script")
         >>> log.info("hello")
     """
+    if output is not None and output_dir is not None:
+        raise ValueError(
+            f"Pass output or output_dir (the same thing), not both: got output={output!r}, "
+            f"output_dir={output_dir!r}."
+        )
+    output = output if output is not None else output_dir
+    level = level if log_level is None else log_level
     log = logging.getLogger(name)
     log.setLevel(level)
     log.propagate = False
@@ -71,6 +89,7 @@ def ensure_console_logging(name: str, rank: int) -> None:
 
 def log_file_path(output: str, rank: int = 0) -> str:
     """The log file that ``output`` (a file or a folder) means for ``rank``."""
+    output = os.fspath(output)
     path = output if output.endswith((".txt", ".log")) else os.path.join(output, "log.txt")
     if rank > 0:
         root, ext = os.path.splitext(path)

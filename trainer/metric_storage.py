@@ -1,8 +1,15 @@
-"""Smoothed metric buffers: :class:`HistoryBuffer` and :class:`MetricStorage`."""
+"""Metrics: :class:`HistoryBuffer` and :class:`MetricStorage` of smoothed values, and
+:class:`PendingMetrics`, the values waiting on the device for the next log point."""
 
+import math
+import statistics
 from collections import deque
 from collections.abc import Iterator, Mapping
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
+
+import torch
+
+from .distributed import all_gather_tensor, get_world_size
 
 
 class HistoryBuffer:
@@ -184,3 +191,158 @@ class MetricStorage(Mapping):
             self._buffers[name] = buf
             self._latest_iter[name] = entry["iter"]
             self._smooth[name] = entry["smooth"]
+
+
+class _Series(NamedTuple):
+    """One metric's values waiting for the next flush."""
+
+    smooth: bool
+    check_finite: bool
+    reduce: bool
+    iters: list[int]
+    values: list[Any]
+
+
+# Reduced across ranks by max (the slowest rank sets the pace); the other metrics by mean.
+_MAX_REDUCED = frozenset({"data_time", "iter_time", "amp_skipped_steps"})
+
+
+class PendingMetrics:
+    """Metric values logged since the last flush: numbers, or scalar tensors left on their
+    device, so that logging a loss every iteration costs no host-device sync.
+
+    :meth:`flush` turns them into numbers in one transfer and moves them into ``storage``.
+    Under torchrun, the series marked ``reduce`` wait for a point that every rank reaches (a log
+    iteration or a save), where one collective reduces them over ranks: by mean, or by max for
+    times and skipped steps. A non-finite value of a series marked ``check_finite`` (a loss)
+    raises ``FloatingPointError`` there, on every rank at the same iteration.
+
+    Args:
+        storage: Where flushed values go.
+        epoch_len: Iterations per epoch, to name the epoch of a bad loss.
+    """
+
+    def __init__(self, storage: "MetricStorage", epoch_len: int) -> None:
+        self.storage = storage
+        self._epoch_len = epoch_len
+        self._series: dict[str, _Series] = {}
+
+    def add(
+        self,
+        iter: int,
+        metrics: dict[str, Any],
+        smooth: bool = True,
+        check_finite: bool = False,
+        reduce: bool = False,
+    ) -> None:
+        """Record values of iteration ``iter``: numbers or detached scalar tensors."""
+        # Called every iteration, so kept lean.
+        for name, value in metrics.items():
+            series = self._series.get(name)
+            if series is None:
+                series = self._series[name] = _Series(smooth, check_finite, reduce, [], [])
+            series.iters.append(iter)
+            series.values.append(value)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The storage's state (flush first: pending values are not part of it)."""
+        return self.storage.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace the storage's content, and drop what is pending."""
+        self.storage.load_state_dict(state)
+        self._series.clear()
+
+    def flush(self, every_rank: bool = False) -> None:
+        """Move pending values into the storage; raise on a non-finite loss.
+
+        Args:
+            every_rank: Every rank calls this now, so the reduced series are flushed too.
+        """
+        distributed = get_world_size() > 1
+        names = [n for n, s in self._series.items() if every_rank or not (distributed and s.reduce)]
+        if not names:
+            return
+        pending = {name: self._series.pop(name) for name in names}
+        numbers = _numbers(pending, distributed)
+        first_bad = math.inf  # the first iteration with a non-finite loss
+        for name, series in pending.items():
+            if series.check_finite and not all(map(math.isfinite, numbers[name])):
+                bad = min(it for it, v in zip(series.iters, numbers[name]) if not math.isfinite(v))
+                first_bad = min(first_bad, bad)
+        at_first_bad = {}
+        for name, series in pending.items():
+            iters, values = series.iters, numbers[name]
+            keep = [i for i, it in enumerate(iters) if it < first_bad]  # all, when none is bad
+            kept_iters, kept_values = [iters[i] for i in keep], [values[i] for i in keep]
+            self.storage.extend(name, kept_iters, kept_values, series.smooth)
+            if first_bad in iters:
+                at_first_bad[name] = values[iters.index(first_bad)]
+        if at_first_bad:
+            raise FloatingPointError(
+                f"Loss became NaN or infinite at iteration {first_bad} (epoch "
+                f"{first_bad // self._epoch_len}): {at_first_bad}. Lower the LR, enable "
+                "clip_grad_norm, or check the data of that iteration."
+            )
+
+
+def scalars(metrics: dict[str, Any]) -> dict[str, Any]:
+    """``metrics`` with tensors detached and reshaped to scalars; one of several values raises."""
+    for name, value in metrics.items():
+        if isinstance(value, torch.Tensor):
+            if value.dim() != 0:
+                if value.numel() != 1:
+                    raise ValueError(
+                        f"Metric {name!r} must be a number or a one-element tensor, got a tensor "
+                        f"of shape {tuple(value.shape)}; reduce it first (e.g. .mean())."
+                    )
+                value = value.reshape(())
+            metrics[name] = value.detach() if value.requires_grad else value
+    return metrics
+
+
+def _numbers(pending: dict[str, _Series], distributed: bool) -> dict[str, list[float]]:
+    """The pending values as numbers: this rank's in one transfer, reduced ones over ranks."""
+    reduced = sorted(n for n, s in pending.items() if distributed and s.reduce)  # same order
+    local = [n for n in pending if n not in reduced]
+    # note: the one CPU-GPU sync of a log period
+    flat = iter(_to_host([v for n in local for v in pending[n].values]))
+    numbers = {n: [next(flat) for _ in pending[n].values] for n in local}
+    if reduced:
+        values = [pending[n].values for n in reduced]
+        packed = _to_tensor([v for vs in values for v in vs], _device_of(values))
+        columns = iter(zip(*all_gather_tensor(packed).cpu().tolist()))  # each: every rank's
+        for n in reduced:
+            reduce = max if n in _MAX_REDUCED else statistics.fmean
+            numbers[n] = [reduce(next(columns)) for _ in pending[n].values]
+    return numbers
+
+
+def _device_of(values: list[list[Any]]) -> torch.device:
+    for series in values:
+        for v in series:
+            if isinstance(v, torch.Tensor):
+                return v.device
+    # plain numbers only: the collective still needs the backend's device (CUDA for nccl)
+    backend = torch.distributed.get_backend()
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else _CPU
+
+
+_CPU = torch.device("cpu")
+
+
+def _to_host(values: list[Any]) -> list[float]:
+    """Numbers and scalar tensors as floats, the tensors copied to the host together."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    if tensors:
+        device = tensors[0].device
+        copied = iter(torch.stack([t.to(device) for t in tensors]).float().cpu().tolist())
+    return [next(copied) if isinstance(v, torch.Tensor) else float(v) for v in values]
+
+
+def _to_tensor(values: list[Any], device: torch.device) -> torch.Tensor:
+    """Numbers and scalar tensors as one float64 tensor on ``device``, without a sync."""
+    if any(isinstance(v, torch.Tensor) for v in values):
+        as_tensors = [v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in values]
+        return torch.stack([t.to(device, torch.float64) for t in as_tensors])
+    return torch.tensor([float(v) for v in values], dtype=torch.float64).to(device)

@@ -48,3 +48,37 @@ def test_non_numbers_raise_type_errors(make_trainer, result, message):
 def test_eval_func_must_be_callable():
     with pytest.raises(TypeError, match="eval_func must be callable, got dict"):
         EvalHook(1, {"acc": 1})
+
+
+def test_eval_func_runs_with_the_model_in_eval_mode(make_trainer):
+    """As in core-pytorch-utils: dropout off during evaluation, back to train mode after."""
+    seen = []
+    trainer = make_trainer(max_epochs=2)
+    x = torch.ones(64, 4)
+
+    def evaluate():  # does not call model.eval() itself
+        model = trainer.model
+        with torch.no_grad():
+            outputs = [model.linear(model.dropout(x)) for _ in range(2)]
+        seen.append((model.training, torch.equal(*outputs)))
+        return {"acc": 0.5}
+
+    trainer.register_hook(EvalHook(1, evaluate))
+    trainer.train()
+    assert seen == [(False, True), (False, True)]  # no dropout: the same output twice
+    assert trainer.model.training
+
+
+def test_after_eval_can_be_fired_through_the_public_call_hooks(make_trainer):
+    from trainer import HookBase
+
+    received = []
+
+    class Listener(HookBase):
+        def after_eval(self, results):
+            received.append(results)
+
+    trainer = make_trainer(max_epochs=1)
+    trainer.register_hook(Listener())
+    trainer.call_hooks("after_eval", {"acc": 0.25})
+    assert received == [{"acc": 0.25}]

@@ -120,3 +120,19 @@ def test_priorities_are_ordered_as_documented():
         Priority.DISTRIBUTED < Priority.NORMAL < Priority.EVAL < Priority.LR_UPDATE
         < Priority.CHECKPOINT < Priority.LOGGER
     )  # fmt: skip
+
+
+def test_hooks_use_the_trainers_public_api_only():
+    """No shipped hook reaches into the trainer's private attributes."""
+    import glob
+    import os
+
+    import trainer.hooks
+
+    folder = os.path.dirname(trainer.hooks.__file__)
+    offenders = {}
+    for path in glob.glob(os.path.join(folder, "*.py")):
+        found = re.findall(r"trainer\._[a-z]\w*", open(path).read())
+        if found:
+            offenders[os.path.basename(path)] = found
+    assert offenders == {}

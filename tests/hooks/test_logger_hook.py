@@ -118,7 +118,7 @@ def test_the_eta_spreads_evaluation_time_over_the_iterations(make_trainer, caplo
 
 def test_time_in_hooks_is_reported(make_trainer, caplog, monkeypatch):
     clock = FakeClock()
-    for module in ("trainer.trainer", "trainer.writers", "trainer.hooks.logger_hook"):
+    for module in ("trainer.hooks.registry", "trainer.writers", "trainer.hooks.logger_hook"):
         monkeypatch.setattr(f"{module}.time", clock)
 
     class Slow(HookBase):  # 0.5 s at every epoch's end

@@ -23,9 +23,29 @@ def test_plateau_reads_the_eval_metric_once_per_new_value(make_trainer):
     assert trainer.lr == pytest.approx(0.025)
 
 
-def test_plateau_without_a_metric_name_is_refused(make_trainer):
-    with pytest.raises(ValueError, match="pass plateau_metric='<name>'"):
-        make_trainer(scheduler=plateau)
+def test_plateau_without_a_metric_name_judges_eval_metric_as_cpu_does(make_trainer):
+    values = iter([1.0, 2.0, 3.0])
+    trainer = make_trainer(max_epochs=3, scheduler=plateau)
+    trainer.register_hook(EvalHook(1, lambda: {"Eval Metric": next(values)}))
+    trainer.train()
+    assert trainer.lr == pytest.approx(0.025)  # two worse evaluations after the first
+
+
+def test_plateau_without_eval_metric_names_both_fixes(make_trainer):
+    trainer = make_trainer(max_epochs=2, scheduler=plateau)
+    trainer.register_hook(EvalHook(1, lambda: {"val_loss": 1.0}))
+    with pytest.raises(RuntimeError) as error:
+        trainer.train()
+    message = str(error.value)
+    assert "'Eval Metric', which nothing logged by the end of epoch 1" in message.replace("\n", " ")
+    assert "plateau_metric='<name>'" in message and "{'Eval Metric': value}" in message
+
+
+def test_plateau_metric_without_reduce_lr_on_plateau_is_refused(make_trainer):
+    with pytest.raises(
+        ValueError, match="plateau_metric='acc' is only used with ReduceLROnPlateau"
+    ):
+        make_trainer(plateau_metric="acc")
 
 
 def test_iteration_schedule_steps_every_iteration(make_trainer):

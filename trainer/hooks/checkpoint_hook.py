@@ -44,7 +44,7 @@ class CheckpointHook(HookBase):
             and self.every_n_iters(self._period)
             and not self.is_last_inner_iter()
         ):
-            self._save(f"iter_{self.trainer.cur_iter + 1}.pth")
+            self._save(self.trainer.checkpoint_name())
 
     def after_epoch(self) -> None:
         """Save epoch checkpoints, and iteration checkpoints due at the epoch's last iteration."""
@@ -53,10 +53,7 @@ class CheckpointHook(HookBase):
         else:
             due = self.every_n_iters(self._period)
         if due or self.is_last_epoch():
-            if self.trainer.epoch_based:
-                self._save(f"epoch_{self.trainer.cur_epoch + 1}.pth")
-            else:
-                self._save(f"iter_{self.trainer.cur_iter + 1}.pth")
+            self._save(self.trainer.checkpoint_name())
 
     def _save(self, file_name: str) -> None:
         self._saved = [name for name in self._saved if name != file_name] + [file_name]

@@ -15,8 +15,9 @@ logger = logging.getLogger(__name__)
 
 class EvalHook(HookBase):
     """Calls ``eval_func()`` every ``period`` epochs (epoch-based training) or iterations
-    (iteration-based), and at the end of training; logs the dict of numbers it returns under their
-    names, then puts the model back in train mode.
+    (iteration-based), and at the end of training, with the model in eval mode; logs the dict of
+    numbers it returns under their names, then puts the model back in train mode. ``eval_func``
+    still disables gradients itself (``torch.no_grad()``), as it may need them.
 
     Results land in ``trainer.metric_storage`` (not smoothed), TensorBoard and the console, where
     ``LRUpdateHook`` finds the metric that ``ReduceLROnPlateau`` judges.
@@ -45,21 +46,25 @@ class EvalHook(HookBase):
 
     def after_iter(self) -> None:
         """Evaluate in iteration-based training."""
-        if not self.trainer.epoch_based and (
+        if not self.trainer.train_by_epoch and (
             self.every_n_iters(self._period) or self.is_last_iter()
         ):
             self._evaluate()
 
     def after_epoch(self) -> None:
         """Evaluate in epoch-based training."""
-        if self.trainer.epoch_based and (self.every_n_epochs(self._period) or self.is_last_epoch()):
+        if self.trainer.train_by_epoch and (
+            self.every_n_epochs(self._period) or self.is_last_epoch()
+        ):
             self._evaluate()
 
     def _evaluate(self) -> None:
+        model = self.trainer.model
+        model.eval()  # dropout off, batch norm on its running statistics
         try:
             results = self._eval_func()
         finally:
-            self.trainer.model.train()
+            model.train()
         if results is not None:
             results = _check_results(results)
         if get_world_size() > 1:
@@ -69,7 +74,7 @@ class EvalHook(HookBase):
         line = "  ".join(f"{k}: {v:.5g}" for k, v in results.items())
         logger.info(f"Evaluation after iteration {self.trainer.cur_iter + 1}: {line}")
         self.trainer.log(self.trainer.cur_iter, smooth=False, **results)
-        self.trainer._call_hooks("after_eval", results)
+        self.trainer.call_hooks("after_eval", results)
 
 
 def _check_results(results: object) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """The base class of every hook, and the order hooks run in."""
 
-from typing import Any
+from typing import Any, Union
 
 
 class Priority:
@@ -76,6 +76,20 @@ class HookBase:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
+
+    @property
+    def class_name(self) -> str:
+        """The hook's class name (its key in checkpoints)."""
+        return type(self).__name__
+
+    @property
+    def metric_storage(self) -> Any:
+        """``trainer.metric_storage``: reading it is a sync point, so read it on log iterations."""
+        return self.trainer.metric_storage
+
+    def log(self, *args: Any, **kwargs: Union[float, Any]) -> None:
+        """``trainer.log(iter, smooth=True, **metrics)``: record metrics, kept on the device."""
+        self.trainer.log(*args, **kwargs)
 
     @property
     def checkpointable(self) -> bool:

@@ -24,6 +24,8 @@ class LoggerHook(HookBase):
     Args:
         period: Iterations between log points.
         writers: More :class:`~trainer.writers.MetricWriter` objects (rank 0 only).
+        tensorboard: Write TensorBoard files.
+        metrics_jsonl: Write ``work_dir/metrics.jsonl``.
 
     Example::
 
@@ -32,9 +34,17 @@ class LoggerHook(HookBase):
 
     priority = Priority.LOGGER
 
-    def __init__(self, period: int = 50, writers: Optional[list[MetricWriter]] = None) -> None:
+    def __init__(
+        self,
+        period: int = 50,
+        writers: Optional[list[MetricWriter]] = None,
+        tensorboard: bool = True,
+        metrics_jsonl: bool = True,
+    ) -> None:
         self._period = period
         self._extra = list(writers or [])
+        self._tensorboard = tensorboard
+        self._metrics_jsonl = metrics_jsonl
         self._writers: list[MetricWriter] = []
         self._written: dict[str, int] = {}  # metric -> values already written
         self._train_start = 0.0
@@ -45,13 +55,12 @@ class LoggerHook(HookBase):
         self._train_start = time.perf_counter()
         self._writers = [ConsoleWriter(self._train_start, trainer.start_iter)]
         if is_main_process():
-            self._writers += [
-                TensorBoardWriter(trainer.tb_log_dir),
-                JSONLinesWriter(
-                    os.path.join(trainer.work_dir, "metrics.jsonl"), trainer.start_iter
-                ),
-                *self._extra,
-            ]
+            if self._tensorboard:
+                self._writers.append(TensorBoardWriter(trainer.tb_log_dir))
+            if self._metrics_jsonl:
+                path = os.path.join(trainer.work_dir, "metrics.jsonl")
+                self._writers.append(JSONLinesWriter(path, trainer.start_iter))
+            self._writers += self._extra
 
     def after_iter(self) -> None:
         """Write at every ``period``-th and at the last iteration."""

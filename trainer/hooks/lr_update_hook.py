@@ -4,6 +4,9 @@ from typing import Any, Optional
 
 from .hookbase import HookBase, Priority
 
+# What ReduceLROnPlateau judges without a plateau_metric (core-pytorch-utils' name).
+DEFAULT_PLATEAU_METRIC = "Eval Metric"
+
 
 class LRUpdateHook(HookBase):
     """Calls ``trainer.lr_scheduler.iter_update()`` after every iteration and ``epoch_update()``
@@ -14,7 +17,8 @@ class LRUpdateHook(HookBase):
     Args:
         plateau_metric: For ReduceLROnPlateau, the metric it judges. The scheduler steps at an
             epoch end only when a new value of this metric was logged since its last step (by an
-            :class:`EvalHook`, which runs before this hook).
+            :class:`EvalHook`, which runs before this hook). None judges ``"Eval Metric"``, as
+            core-pytorch-utils does, and raises at the first epoch end if none was logged.
 
     Example::
 
@@ -24,7 +28,8 @@ class LRUpdateHook(HookBase):
     priority = Priority.LR_UPDATE
 
     def __init__(self, plateau_metric: Optional[str] = None) -> None:
-        self._plateau_metric = plateau_metric
+        self._plateau_metric = plateau_metric or DEFAULT_PLATEAU_METRIC
+        self._metric_named = plateau_metric is not None
         self._metric_count = 0  # values of plateau_metric already fed to the scheduler
 
     def after_iter(self) -> None:
@@ -38,6 +43,15 @@ class LRUpdateHook(HookBase):
         if scheduler.is_plateau:
             storage = self.trainer.metric_storage
             buffer = storage.get(self._plateau_metric)
+            if buffer is None and not self._metric_named:
+                raise RuntimeError(
+                    "ReduceLROnPlateau needs a metric to judge, and no plateau_metric was given, "
+                    f"so it judges {DEFAULT_PLATEAU_METRIC!r}, which nothing logged by the end of "
+                    f"epoch {self.trainer.cur_epoch + 1}. Either pass "
+                    "Trainer(plateau_metric='<name>') "
+                    "with a name your EvalHook's eval_func returns (e.g. 'val_loss'), or return "
+                    f"{{{DEFAULT_PLATEAU_METRIC!r}: value}} from an EvalHook(1, eval_func)."
+                )
             if buffer is not None and buffer.count > self._metric_count:
                 metric = buffer.latest
                 self._metric_count = buffer.count

@@ -1,0 +1,52 @@
+"""The hook registry: default hooks switched off or replaced, in one argument or call."""
+
+import os
+
+from trainer.hooks import CheckpointHook, HookBase, LoggerHook
+
+
+def test_default_outputs_are_one_argument_away(make_trainer, tmp_path):
+    trainer = make_trainer(
+        max_epochs=1, tensorboard=False, metrics_jsonl=False, checkpoint_period=0
+    )
+    trainer.train()
+    work = tmp_path / "work"
+    assert sorted(os.listdir(work)) == ["checkpoints", "log.txt"]
+    assert os.listdir(work / "checkpoints") == []
+    assert "CheckpointHook (priority 80)" not in trainer.hook_info
+    assert trainer.metric_storage["total_loss"].count == 8  # logging goes on
+
+    with_all = make_trainer(max_epochs=1, work_dir=tmp_path / "all")
+    with_all.train()
+    assert sorted(os.listdir(tmp_path / "all")) == [
+        "checkpoints", "log.txt", "metrics.jsonl", "tb_logs",
+    ]  # fmt: skip
+
+
+def test_a_default_hook_is_replaced_by_unregistering_its_class(make_trainer):
+    class EveryFourIterations(CheckpointHook):
+        pass
+
+    trainer = make_trainer(max_epochs=1)
+    removed = trainer.unregister_hook(CheckpointHook)
+    assert [type(h) for h in removed] == [CheckpointHook]
+    trainer.register_hook(EveryFourIterations(period=4, by_epoch=False))
+    trainer.train()
+    assert sorted(os.listdir(trainer.ckpt_dir)) == ["epoch_1.pth", "iter_4.pth", "latest.txt"]
+    assert trainer.hook_info[2] == "EveryFourIterations (priority 80)"
+
+
+def test_unregister_one_instance_keeps_the_others(make_trainer):
+    calls = []
+
+    class Count(HookBase):
+        def after_epoch(self):
+            calls.append(self)
+
+    first, second = Count(), Count()
+    trainer = make_trainer(max_epochs=1)
+    trainer.register_hooks([first, second])
+    assert trainer.unregister_hook(first) == [first]
+    trainer.train()
+    assert calls == [second]
+    assert [type(h) for h in trainer.unregister_hook(LoggerHook)] == [LoggerHook]

@@ -1,0 +1,82 @@
+"""The Trainer's argument checks (trainer/arguments.py): errors name the argument, what was
+expected and what was received; options of a default hook act or are refused."""
+
+import os
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from trainer import LRWarmupScheduler, Trainer
+
+from conftest import TinyModel, tiny_dataset, tiny_loader
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"max_epochs": 2, "max_iters": 5}, ValueError, r"exactly one of max_epochs or max_iters"),
+        ({"max_epochs": 0}, ValueError, r"got max_epochs=0, max_iters=0"),
+        ({"max_epochs": -1}, ValueError, r"max_epochs must be an int >= 0, got -1"),
+        ({"max_epochs": 1.5}, ValueError, r"max_epochs must be an int >= 0, got 1.5"),
+        ({"log_period": 0}, ValueError, r"log_period must be a positive int, got 0"),
+        ({"accumulation_steps": 0}, ValueError, r"accumulation_steps must be a positive int"),
+        ({"max_num_checkpoints": 0}, ValueError, r"max_num_checkpoints must be a positive int"),
+        ({"clip_grad_norm": -1.0}, ValueError, r"clip_grad_norm must be >= 0"),
+        ({"amp_dtype": torch.float64}, ValueError, r"amp_dtype must be torch.float16"),
+        ({"accumulation_steps": 9}, ValueError, r"8 batches, fewer than accumulation_steps=9"),
+    ],
+)
+def test_bad_arguments_raise_clear_errors(make_trainer, kwargs, error, message):
+    with pytest.raises(error, match=message):
+        make_trainer(**kwargs)
+
+
+def test_bad_types_raise_type_errors(tmp_path):
+    model = TinyModel()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got str"):
+        Trainer("model", opt, None, tiny_loader(), max_epochs=1, work_dir=str(tmp_path))
+    with pytest.raises(TypeError, match="optimizer must be a torch.optim.Optimizer"):
+        Trainer(model, None, None, tiny_loader(), max_epochs=1, work_dir=str(tmp_path))
+    with pytest.raises(TypeError, match="lr_scheduler must be"):
+        Trainer(model, opt, "cosine", tiny_loader(), max_epochs=1, work_dir=str(tmp_path))
+
+
+def test_empty_and_unsized_data_loaders_are_refused(make_trainer):
+    with pytest.raises(ValueError, match="data_loader is empty"):
+        make_trainer(loader=DataLoader(tiny_dataset(0), batch_size=4))
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield from tiny_dataset()
+
+    with pytest.raises(TypeError, match="data_loader must have a length"):
+        make_trainer(loader=DataLoader(Stream(), batch_size=4))
+
+
+def test_unwritable_work_dir_fails_at_construction(make_trainer, tmp_path):
+    if os.geteuid() == 0:
+        pytest.skip("root can write anywhere")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    with pytest.raises(PermissionError, match="is not writable"):
+        make_trainer(work_dir=locked)
+
+
+@pytest.mark.parametrize("option", [{"warmup_t": 5}, {"by_epoch": False}, {"warmup_mode": "auto"}])
+def test_warmup_options_with_an_lr_warmup_scheduler_are_refused(make_trainer, option):
+    def wrapped(optimizer):
+        return LRWarmupScheduler(None, optimizer=optimizer, warmup_t=3)
+
+    name, value = next(iter(option.items()))
+    with pytest.raises(ValueError, match=rf"LRWarmupScheduler.*so {name}={value!r} would be"):
+        make_trainer(scheduler=wrapped, **option)
+    assert make_trainer(scheduler=wrapped).lr_scheduler.warmup_t == 3  # used as given
+
+
+@pytest.mark.parametrize("option", [{"max_num_checkpoints": 2}, {"checkpoint_by_epoch": False}])
+def test_checkpoint_options_without_checkpoints_are_refused(make_trainer, option):
+    with pytest.raises(ValueError, match=f"checkpoint_period=0 .* so {next(iter(option))} would"):
+        make_trainer(checkpoint_period=0, **option)

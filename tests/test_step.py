@@ -1,0 +1,270 @@
+"""The step's public building blocks: an override of ``train_one_iter`` written with them keeps
+every feature of the built-in step."""
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from trainer import HookBase, Trainer
+
+from conftest import RecordLR, TinyModel, build, tiny_loader
+
+
+class PublicStep(Trainer):
+    """The built-in step again, written with the public methods only."""
+
+    update = True  # call update_scaler() (the trainer calls it otherwise)
+
+    def train_one_iter(self):
+        batches = [self.next_batch() for _ in range(self.accumulation_steps)]
+        self.optimizer.zero_grad(set_to_none=True)
+        k = len(batches)
+        for i, batch in enumerate(batches):
+            with self.no_gradient_sync(i < k - 1):
+                with self.autocast():
+                    loss = self.model(batch)
+                self.backward(loss / k if k > 1 else loss)
+        grad_norm = self.clip_and_step()
+        if self.update:
+            self.update_scaler()
+        self.log_losses(total_loss=loss.detach())
+        self.log(self.cur_iter, reduce=True, grad_norm=grad_norm)
+
+
+def weights(trainer):
+    return trainer.model_or_module.state_dict()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"enable_amp": True, "clip_grad_norm": 0.5, "accumulation_steps": 2},  # bfloat16
+        {"enable_amp": True, "amp_dtype": torch.float16, "clip_grad_norm": 0.5},
+    ],
+)
+@pytest.mark.parametrize("update", [True, False])
+def test_an_override_with_the_public_methods_trains_as_the_built_in_step(
+    tmp_path, monkeypatch, options, update
+):
+    monkeypatch.setattr(PublicStep, "update", update)
+    builtin = build(tmp_path / "builtin", max_epochs=2, **options)
+    builtin.train()
+    override = build(tmp_path / "override", max_epochs=2, cls=PublicStep, **options)
+    override.train()
+    a, b = weights(builtin), weights(override)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert builtin.grad_scaler.state_dict() == override.grad_scaler.state_dict()
+    assert override.metric_storage["grad_norm"].count == builtin.metric_storage["grad_norm"].count
+
+
+def test_losses_an_override_logs_are_nan_checked(make_trainer):
+    class NaNAt3(Trainer):
+        def train_one_iter(self):
+            self.optimizer.zero_grad()
+            loss = self.model(self.next_batch())
+            self.backward(loss)
+            self.clip_and_step()
+            bad = loss.detach() * (math.nan if self.cur_iter == 3 else 1.0)
+            self.log_losses(my_loss=bad)
+
+    trainer = make_trainer(max_iters=8, log_period=4, checkpoint_period=100, cls=NaNAt3)
+    with pytest.raises(FloatingPointError, match=r"iteration 3 \(epoch 0\).*my_loss"):
+        trainer.train()
+
+
+def test_register_checkpointable_refuses_what_cannot_be_saved(make_trainer):
+    trainer = make_trainer()
+    with pytest.raises(TypeError, match=r"register_checkpointable\('x', \.\.\.\) needs an object"):
+        trainer.register_checkpointable("x", 3)
+    trainer.register_checkpointable("opt", torch.optim.SGD(trainer.model.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="'opt' is registered already"):
+        trainer.register_checkpointable("opt", torch.optim.SGD(trainer.model.parameters(), lr=1))
+
+
+def test_a_registered_optimizer_resumes_exactly(make_trainer, tmp_path):
+    """A second optimizer with momentum, stepped by an override: killed (here, an exception)
+    and resumed, training ends with the weights of an uninterrupted run."""
+
+    class TwoOptimizers(Trainer):
+        def train_one_iter(self):
+            self.optimizer.zero_grad()
+            self.bias_optimizer.zero_grad()
+            loss = self.model(self.next_batch())
+            self.backward(loss)
+            self.clip_and_step()  # the weight's optimizer
+            self.clip_and_step(self.bias_optimizer)
+            self.log_losses(total_loss=loss.detach())
+
+    def make(work_dir, crash_at=None):
+        model = build(work_dir / "unused").model  # seeded TinyModel
+        weight_opt = torch.optim.SGD([model.linear.weight], lr=0.1, momentum=0.9)
+        bias_opt = torch.optim.SGD([model.linear.bias], lr=0.05, momentum=0.9)
+        loader = build(work_dir / "unused").data_loader
+        trainer = TwoOptimizers(model, weight_opt, None, loader, max_epochs=3, work_dir=work_dir)
+        trainer.bias_optimizer = bias_opt
+        trainer.register_checkpointable("bias_optimizer", bias_opt)
+        if crash_at is not None:
+            from trainer import HookBase
+
+            class Crash(HookBase):
+                def after_iter(self):
+                    if self.trainer.cur_iter == crash_at:
+                        raise KeyboardInterrupt
+
+            trainer.register_hook(Crash())
+        return trainer
+
+    full = make(tmp_path / "full")
+    full.train()
+    cut = make(tmp_path / "cut", crash_at=19)
+    with pytest.raises(KeyboardInterrupt):
+        cut.train()
+    resumed = make(tmp_path / "cut")
+    resumed.train()
+    assert resumed.start_iter == 16
+    a, b = weights(full), weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+class ReturnsWhat(nn.Module):
+    def __init__(self, out):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(3))
+        self.out = out
+
+    def forward(self, batch):
+        return self.out(self.w)
+
+
+@pytest.mark.parametrize(
+    "out, error, message",
+    [
+        (
+            lambda w: w * 2,
+            ValueError,
+            r"Loss 'total_loss' must be a scalar tensor, got shape \(3,\)",
+        ),
+        (lambda w: "loss", TypeError, r"scalar loss tensor or a non-empty dict .* got str"),
+        (lambda w: {}, TypeError, r"non-empty dict of scalar loss tensors, got dict"),
+        (lambda w: {"a": 1.0}, TypeError, r"Loss 'a' must be a tensor, got float"),
+        (lambda w: {"a": w}, ValueError, r"Loss 'a' must be a scalar tensor"),
+    ],
+)
+def test_wrong_model_output_raises(make_trainer, out, error, message):
+    trainer = make_trainer(model=ReturnsWhat(out))
+    with pytest.raises(error, match=message):
+        trainer.train()
+
+
+def test_dict_losses_are_summed_and_each_logged(make_trainer):
+    class TwoLosses(TinyModel):
+        def forward(self, batch):
+            x, y = batch
+            pred = self.linear(x)
+            return {"mse": nn.functional.mse_loss(pred, y), "l1": nn.functional.l1_loss(pred, y)}
+
+    trainer = make_trainer(model=TwoLosses(), max_epochs=1, log_period=1)
+    trainer.train()
+    storage = trainer.metric_storage
+    total = storage["mse"].latest + storage["l1"].latest
+    assert storage["total_loss"].latest == pytest.approx(total, rel=1e-6)
+
+
+def test_accumulation_matches_one_big_batch(make_trainer, tmp_path):
+    loader = tiny_loader(batch_size=4)
+    small = make_trainer(
+        loader=loader, accumulation_steps=2, max_epochs=1, lr=0.05, work_dir=tmp_path / "a"
+    )
+    small.model.dropout.p = 0.0
+    big = make_trainer(
+        loader=tiny_loader(batch_size=8), max_epochs=1, lr=0.05, work_dir=tmp_path / "b"
+    )
+    big.model.dropout.p = 0.0
+    small.train()
+    big.train()
+    assert small.epoch_len == 4 and small.cur_iter == 3
+    for a, b in zip(weights(small).values(), weights(big).values()):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert small.metric_storage["total_loss"].count == 4
+
+
+def test_clip_grad_norm_clips_and_logs_the_norm(make_trainer):
+    norms = []
+
+    class RecordNorm(HookBase):
+        def after_iter(self):
+            grads = [p.grad for p in self.trainer.model.parameters()]
+            norms.append(torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])).item())
+
+    trainer = make_trainer(clip_grad_norm=0.01, max_epochs=1, log_period=1)
+    trainer.register_hook(RecordNorm())
+    trainer.train()
+    assert max(norms) <= 0.01 + 1e-6
+    assert trainer.metric_storage["grad_norm"].latest > 0.01  # the norm before clipping
+
+
+def test_bfloat16_autocast_on_cpu(make_trainer):
+    seen = []
+
+    class Probe(TinyModel):
+        def forward(self, batch):
+            seen.append((torch.is_autocast_enabled("cpu"), self.linear(batch[0]).dtype))
+            return super().forward(batch)
+
+    trainer = make_trainer(model=Probe(), enable_amp=True, max_epochs=1)
+    assert trainer.amp_dtype == torch.bfloat16
+    trainer.train()
+    assert seen[0] == (True, torch.bfloat16)
+    assert "amp_skipped_steps" not in trainer.metric_storage  # bfloat16 needs no scaler
+
+
+class InfGradAt(torch.autograd.Function):
+    """Identity whose gradient is inf in the backward passes listed in ``bad``."""
+
+    calls = 0
+    bad: set = set()
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        InfGradAt.calls += 1
+        return grad * math.inf if InfGradAt.calls - 1 in InfGradAt.bad else grad
+
+
+# Non-fused: GradScaler does not call optimizer.step(). Fused: the step runs and skips on the
+# device, told by the scaler's found_inf flag, which the trainer keeps on the device (no sync).
+@pytest.mark.parametrize("fused", [False, True])
+def test_float16_scaler_skips_are_counted_and_the_schedule_counts_iterations(make_trainer, fused):
+    class Model(TinyModel):
+        def forward(self, batch):
+            x, y = batch
+            weight = InfGradAt.apply(self.linear.weight)
+            return nn.functional.mse_loss(nn.functional.linear(x, weight, self.linear.bias), y)
+
+    InfGradAt.calls, InfGradAt.bad = 0, {2}
+    trainer = make_trainer(
+        model=Model(), enable_amp=True, amp_dtype=torch.float16, max_iters=6, log_period=1,
+        scheduler=None, warmup_t=4, warmup_init_lr=0.0, fused=fused,
+    )  # fmt: skip
+    record, skipped, weights = RecordLR(), [], []
+
+    class RecordSkip(HookBase):
+        def after_iter(self):
+            skipped.append(self.trainer.step_skipped)
+            weights.append(self.trainer.model.linear.weight.detach().clone())
+
+    trainer.register_hook(record)
+    trainer.register_hook(RecordSkip())
+    trainer.train()
+    # float16 at the initial scale of 2**16 overflows on its own at first; ours is iteration 2
+    assert skipped[2] and not skipped[-1]
+    assert torch.equal(weights[2], weights[1])  # a skipped step leaves the weights alone
+    assert not torch.equal(weights[-1], weights[-2])
+    assert trainer.metric_storage["amp_skipped_steps"].global_sum == sum(skipped)
+    # the warmup (0 to 0.1 over 4 iterations) counts iterations, skipped steps included
+    assert record.lrs == pytest.approx([0.0, 0.025, 0.05, 0.075, 0.1, 0.1])

@@ -1,0 +1,211 @@
+"""The Trainer's arguments: their checks, in one place (each error names the argument, what was
+expected, what was received and how to fix it), and the default hooks and LR warmup wrapper
+they configure."""
+
+import os
+import tempfile
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+
+from .fsdp import is_sharded
+from .hooks import CheckpointHook, DistributedHook, HookBase, LoggerHook, LRUpdateHook
+from .lr_scheduler import LRWarmupScheduler
+
+_AMP_DTYPES = (torch.float16, torch.bfloat16)
+# Trainer arguments that configure the warmup wrapper it builds, with their defaults.
+WARMUP_ARGUMENTS = {
+    "by_epoch": True,
+    "warmup_t": 0,
+    "warmup_by_epoch": False,
+    "warmup_mode": "fix",
+    "warmup_init_lr": 0.0,
+    "warmup_factor": 0.0,
+}
+
+
+def check_arguments(args: dict[str, Any]) -> int:
+    """Check the Trainer's constructor arguments (by name); returns iterations per epoch."""
+    _check_types(args["model"], args["optimizer"], args["lr_scheduler"], args["data_loader"])
+    _check_epochs_or_iters(args["max_epochs"], args["max_iters"])
+    for name in ("log_period", "accumulation_steps", "preempt_check_period"):
+        _check_int(name, args[name], minimum=1)
+    _check_int("checkpoint_period", args["checkpoint_period"], minimum=0, zero="0 disables")
+    if args["max_num_checkpoints"] is not None:
+        _check_int("max_num_checkpoints", args["max_num_checkpoints"], minimum=1)
+    if not args["clip_grad_norm"] >= 0:
+        raise ValueError(
+            f"clip_grad_norm must be >= 0 (0 disables), got {args['clip_grad_norm']!r}."
+        )
+    if args["amp_dtype"] is not None and args["amp_dtype"] not in _AMP_DTYPES:
+        raise ValueError(
+            f"amp_dtype must be torch.float16, torch.bfloat16 or None, got {args['amp_dtype']!r}."
+        )
+    _check_compile(args["compile"], args["cuda_graph"])
+    if args["cuda_graph"] and is_sharded(args["model"]):
+        raise ValueError(
+            "cuda_graph=True does not support models sharded with fully_shard (FSDP2): "
+            "its collectives cannot be captured here. Pass cuda_graph=False."
+        )
+    _check_default_hook_options(args)
+    return _check_epoch_len(args["data_loader"], args["accumulation_steps"])
+
+
+def default_hooks(args: dict[str, Any]) -> list[HookBase]:
+    """The hooks every trainer has unless told otherwise, configured by its arguments."""
+    return [
+        DistributedHook(),
+        LRUpdateHook(plateau_metric=args["plateau_metric"]),
+        *(
+            [
+                CheckpointHook(
+                    args["checkpoint_period"],
+                    args["max_num_checkpoints"],
+                    args["checkpoint_by_epoch"],
+                )
+            ]
+            if args["checkpoint_period"]
+            else []
+        ),  # fmt: skip
+        LoggerHook(
+            args["log_period"],
+            list(args["metric_writers"]),
+            args["tensorboard"],
+            args["metrics_jsonl"],
+        ),  # fmt: skip
+    ]
+
+
+def warmup_scheduler(args: dict[str, Any], epoch_len: int) -> LRWarmupScheduler:
+    """``lr_scheduler`` wrapped with the warmup arguments (unless it is an LRWarmupScheduler)."""
+    if isinstance(args["lr_scheduler"], LRWarmupScheduler):
+        return args["lr_scheduler"]
+    warmup = {name: args[name] for name in WARMUP_ARGUMENTS}
+    return LRWarmupScheduler(
+        args["lr_scheduler"], epoch_len=epoch_len, optimizer=args["optimizer"], **warmup
+    )
+
+
+def _check_default_hook_options(args: dict[str, Any]) -> None:
+    """Options of a default hook act, or are refused: none is silently ignored."""
+    scheduler = args["lr_scheduler"]
+    if isinstance(scheduler, LRWarmupScheduler):
+        ignored = [f"{k}={args[k]!r}" for k, v in WARMUP_ARGUMENTS.items() if args[k] != v]
+        if ignored:
+            raise ValueError(
+                f"lr_scheduler is an LRWarmupScheduler, which already holds its warmup and "
+                f"by_epoch settings, so {', '.join(ignored)} would be ignored. Pass them to "
+                "the LRWarmupScheduler, or pass the torch scheduler it wraps instead."
+            )
+    is_plateau = isinstance(scheduler, ReduceLROnPlateau) or (
+        isinstance(scheduler, LRWarmupScheduler) and scheduler.is_plateau
+    )
+    if args["plateau_metric"] is not None and not is_plateau:
+        raise ValueError(
+            f"plateau_metric={args['plateau_metric']!r} is only used with ReduceLROnPlateau, "
+            f"and lr_scheduler is {type(scheduler).__name__}; remove plateau_metric."
+        )
+    if args["checkpoint_period"] == 0:
+        given = [
+            name
+            for name, value, default in (
+                ("max_num_checkpoints", args["max_num_checkpoints"], None),
+                ("checkpoint_by_epoch", args["checkpoint_by_epoch"], True),
+            )
+            if value != default
+        ]
+        if given:
+            raise ValueError(
+                f"checkpoint_period=0 turns periodic checkpoints off, so {', '.join(given)} "
+                "would be ignored; remove it, or pass a checkpoint_period >= 1."
+            )
+
+
+def _check_types(model: Any, optimizer: Any, lr_scheduler: Any, data_loader: Any) -> None:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(
+            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}."
+        )
+    if lr_scheduler is not None and not isinstance(
+        lr_scheduler, (LRScheduler, ReduceLROnPlateau, LRWarmupScheduler)
+    ):
+        raise TypeError(
+            "lr_scheduler must be a torch.optim.lr_scheduler scheduler, an LRWarmupScheduler or "
+            f"None, got {type(lr_scheduler).__name__}."
+        )
+    if not hasattr(data_loader, "__iter__"):
+        raise TypeError(f"data_loader must be iterable, got {type(data_loader).__name__}.")
+
+
+def _check_int(name: str, value: Any, minimum: int, zero: str = "") -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{name} must be {what}{f' ({zero})' if zero else ''}, got {value!r}.")
+
+
+def _check_epochs_or_iters(max_epochs: Any, max_iters: Any) -> None:
+    for name, value in (("max_epochs", max_epochs), ("max_iters", max_iters)):
+        _check_int(name, value, minimum=0)
+    if (max_epochs > 0) == (max_iters > 0):
+        raise ValueError(
+            "Pass exactly one of max_epochs or max_iters "
+            f"(got max_epochs={max_epochs}, max_iters={max_iters})."
+        )
+
+
+def _check_compile(compile: Any, cuda_graph: bool) -> None:
+    if not isinstance(compile, (bool, dict)):
+        raise TypeError(
+            f"compile must be a bool or a dict of torch.compile arguments, got "
+            f"{type(compile).__name__}."
+        )
+    if compile and cuda_graph:
+        raise ValueError(
+            "compile and cuda_graph=True do not combine here; for CUDA graphs under "
+            'torch.compile, pass compile={"mode": "reduce-overhead"} instead.'
+        )
+
+
+def _check_epoch_len(data_loader: Any, accumulation_steps: int) -> int:
+    try:
+        num_batches = len(data_loader)
+    except TypeError:
+        raise TypeError(
+            "data_loader must have a length (a map-style dataset, or an IterableDataset with "
+            "__len__), so that epochs and the ETA are defined."
+        ) from None
+    if num_batches == 0:
+        raise ValueError(
+            "data_loader is empty: it yields no batch. Check the dataset and batch_size."
+        )
+    if num_batches < accumulation_steps:
+        raise ValueError(
+            f"data_loader has {num_batches} batches, fewer than accumulation_steps="
+            f"{accumulation_steps}; lower accumulation_steps or the batch size."
+        )
+    return num_batches // accumulation_steps
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device of ``model``'s first parameter; a model without any is refused."""
+    for tensor in model.parameters():
+        return tensor.device
+    raise ValueError("model has no parameters to train.")
+
+
+def make_writable_dir(path: str) -> None:
+    """Create ``path`` and prove it writable now, rather than fail at the first checkpoint."""
+    os.makedirs(path, exist_ok=True)
+    try:
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise PermissionError(
+            f"{path!r} (the checkpoint folder in work_dir) is not writable ({e.strerror or e}); "
+            "pass a writable work_dir."
+        ) from e

@@ -1,0 +1,85 @@
+"""The trainer's hooks, in the order they run, and the timing of every call."""
+
+import time
+import weakref
+from typing import Any, Callable, Union
+
+from .hookbase import HookBase
+
+EVENTS = ("before_train", "after_train", "before_epoch", "after_epoch", "before_iter",
+          "after_iter", "after_eval")  # fmt: skip
+
+
+class HookRegistry:
+    """Hooks sorted by ``priority`` (ties in registration order), each event calling only the
+    hooks that override it, with the seconds spent in each hook.
+
+    Args:
+        owner: The trainer the hooks get as ``hook.trainer``.
+    """
+
+    def __init__(self, owner: Any) -> None:
+        # A proxy, not a reference: the trainer owns its hooks, and a cycle would keep both alive.
+        self._owner = weakref.proxy(owner)
+        self.hooks: list[HookBase] = []
+        self._handlers: dict[str, list[tuple[int, Callable]]] = {e: [] for e in EVENTS}
+        self.seconds: list[float] = []
+
+    def register(self, hook: HookBase) -> None:
+        """Add ``hook`` in priority order."""
+        if not isinstance(hook, HookBase):
+            raise TypeError(f"hook must be a HookBase instance, got {type(hook).__name__}.")
+        hook.trainer = self._owner
+        position = sum(1 for h in self.hooks if h.priority <= hook.priority)
+        self.hooks.insert(position, hook)
+        self._index()
+
+    def unregister(self, hook: Union[HookBase, type]) -> list[HookBase]:
+        """Remove ``hook``, or every hook of that class; returns what was removed."""
+        removed = [
+            h for h in self.hooks if h is hook or (isinstance(hook, type) and isinstance(h, hook))
+        ]
+        self.hooks = [h for h in self.hooks if all(h is not r for r in removed)]
+        self._index()
+        return removed
+
+    def _index(self) -> None:
+        # Per event, only the hooks that override it: the loop skips HookBase's no-ops.
+        self._handlers = {
+            event: [
+                (i, getattr(h, event)) for i, h in enumerate(self.hooks) if _overrides(h, event)
+            ]
+            for event in EVENTS
+        }
+        self.seconds = [0.0] * len(self.hooks)
+
+    def call(self, event: str, *args: Any) -> None:
+        """Run every hook's ``event`` handler, timing each."""
+        seconds = self.seconds
+        for i, handler in self._handlers[event]:
+            start = time.perf_counter()
+            handler(*args)
+            seconds[i] += time.perf_counter() - start
+
+    def seconds_by_class(self) -> dict[str, float]:
+        """Seconds spent in the hooks, by class name."""
+        totals: dict[str, float] = {}
+        for hook, seconds in zip(self.hooks, self.seconds):
+            totals[hook.class_name] = totals.get(hook.class_name, 0.0) + seconds
+        return totals
+
+    def checkpointable(self) -> dict[str, HookBase]:
+        """The hooks with state, keyed by class name (``Name_1``, ... for repeats)."""
+        keys: dict[str, HookBase] = {}
+        for h in self.hooks:
+            if h.checkpointable:
+                key, n = h.class_name, 1
+                while key in keys:
+                    key, n = f"{h.class_name}_{n}", n + 1
+                keys[key] = h
+        return keys
+
+
+def _overrides(hook: HookBase, event: str) -> bool:
+    method = getattr(hook, event)
+    return getattr(method, "__func__", None) is not getattr(HookBase, event)

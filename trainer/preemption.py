@@ -1,0 +1,93 @@
+"""Preemption: SIGTERM or SIGUSR1 while training means "finish this iteration, save, exit", and
+under torchrun every rank must agree on the iteration (the save is a collective)."""
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .distributed import get_world_size
+
+logger = logging.getLogger(__name__)
+
+# SIGUSR1 is what SLURM sends ahead of preemption (with --signal=USR1@<seconds>).
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+
+class Preemption:
+    """Catches the preemption signals while training and tells when every rank stops for one.
+
+    In one process the stop comes after the iteration during which the signal arrived. Under
+    torchrun the ranks share what they caught every ``check_period`` iterations, in a small
+    asynchronous all-reduce of a CPU flag over a gloo group of its own: it is started at one check and
+    read at the next, so it never waits on the device nor stalls the loop, and every rank
+    stops at the same iteration, at most ``2 * check_period`` iterations after the signal.
+    How often metrics are logged plays no part.
+
+    Args:
+        check_period: Iterations between the checks under torchrun.
+    """
+
+    def __init__(self, check_period: int = 10) -> None:
+        self.check_period = check_period
+        self.caught: Optional[int] = None  # the signal this process caught
+        self._group: Any = None
+        self._pending: Optional[tuple[Any, np.ndarray]] = None  # the check in flight
+        self._distributed = False
+
+    @contextlib.contextmanager
+    def catching(self) -> Iterator[None]:
+        """Catch the signals for the duration of the block (in the main thread only)."""
+        self.caught, self._pending = None, None
+        self._distributed = get_world_size() > 1
+        if self._distributed and self._group is None:
+            # A gloo group of its own (every rank makes it here, in step): its CPU flag needs
+            # gloo, and its checks never interleave with the model's collectives.
+            self._group = dist.new_group(backend="gloo")
+        if threading.current_thread() is not threading.main_thread():
+            yield  # Python lets only the main thread handle signals
+            return
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in PREEMPT_SIGNALS}
+        try:
+            yield
+        finally:
+            # Restored so that no handler keeps the trainer alive after train().
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+            self._finish_check()
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.caught is not None:
+            # A second signal: exit at once, the way the default handler does.
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+        self.caught = signum
+
+    def agreed_signal(self, iteration: int) -> int:
+        """The signal that every rank stops for after ``iteration``, or 0 to go on."""
+        if not self._distributed:
+            return self.caught or 0
+        if (iteration + 1) % self.check_period:
+            return 0
+        agreed = self._finish_check()
+        # a numpy-backed CPU tensor: reading it needs no device sync
+        flag = np.array([self.caught or 0], dtype=np.int32)
+        work = dist.all_reduce(
+            torch.from_numpy(flag), op=dist.ReduceOp.MAX, group=self._group, async_op=True
+        )
+        self._pending = (work, flag)
+        return agreed
+
+    def _finish_check(self) -> int:
+        if self._pending is None:
+            return 0
+        (work, flag), self._pending = self._pending, None
+        work.wait()
+        return int(flag[0])

@@ -1,0 +1,205 @@
+"""Where training is: :class:`Progress`, the resume-position mapping, and :class:`DataStream`,
+the data iteration that a mid-epoch resume replays exactly."""
+
+import dataclasses
+import logging
+import time
+from typing import Any, Optional
+
+import torch
+
+from .distributed import get_rank, get_world_size
+from .seed import get_rng_state, set_rng_state
+
+logger = logging.getLogger(__name__)
+
+Position = tuple[int, int]  # (epoch, iterations done in it): where training goes on from
+
+
+@dataclasses.dataclass
+class Progress:
+    """The counters of a run, kept in one place.
+
+    ``epoch``, ``inner_iter`` and ``iter`` name the iteration running (or the last one, between
+    iterations); ``position`` is where a checkpoint taken now resumes: it moves when an
+    iteration or an epoch ends. ``stopped``: :meth:`Trainer.stop` was called (or the resumed
+    checkpoint remembers it). ``saved``: the position and stop of the last checkpoint saved or
+    loaded.
+    """
+
+    epoch_len: int
+    max_iters: int
+    epoch: int = 0
+    inner_iter: int = 0
+    iter: int = -1
+    start_iter: int = 0
+    position: Position = (0, 0)
+    stopped: bool = False
+    saved: tuple[Position, bool] = ((-1, -1), False)
+
+    def begin_iter(self, inner_iter: int) -> None:
+        self.inner_iter = inner_iter
+        self.iter = self.epoch * self.epoch_len + inner_iter
+
+    def end_iter(self) -> None:
+        self.position = (self.epoch, self.inner_iter + 1)
+
+    def end_epoch(self) -> None:
+        self.position = (self.epoch + 1, 0)
+
+    def mark_saved(self) -> None:
+        self.saved = (self.position, self.stopped)
+
+    @property
+    def is_saved(self) -> bool:
+        """Whether the last checkpoint holds exactly this position and stop."""
+        return self.saved == (self.position, self.stopped)
+
+    def resume(self, position: Position, stopped: bool) -> None:
+        """Go on from a loaded checkpoint's ``position``."""
+        self.position = position
+        self.saved = (position, stopped)
+        self.start_iter = min(self.max_iters, position[0] * self.epoch_len + position[1])
+        self.iter = self.start_iter - 1
+
+    def state_dict(self, batch_size: Optional[int]) -> dict[str, Any]:
+        """The position as plain data, with what mapping it to another world size needs."""
+        epoch, inner = self.position
+        return {
+            "epoch": epoch,
+            "inner_iter": inner,
+            "epoch_len": self.epoch_len,
+            "world_size": get_world_size(),
+            "batch_size": batch_size,
+            "stopped": self.stopped,
+        }
+
+
+def map_position(
+    saved: dict[str, Any], path: str, epoch_len: int, batch_size: Optional[int], accumulation: int
+) -> Position:
+    """Where to go on from a checkpoint's ``progress``: (epoch, iterations done in it). When the
+    number of processes or the batch size changed, the iterations done are mapped by the samples
+    they consumed."""
+    epoch, inner, saved_len = saved["epoch"], saved["inner_iter"], saved["epoch_len"]
+    before = (saved.get("world_size", get_world_size()), saved.get("batch_size"))
+    now = (get_world_size(), batch_size)
+    if before == now or "world_size" not in saved:  # the latter: an older checkpoint
+        if saved_len != epoch_len:
+            raise ValueError(
+                f"Checkpoint {path!r} was saved with {saved_len} iterations per epoch, this "
+                f"trainer has {epoch_len}; resume with the same data loader."
+            )
+        return epoch, inner
+    how = f"{before[0]} processes x batches of {before[1]} to {now[0]} x {now[1]}"
+    if inner in (0, saved_len):  # between epochs: nothing to map
+        logger.warning(
+            f"Resuming {path} with {how}, at the {'start' if inner == 0 else 'end'} of "
+            f"epoch {epoch}: the data position needs no mapping."
+        )
+        return epoch, 0 if inner == 0 else epoch_len
+    samples = [w * b * accumulation if b else None for w, b in (before, now)]
+    consumed = inner * samples[0] if samples[0] else None
+    if consumed is None or samples[1] is None or consumed % samples[1]:
+        raise RuntimeError(
+            f"Checkpoint {path!r} stopped in the middle of epoch {epoch} ({inner} of "
+            f"{saved_len} iterations, {consumed or 'an unknown number of'} samples), and "
+            f"this run changes from {how}: {samples[1] or 'an unknown number of'} samples "
+            "per iteration cannot continue at that sample. Resume with the same number of "
+            "processes and batch size, pick a batch size whose iterations divide the "
+            "samples consumed, or resume from a checkpoint saved at an epoch's end."
+        )
+    new_inner = min(consumed // samples[1], epoch_len)
+    logger.warning(
+        f"Resuming {path} with {how}: epoch {epoch} stopped after {inner} iterations = "
+        f"{consumed} samples, so this run goes on from iteration {new_inner} of "
+        f"{epoch_len} of that epoch. With a DistributedSampler (its order depends "
+        "on seed and epoch only) these are exactly the samples not yet seen; the LR "
+        "schedule goes on from its saved step."
+    )
+    return epoch, new_inner
+
+
+class DataStream:
+    """Passes over a data loader, one per epoch, that a mid-epoch resume replays exactly.
+
+    A pass remembers the RNG state it started with. Resuming in mid-epoch replays the shuffle
+    (and worker seeds) of the interrupted pass from that state, skips the consumed batches, then
+    goes back to the RNG state of the checkpoint. Skipped batches are loaded but never reach
+    the model.
+
+    Args:
+        data_loader: A data loader, or any iterable with a length.
+    """
+
+    def __init__(self, data_loader: Any) -> None:
+        self.data_loader = data_loader
+        self.data_time = 0.0  # seconds spent waiting for batches, since the caller reset it
+        self._iter: Optional[Any] = None
+        self._pass_rng: Optional[dict[str, Any]] = None  # the RNG state the pass started with
+        self._to_skip = 0
+
+    def next_batch(self) -> Any:
+        """The next batch of the current pass (a new pass starts when there is none)."""
+        start = time.perf_counter()
+        if self._iter is None:
+            self._iter = self._start_pass()
+        try:
+            batch = next(self._iter)
+        except StopIteration:
+            raise RuntimeError(
+                f"data_loader ended after fewer batches than its len() of {len(self.data_loader)}; "
+                "make __len__ of the dataset or sampler match what it yields."
+            ) from None
+        self.data_time += time.perf_counter() - start
+        return batch
+
+    def end_pass(self) -> None:
+        """Forget the current pass: the next batch starts a new one."""
+        self._iter = None
+
+    def _start_pass(self) -> Any:
+        generators = self.generators()
+        if self._to_skip:
+            now = get_rng_state(generators)
+            set_rng_state(self._pass_rng, generators)
+            data_iter = iter(self.data_loader)
+            for _ in range(self._to_skip):
+                next(data_iter)
+            set_rng_state(now, generators)
+            self._to_skip = 0
+            return data_iter
+        self._pass_rng = get_rng_state(generators)
+        return iter(self.data_loader)
+
+    def generators(self) -> tuple[torch.Generator, ...]:
+        """The loader's and its sampler's own generators, if they have any."""
+        found: list[torch.Generator] = []
+        for owner in (self.data_loader, getattr(self.data_loader, "sampler", None)):
+            g = getattr(owner, "generator", None)
+            if isinstance(g, torch.Generator) and all(g is not f for f in found):
+                found.append(g)
+        return tuple(found)
+
+    def rng_state(self, mid_pass: bool) -> dict[str, Any]:
+        """Every RNG's state now, and the state the pass started with when ``mid_pass``."""
+        return {
+            "now": get_rng_state(self.generators()),
+            "epoch_start": self._pass_rng if mid_pass else None,
+        }
+
+    def resume(self, per_rank: list[dict[str, Any]], path: str, batches_to_skip: int) -> None:
+        """Restore this rank's RNG state from a checkpoint; the next pass skips
+        ``batches_to_skip`` batches of the interrupted one."""
+        rank, world_size = get_rank(), get_world_size()
+        if len(per_rank) != world_size:
+            logger.warning(
+                f"Checkpoint {path} was saved by {len(per_rank)} ranks, resuming with "
+                f"{world_size}: rank {rank} takes the RNG state of rank {rank % len(per_rank)}, "
+                "so the run goes on but not bit for bit as before."
+            )
+        state = per_rank[rank % len(per_rank)]
+        set_rng_state(state["now"], self.generators())
+        self._pass_rng = state["epoch_start"]
+        self._to_skip = batches_to_skip
+        self._iter = None

@@ -1,0 +1,182 @@
+"""The building blocks of a training step: autocast, backward with loss scaling, gradient-sync
+skipping during accumulation, clipping, and the optimizer step through the GradScaler.
+
+The Trainer has each of them as a public method (``trainer.autocast()``,
+``trainer.backward(loss)``, ...): its own ``train_one_iter`` is written with them, and so is an
+override.
+"""
+
+import contextlib
+import functools
+import sys
+from collections.abc import Iterator
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+from torch.nn.parallel import DataParallel, DistributedDataParallel
+from torch.optim import Optimizer
+
+from .fsdp import is_sharded, local_value, no_gradient_sync
+
+_NO_OP = contextlib.nullcontext()  # reusable: entering it does nothing
+
+
+class StepMethods:
+    """The public building blocks of a training step: the Trainer's :meth:`autocast`,
+    :meth:`no_gradient_sync`, :meth:`backward`, :meth:`clip_and_step` and :meth:`update_scaler`.
+
+    The built-in ``train_one_iter`` is written with them, and so is an override. One code path:
+    with AMP off, autocast is a null context and the GradScaler a no-op.
+
+    Args:
+        model: The model as trained (wrapped in DDP, compiled or sharded, maybe).
+        optimizer: The main optimizer; its steps skipped by the GradScaler are tracked.
+        device: The model's device.
+        amp_dtype: ``torch.float16`` (with loss scaling), ``torch.bfloat16``, or None for no AMP.
+        clip_grad_norm: Clip gradients to this norm; 0 disables clipping.
+        cuda_graph: Keep autocast's weight-cast cache off (a CUDA graph replays the casts).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Optimizer,
+        device: torch.device,
+        amp_dtype: Optional[torch.dtype],
+        clip_grad_norm: float,
+        cuda_graph: bool = False,
+    ) -> None:
+        self.optimizer = optimizer
+        self.clip_grad_norm = clip_grad_norm
+        # DDP (also under torch.compile) skips its gradient all-reduce with no_sync()
+        self._ddp = next(
+            (m for m in wrappers(model) if isinstance(m, DistributedDataParallel)), None
+        )
+        self._sharded_model = model if is_sharded(model) else None  # by FSDP2's fully_shard
+        self._autocast = (
+            functools.partial(torch.autocast, device.type, amp_dtype, cache_enabled=not cuda_graph)
+            if amp_dtype is not None
+            else _no_op
+        )
+        # bfloat16 has float32's range, so only float16 needs loss scaling.
+        self.grad_scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+        # Whether the GradScaler skipped the last step: a bool, or a device tensor with fused
+        # optimizers, which skip on the device.
+        self._skipped: Union[bool, torch.Tensor] = False
+        self._update_due = False  # the scaler stepped an optimizer since its last update
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """A context for the forward pass: mixed precision with AMP on, else a no-op."""
+        return self._autocast()
+
+    def no_gradient_sync(self, skip: bool = True) -> contextlib.AbstractContextManager:
+        """A context for the forward and backward of a micro-batch whose gradients stay local
+        (all but the last, when accumulating): DDP's ``no_sync``, FSDP2's
+        ``set_requires_gradient_sync(False)``; a no-op when not ``skip`` or in one process."""
+        if skip and self._ddp is not None:
+            return self._ddp.no_sync()
+        if skip and self._sharded_model is not None:
+            return no_gradient_sync(self._sharded_model)
+        return _NO_OP
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, the loss multiplied by the GradScaler's scale with float16 AMP."""
+        self.grad_scaler.scale(loss).backward()
+
+    def clip_and_step(self, optimizer: Optional[Optimizer] = None) -> Optional[torch.Tensor]:
+        """Unscale and clip (``clip_grad_norm``) the gradients of ``optimizer``'s parameters,
+        then step it (the trainer's by default) through the GradScaler, which skips a step whose
+        float16 gradients overflowed. Returns the gradient norm before clipping, as a device
+        tensor, or None without clipping."""
+        optimizer = self.optimizer if optimizer is None else optimizer
+        norm = None
+        if self.clip_grad_norm > 0:
+            # unscaled first, so the threshold means what it says
+            self.grad_scaler.unscale_(optimizer)
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            norm = nn.utils.clip_grad_norm_(params, self.clip_grad_norm).detach()
+            if self._sharded_model is not None:
+                norm = local_value(norm)  # FSDP2: a replicated DTensor
+        if optimizer is self.optimizer:
+            self._skipped = self.grad_scaler.is_enabled()  # until _on_optimizer_step says otherwise
+        self.grad_scaler.step(optimizer)
+        self._update_due = self.grad_scaler.is_enabled()
+        return norm
+
+    def update_scaler(self) -> None:
+        """Adjust the float16 loss scale, once per iteration after every optimizer stepped (the
+        trainer does it after ``train_one_iter`` if the iteration did not)."""
+        if self._update_due:
+            self.grad_scaler.update()
+            self._update_due = False
+
+    @property
+    def step_skipped(self) -> bool:
+        """Whether the float16 GradScaler skipped the last optimizer step (inf/NaN gradients).
+
+        With fused optimizers the flag lives on the device: reading it is a CPU-GPU sync.
+        """
+        return bool(self._skipped)
+
+    @contextlib.contextmanager
+    def _watch_skipped_steps(self) -> Iterator[None]:
+        if not self.grad_scaler.is_enabled():
+            yield
+            return
+        # Removed when training ends, so the optimizer never keeps the trainer alive.
+        handle = self.optimizer.register_step_post_hook(self._on_optimizer_step)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def _on_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        # GradScaler calls optimizer.step() only for finite gradients, except with optimizers
+        # that skip on the device (fused ones), which it hands the inf flag as `found_inf`.
+        found_inf = getattr(optimizer, "found_inf", None)
+        self._skipped = False if found_inf is None else found_inf
+
+
+def total_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss to back-propagate, and the detached losses to log (``total_loss`` among them),
+    from what a model returned: a scalar loss tensor or a dict of them."""
+    if isinstance(out, torch.Tensor) and out.dim() == 0:  # the common case, kept short
+        return out, {"total_loss": out.detach()}
+    losses = {"total_loss": out} if isinstance(out, torch.Tensor) else out
+    if not isinstance(losses, dict) or not losses:
+        raise TypeError(
+            "model must return a scalar loss tensor or a non-empty dict of scalar loss tensors, "
+            f"got {type(out).__name__}."
+        )
+    for name, value in losses.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"Loss {name!r} must be a tensor, got {type(value).__name__}.")
+        if value.dim() != 0:
+            raise ValueError(
+                f"Loss {name!r} must be a scalar tensor, got shape {tuple(value.shape)}; "
+                "reduce it in the model (e.g. .mean())."
+            )
+    first, *rest = losses.values()
+    total = sum(rest, first)  # not sum(values): 0 + loss would cost an extra op
+    logged = {name: value.detach() for name, value in losses.items()}
+    logged["total_loss"] = total.detach()
+    return total, logged
+
+
+def wrappers(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` and the modules torch.compile / DDP / DataParallel wrap, outermost first."""
+    # torch._dynamo is slow to import; a compiled model has imported it
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    while True:
+        yield model
+        if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+            model = model._orig_mod
+        elif isinstance(model, (DistributedDataParallel, DataParallel)):
+            model = model.module
+        else:
+            return
+
+
+def _no_op() -> contextlib.nullcontext:
+    return _NO_OP
