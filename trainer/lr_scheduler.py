@@ -99,6 +99,8 @@ class LRWarmupScheduler:
         self.last_iter += 1
         if not self.by_epoch:
             self._step_regular()
+        elif self.warmup_by_epoch or self.last_iter > self.warmup_t:
+            return  # the LR is already the regular one, which only changes at epoch ends
         self._apply()
 
     def epoch_update(self, metric: Optional[float] = None) -> None:

@@ -157,13 +157,15 @@ class MetricStorage(Mapping):
         """The iteration of the latest value of ``name``."""
         return self._latest_iter[name]
 
+    def value_maybe_smooth(self, name: str) -> float:
+        """The window mean of ``name`` if it is smoothed, else its latest value."""
+        buf = self._buffers[name]
+        return buf.avg if self._smooth[name] else buf.latest
+
     @property
     def values_maybe_smooth(self) -> dict[str, tuple[int, float]]:
         """``{name: (latest_iter, window mean if smoothed else latest value)}``."""
-        return {
-            name: (self._latest_iter[name], buf.avg if self._smooth[name] else buf.latest)
-            for name, buf in self._buffers.items()
-        }
+        return {name: (self._latest_iter[name], self.value_maybe_smooth(name)) for name in self}
 
     def state_dict(self) -> dict[str, Any]:
         """The storage as plain data, loadable with ``torch.load(weights_only=True)``."""
@@ -335,8 +337,11 @@ def _to_host(values: list[Any]) -> list[float]:
     """Numbers and scalar tensors as floats, the tensors copied to the host together."""
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
     if tensors:
-        device = tensors[0].device
-        copied = iter(torch.stack([t.to(device) for t in tensors]).float().cpu().tolist())
+        try:
+            stacked = torch.stack(tensors)  # the common case: one device
+        except RuntimeError:
+            stacked = torch.stack([t.to(tensors[0].device) for t in tensors])
+        copied = iter(stacked.float().cpu().tolist())
     return [next(copied) if isinstance(v, torch.Tensor) else float(v) for v in values]
 
 

@@ -26,8 +26,8 @@ class Preemption:
 
     In one process the stop comes after the iteration during which the signal arrived. Under
     torchrun the ranks share what they caught every ``check_period`` iterations, in a small
-    asynchronous all-reduce of a CPU flag over a gloo group of its own: it is started at one check and
-    read at the next, so it never waits on the device nor stalls the loop, and every rank
+    asynchronous all-reduce of a CPU flag over a gloo group of its own: started at one check
+    and read at the next, it never waits on the device nor stalls the loop, and every rank
     stops at the same iteration, at most ``2 * check_period`` iterations after the signal.
     How often metrics are logged plays no part.
 

@@ -57,10 +57,11 @@ class StepMethods:
         self._autocast = (
             functools.partial(torch.autocast, device.type, amp_dtype, cache_enabled=not cuda_graph)
             if amp_dtype is not None
-            else _no_op
+            else None
         )
         # bfloat16 has float32's range, so only float16 needs loss scaling.
         self.grad_scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+        self._scaling = self.grad_scaler.is_enabled()
         # Whether the GradScaler skipped the last step: a bool, or a device tensor with fused
         # optimizers, which skip on the device.
         self._skipped: Union[bool, torch.Tensor] = False
@@ -68,7 +69,7 @@ class StepMethods:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """A context for the forward pass: mixed precision with AMP on, else a no-op."""
-        return self._autocast()
+        return _NO_OP if self._autocast is None else self._autocast()
 
     def no_gradient_sync(self, skip: bool = True) -> contextlib.AbstractContextManager:
         """A context for the forward and backward of a micro-batch whose gradients stay local
@@ -99,9 +100,9 @@ class StepMethods:
             if self._sharded_model is not None:
                 norm = local_value(norm)  # FSDP2: a replicated DTensor
         if optimizer is self.optimizer:
-            self._skipped = self.grad_scaler.is_enabled()  # until _on_optimizer_step says otherwise
+            self._skipped = self._scaling  # until _on_optimizer_step says otherwise
         self.grad_scaler.step(optimizer)
-        self._update_due = self.grad_scaler.is_enabled()
+        self._update_due = self._scaling
         return norm
 
     def update_scaler(self) -> None:
@@ -121,7 +122,7 @@ class StepMethods:
 
     @contextlib.contextmanager
     def _watch_skipped_steps(self) -> Iterator[None]:
-        if not self.grad_scaler.is_enabled():
+        if not self._scaling:
             yield
             return
         # Removed when training ends, so the optimizer never keeps the trainer alive.
@@ -176,7 +177,3 @@ def wrappers(model: nn.Module) -> Iterator[nn.Module]:
             model = model.module
         else:
             return
-
-
-def _no_op() -> contextlib.nullcontext:
-    return _NO_OP

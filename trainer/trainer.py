@@ -331,17 +331,18 @@ class Trainer(StepMethods):
         progress = self.progress
         start = progress.position[1] if progress.position[0] == epoch else 0
         progress.epoch = epoch
-        self.call_hooks("before_epoch")
+        call_hooks, agreed_signal = self._hooks.call, self._preemption.agreed_signal  # hot loop
+        call_hooks("before_epoch")
         self.model.train()
         for inner_iter in range(start, self.epoch_iters):
             progress.begin_iter(inner_iter)
-            self.call_hooks("before_iter")
+            call_hooks("before_iter")
             self.train_one_iter()
             self._end_iter()
-            self.call_hooks("after_iter")
+            call_hooks("after_iter")
             if progress.stopped:
                 break
-            signum = self._preemption.agreed_signal(progress.iter)
+            signum = agreed_signal(progress.iter)
             if signum and progress.iter < self.max_iters - 1:
                 self._exit_preempted(signum)
         if progress.position[1] < self.epoch_iters:  # stop() in mid-epoch
@@ -369,8 +370,9 @@ class Trainer(StepMethods):
 
     def _end_iter(self) -> None:
         self.progress.end_iter()
-        self.update_scaler()  # for an override that stepped but did not update
-        it = self.cur_iter
+        if self._update_due:  # an override stepped but did not update the scaler
+            self.update_scaler()
+        it = self.progress.iter
         if (it + 1) % self.log_period == 0 or it == self.max_iters - 1:
             # Times per iteration over the log period, measured here rather than per iteration.
             start, before = self._period_start
@@ -416,7 +418,8 @@ class Trainer(StepMethods):
         losses, extras = (self._graphed_step or self.forward_backward_step)(batches)
         # 5. log: the values stay on the device until the next log point
         self.log_losses(**losses)
-        self.log(self.cur_iter, reduce=True, **extras)
+        if extras:
+            self.log(self.cur_iter, reduce=True, **extras)
 
     def forward_backward_step(
         self, batches: list[Any], set_to_none: bool = True
@@ -443,7 +446,7 @@ class Trainer(StepMethods):
         self.update_scaler()
         if grad_norm is not None:
             extras["grad_norm"] = grad_norm
-        if self.grad_scaler.is_enabled():
+        if self._scaling:
             extras["amp_skipped_steps"] = self._skipped
         return losses, extras
 
@@ -479,7 +482,7 @@ class Trainer(StepMethods):
         """Record losses of the current iteration as the built-in step does: checked at the next
         log point (a NaN or infinite one raises ``FloatingPointError`` naming the iteration,
         before any checkpoint can hold it) and averaged over ranks under torchrun."""
-        self._pending.add(self.cur_iter, scalars(losses), check_finite=True, reduce=True)
+        self._pending.add(self.progress.iter, scalars(losses), check_finite=True, reduce=True)
 
     @property
     def metric_storage(self) -> MetricStorage:

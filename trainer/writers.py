@@ -52,6 +52,8 @@ class ConsoleWriter(MetricWriter):
         self._start_iter = start_iter
 
     def write(self, trainer: Any, iter: int, metrics: dict[str, float]) -> None:
+        if not logger.isEnabledFor(logging.INFO):
+            return  # the line would go nowhere: no need to format it
         done = iter + 1
         elapsed = time.perf_counter() - self._start_time
         seconds_per_iter = elapsed / max(done - self._start_iter, 1)
@@ -78,12 +80,16 @@ class TensorBoardWriter(MetricWriter):
 
     def __init__(self, log_dir: str) -> None:
         from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard.summary import scalar
 
         self._writer = SummaryWriter(log_dir=log_dir)
+        self._scalar = scalar
 
     def write(self, trainer: Any, iter: int, metrics: dict[str, float]) -> None:
-        for name, value in metrics.items():
-            self._writer.add_scalar(name, value, iter)
+        # One event holding every scalar, rather than an event per add_scalar call.
+        summaries = [self._scalar(name, value) for name, value in metrics.items()]
+        summary = type(summaries[0])(value=[v for s in summaries for v in s.value])
+        self._writer.file_writer.add_summary(summary, iter)
         # No flush here: the writer flushes on its own timer (flush_secs) and on close.
 
     def close(self) -> None:
@@ -96,19 +102,24 @@ class JSONLinesWriter(MetricWriter):
     (``pandas.read_json(path, lines=True)``).
 
     Resuming drops the lines of iterations the resumed run repeats (left by the interrupted
-    run), so the file tells one consistent history.
+    run), so the file tells one consistent history. Lines reach the file at least every
+    ``flush_secs`` seconds (as TensorBoard's events do) and when training ends.
     """
 
-    def __init__(self, path: str, start_iter: int = 0) -> None:
+    def __init__(self, path: str, start_iter: int = 0, flush_secs: float = 10.0) -> None:
         self._path = path
         if os.path.exists(path):
             _keep_lines_before(path, start_iter)
         self._file = open(path, "a", encoding="utf-8")
+        self._flush_secs = flush_secs
+        self._flushed = time.perf_counter()
 
     def write(self, trainer: Any, iter: int, metrics: dict[str, float]) -> None:
         record = {"iter": iter, "epoch": trainer.cur_epoch + 1, **metrics}
         self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        if time.perf_counter() - self._flushed > self._flush_secs:
+            self._file.flush()
+            self._flushed = time.perf_counter()
 
     def close(self) -> None:
         self._file.close()

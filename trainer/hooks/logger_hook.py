@@ -64,9 +64,10 @@ class LoggerHook(HookBase):
 
     def after_iter(self) -> None:
         """Write at every ``period``-th and at the last iteration."""
-        if self.every_n_iters(self._period) or self.is_last_iter():
+        done = self.trainer.cur_iter + 1  # one read: this runs every iteration
+        if done % self._period == 0 or done == self.trainer.max_iters:
             self._write(log_point=True)
-        if self.every_n_iters(10 * self._period):
+        if done % (10 * self._period) == 0:
             self._log_hook_times()
 
     def after_epoch(self) -> None:
@@ -94,10 +95,10 @@ class LoggerHook(HookBase):
     def _write(self, log_point: bool) -> None:
         storage = self.trainer.metric_storage
         fresh = {}
-        for name, (_, value) in storage.values_maybe_smooth.items():
-            if storage[name].count > self._written.get(name, 0):
-                self._written[name] = storage[name].count
-                fresh[name] = value
+        for name, buffer in storage.items():
+            if buffer.count > self._written.get(name, 0):
+                self._written[name] = buffer.count
+                fresh[name] = storage.value_maybe_smooth(name)
         if not fresh:
             return
         for writer in self._writers:
