@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainer import HookBase, Trainer
+from trainer.hooks import EvalHook
 
 
 class TinyModel(nn.Module):
@@ -76,6 +77,18 @@ class RecordLR(HookBase):
 
     def before_iter(self):
         self.lrs.append(self.trainer.lr)
+
+
+def load(path):
+    """A checkpoint, loaded as users load them."""
+    return torch.load(path, weights_only=True)
+
+
+def evaluating(trainer, values, *hooks):
+    """Registers an EvalHook returning values[epoch] as "acc" after every epoch, then hooks."""
+    trainer.register_hook(EvalHook(1, lambda: {"acc": values[trainer.cur_epoch]}))
+    trainer.register_hooks(list(hooks))
+    return trainer
 
 
 @pytest.fixture

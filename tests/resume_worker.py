@@ -42,7 +42,7 @@ def main():
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-    import trainer.checkpoint as checkpoint_module
+    import trainer.checkpoint_files as checkpoint_module
     from trainer import HookBase, Trainer, set_random_seed
     from trainer.distributed import init_distributed
 

@@ -498,21 +498,3 @@ def test_iteration_checkpoints_in_epoch_based_training_resume_exactly(tmp_path):
 def test_resume_from_a_missing_path_raises(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.pth"):
         build(tmp_path).train(resume_from_checkpoint=str(tmp_path / "nope.pth"))
-
-
-def test_preemption_at_an_epochs_last_iteration_resumes_exactly(tmp_path):
-    class SigtermAt(HookBase):
-        def after_iter(self):
-            if self.trainer.cur_iter == 7:  # the last of epoch 0's 8 iterations
-                os.kill(os.getpid(), signal.SIGTERM)
-
-    trainer = build(tmp_path, max_epochs=3, checkpoint_period=100)
-    trainer.register_hook(SigtermAt())
-    with pytest.raises(SystemExit) as exit_info:
-        trainer.train()
-    assert exit_info.value.code == 128 + signal.SIGTERM
-    assert os.path.isfile(tmp_path / "checkpoints" / "iter_8.pth")
-    resumed = build(tmp_path, max_epochs=3, checkpoint_period=100)
-    resumed.train()
-    assert resumed.start_iter == 8
-    assert_bit_equal(resumed.model.state_dict(), uninterrupted(tmp_path, max_epochs=3))

@@ -9,7 +9,7 @@ from torch.utils.data import DataLoader
 
 from trainer import HookBase
 
-from conftest import RecordLR, TinyModel, build, tiny_dataset, tiny_loader
+from conftest import RecordLR, TinyModel, build, load, tiny_dataset, tiny_loader
 
 
 def weights(trainer):
@@ -304,3 +304,42 @@ def test_any_sized_iterable_of_batches_works_as_data_loader(make_trainer):
 
 
 # ---- cuda_graph=True: what can be checked without a GPU (the rest is in test_cuda.py) -----
+
+
+class Counter(HookBase):
+    """Counts iterations and after_train calls; calls stop() after iteration ``stop_at``."""
+
+    def __init__(self, stop_at=None):
+        self.iters, self.trained, self.stop_at = 0, 0, stop_at
+
+    def after_iter(self):
+        self.iters += 1
+        if self.trainer.cur_iter == self.stop_at:
+            self.trainer.stop()
+
+    def after_train(self):
+        self.trained += 1
+
+
+def test_stop_ends_after_the_iteration_and_a_rerun_stays_stopped(make_trainer, tmp_path):
+    trainer = make_trainer(max_epochs=2)  # 8 iterations per epoch
+    counter = Counter(stop_at=5)
+    trainer.register_hook(counter)
+    trainer.train()
+    assert (trainer.cur_iter, counter.iters, counter.trained) == (5, 6, 1)
+    saved = load(os.path.join(trainer.ckpt_dir, "iter_6.pth"))
+    assert saved["progress"]["stopped"] and saved["progress"]["inner_iter"] == 6
+    assert open(os.path.join(trainer.ckpt_dir, "latest.txt")).read().strip() == "iter_6.pth"
+
+    again, counter = make_trainer(max_epochs=2), Counter()
+    again.register_hook(counter)
+    again.train()
+    assert (again.start_iter, counter.iters, counter.trained) == (6, 0, 1)
+
+    # asked to, it trains on, exactly as if it had never stopped
+    on = make_trainer(max_epochs=2)
+    on.train(continue_after_stop=True)
+    full = make_trainer(max_epochs=2, work_dir=tmp_path / "full")
+    full.train()
+    for a, b in zip(on.model.parameters(), full.model.parameters()):
+        assert torch.equal(a, b)

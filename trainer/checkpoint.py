@@ -1,19 +1,22 @@
 """Checkpoints: what they hold (:class:`Checkpointer` gathers and restores the trainer's
-state), their names, atomic background writes, a ``latest.txt`` pointer, ``weights_only``
-loads and the search for the newest one that loads."""
+state), their names, the search for the newest one that loads, and loading their weights.
+The files themselves (atomic background writes, ``latest.txt``) are ``checkpoint_files.py``'s."""
 
-import copy
-import glob
 import logging
 import os
-import tempfile
-import threading
 from typing import Any, Callable, Optional
 
-import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from .checkpoint_files import (
+    BackgroundWriter,
+    copy_to_cpu,
+    list_checkpoints,
+    load_checkpoint_file,
+    remove_temp_files,
+    save_in_background,
+)
 from .distributed import gather, is_main_process
 from .fsdp import (
     full_state_dicts,
@@ -27,8 +30,6 @@ from .step import wrappers
 
 logger = logging.getLogger(__name__)
 
-LATEST_POINTER = "latest.txt"
-_TEMP_SUFFIX = ".tmp"
 # What a checkpoint needs to resume a run (a weights-only load needs "model" alone).
 RESUME_KEYS = ("progress", "config", "model", "optimizer", "lr_scheduler", "grad_scaler",
                "metric_storage", "hooks", "rng")  # fmt: skip
@@ -98,8 +99,22 @@ class Checkpointer:
         self._extra[name] = obj
 
     def save(self, file_name: str, then: Optional[Callable[[], None]] = None) -> Optional[str]:
-        """Save the state as ``ckpt_dir/file_name`` in the background; a collective (every rank
-        hands rank 0 its RNG state), returning the path on rank 0 and None elsewhere."""
+        """Save the whole state as ``ckpt_dir/file_name`` and point ``latest.txt`` at it.
+
+        Training waits only while the state is copied (to CPU memory); the file is written in the
+        background, atomically, and ``latest.txt`` moves once it is durable. The next save, the
+        end of ``train()``, a preemption exit and :meth:`wait` wait for the write and raise its
+        error, if any (an ``OSError``; the previous checkpoint and ``latest.txt`` are untouched).
+        Every rank calls this, handing rank 0 its RNG state; rank 0 alone writes.
+
+        Args:
+            file_name: The checkpoint's file name in ``ckpt_dir``.
+            then: Called in the background once the file and ``latest.txt`` are durable (e.g. to
+                delete older checkpoints).
+
+        Returns:
+            The path being written, or None on other ranks.
+        """
         self._progress.mark_saved()
         # FSDP2: every rank takes part in gathering the full weights, which rank 0 writes.
         weights = full_state_dicts(self._model, self._optimizer) if self._sharded else None
@@ -139,7 +154,22 @@ class Checkpointer:
         return state
 
     def load(self, path: Optional[str], auto_resume: bool, resume: bool, strict: bool) -> bool:
-        """See :meth:`Trainer.load_checkpoint`."""
+        """Load a checkpoint: the whole training state, or only the model's weights.
+
+        Args:
+            path: A checkpoint file; it must exist and load.
+            auto_resume: With no ``path``, use the newest checkpoint in ``ckpt_dir`` that loads,
+                ``latest.txt``'s first. One that fails to load is skipped with a warning; if none
+                loads, this raises rather than start from scratch.
+            resume: Restore everything (optimizer, LR schedule, GradScaler, progress, RNG,
+                metrics, hooks, registered extras) to continue the run exactly. False loads the
+                model's weights only, for fine-tuning or evaluation.
+            strict: The model's keys and shapes must match the checkpoint's. False loads the
+                weights that match and logs what it skipped (fine-tuning a changed head, say).
+
+        Returns:
+            Whether a checkpoint was loaded.
+        """
         self.wait()  # a write in flight may be the newest checkpoint
         if path is None:
             if not auto_resume:
@@ -198,190 +228,6 @@ def checkpoint_name(by_epoch: bool, position: tuple[int, int], iters_done: int) 
     if by_epoch and inner == 0:
         return f"epoch_{epoch}.pth"
     return f"iter_{iters_done}.pth"
-
-
-def save_in_background(
-    writer: "BackgroundWriter",
-    state: Callable[[], dict[str, Any]],
-    path: str,
-    then: Optional[Callable[[], None]] = None,
-) -> None:
-    """Write ``state()`` to ``path`` on ``writer``'s thread, then point ``latest.txt`` at it.
-
-    Waits for the previous write first (and raises its error), then copies the state to CPU
-    memory: training may change the tensors once this returns.
-    """
-    writer.wait()  # one write at a time; raises if the previous one failed
-    copied = copy_to_cpu(state())
-    ckpt_dir, file_name = os.path.split(path)
-
-    def write() -> None:
-        atomic_save(copied, path)
-        update_latest_pointer(ckpt_dir, file_name)
-        logger.info(f"Saved checkpoint {path}")
-        if then is not None:
-            then()
-
-    writer.submit(write)
-
-
-def atomic_save(obj: Any, path: str) -> None:
-    """``torch.save`` that leaves ``path`` either untouched or complete, never half-written.
-
-    The data goes to a temporary file in the same folder, is flushed to disk, and replaces
-    ``path`` in one ``os.replace``; the folder is then synced so the rename itself is durable.
-    """
-    _atomic_write(path, lambda f: torch.save(obj, f))
-
-
-def update_latest_pointer(ckpt_dir: str, file_name: str) -> None:
-    """Point ``ckpt_dir/latest.txt`` at ``file_name``, atomically (works where symlinks do not)."""
-    _atomic_write(os.path.join(ckpt_dir, LATEST_POINTER), lambda f: f.write(file_name.encode()))
-
-
-def read_latest_pointer(ckpt_dir: str) -> Optional[str]:
-    """The path ``latest.txt`` names, or None when there is no pointer yet."""
-    pointer = os.path.join(ckpt_dir, LATEST_POINTER)
-    if not os.path.isfile(pointer):
-        return None
-    with open(pointer) as f:
-        name = f.read().strip()
-    return os.path.join(ckpt_dir, name) if name else None
-
-
-def list_checkpoints(ckpt_dir: str) -> list[str]:
-    """The ``.pth`` files in ``ckpt_dir``, newest first: the one ``latest.txt`` names leads."""
-    paths = sorted(
-        glob.glob(os.path.join(ckpt_dir, "*.pth")), key=lambda p: (os.path.getmtime(p), p)
-    )[::-1]
-    latest = read_latest_pointer(ckpt_dir)
-    if latest in paths:
-        paths.remove(latest)
-        paths.insert(0, latest)
-    return paths
-
-
-def remove_temp_files(ckpt_dir: str) -> list[str]:
-    """Delete the temporary files that writes interrupted by a crash left behind."""
-    stray = glob.glob(os.path.join(ckpt_dir, f".*{_TEMP_SUFFIX}"))
-    for path in stray:
-        os.remove(path)
-    return stray
-
-
-def copy_to_cpu(state: Any) -> Any:
-    """A copy of ``state`` (nested dicts, lists and tuples) that training cannot change under it.
-
-    Tensors are copied to CPU memory (CUDA ones through pinned memory, with one sync for all);
-    everything else is deep-copied.
-    """
-    copied_from_cuda = []
-
-    def copy_(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if obj.device.type == "cpu":
-                return obj.detach().clone()
-            copied_from_cuda.append(obj.device)
-            return obj.detach().to("cpu", non_blocking=True)  # lands in pinned memory
-        if isinstance(obj, dict):
-            return type(obj)((k, copy_(v)) for k, v in obj.items())
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(copy_(v) for v in obj)
-        return copy.deepcopy(obj)
-
-    result = copy_(state)
-    for device in set(copied_from_cuda):
-        torch.cuda.current_stream(device).synchronize()  # the copies are done when this returns
-    return result
-
-
-class BackgroundWriter:
-    """Runs checkpoint writes on a background thread, one at a time.
-
-    :meth:`submit` waits for the previous write first; :meth:`wait` waits for the current one.
-    Both raise the exception a write ended with, so a failure surfaces at the next save or at the
-    end of training. The thread is not a daemon: an interpreter that exits finishes the write.
-
-    Example::
-
-        >>> import tempfile, os
-        >>> writer = BackgroundWriter()
-        >>> path = os.path.join(tempfile.mkdtemp(), "state.pth")
-        >>> writer.submit(lambda: atomic_save({"step": 1}, path))
-        >>> writer.wait()
-        >>> torch.load(path, weights_only=True)
-        {'step': 1}
-    """
-
-    def __init__(self) -> None:
-        self._thread: Optional[threading.Thread] = None
-        self._error: Optional[BaseException] = None
-
-    def submit(self, write: Callable[[], None]) -> None:
-        """Wait for the previous write, then start ``write()`` in the background."""
-        self.wait()
-        self._thread = threading.Thread(target=self._run, args=(write,), name="checkpoint-writer")
-        self._thread.start()
-
-    def wait(self) -> None:
-        """Wait for the write in flight, if any; raise what it raised."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
-
-    def _run(self, write: Callable[[], None]) -> None:
-        try:
-            write()
-        except BaseException as e:  # handed to the training thread at its next wait()
-            self._error = e
-
-
-def load_checkpoint_file(path: str) -> dict[str, Any]:
-    """Load a checkpoint with ``weights_only=True``: tensors and plain data only, never code."""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"Checkpoint {path!r} does not exist.")
-    try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:
-        raise RuntimeError(
-            f"Checkpoint {path!r} could not be loaded safely (weights_only=True): {e}"
-        ) from e
-    if not isinstance(data, dict):
-        raise RuntimeError(f"Checkpoint {path!r} holds a {type(data).__name__}, expected a dict.")
-    return data
-
-
-def _atomic_write(path: str, write) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = None
-    try:
-        fd, tmp = tempfile.mkstemp(
-            prefix=f".{os.path.basename(path)}.", suffix=_TEMP_SUFFIX, dir=folder
-        )
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        dir_fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # makes the rename itself durable
-        finally:
-            os.close(dir_fd)
-    except BaseException as e:
-        if tmp is not None and os.path.exists(tmp):
-            os.remove(tmp)
-        if isinstance(e, OSError):
-            message = (
-                f"Could not write {path}: {e.strerror or e}. The previous checkpoint and "
-                "latest.txt are untouched; free disk space or pick another work_dir."
-            )
-            # OSError(None, message) would read "[Errno None] ..."
-            raise (OSError(e.errno, message) if e.errno else OSError(message)) from e
-        raise
 
 
 def check_keys(data: dict[str, Any], path: str, keys: tuple[str, ...]) -> None:

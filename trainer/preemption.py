@@ -85,6 +85,17 @@ class Preemption:
         self._pending = (work, flag)
         return agreed
 
+    def exit(self, signum: int, path: Optional[str], iters_done: int) -> None:
+        """Exit after the checkpoint at ``path`` (None on ranks that do not write) was saved,
+        with the status a shell reports for death by ``signum`` (128 + its number)."""
+        status = 128 + signum
+        logger.warning(
+            f"Preempted by {signal.Signals(signum).name} after iteration {iters_done}: saved "
+            f"{path or 'a checkpoint (rank 0 writes)'}; exiting with status {status}. Rerun the "
+            "same command to resume."
+        )
+        raise SystemExit(status)
+
     def _finish_check(self) -> int:
         if self._pending is None:
             return 0

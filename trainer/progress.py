@@ -55,6 +55,12 @@ class Progress:
         """Whether the last checkpoint holds exactly this position and stop."""
         return self.saved == (self.position, self.stopped)
 
+    def stay_stopped(self, continue_after_stop: bool) -> bool:
+        """At the start of a run: whether it resumed where :meth:`Trainer.stop` ended one and so
+        stays stopped (unless ``continue_after_stop``)."""
+        self.stopped = self.saved == (self.position, True) and not continue_after_stop
+        return self.stopped
+
     def resume(self, position: Position, stopped: bool) -> None:
         """Go on from a loaded checkpoint's ``position``."""
         self.position = position

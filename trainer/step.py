@@ -26,11 +26,13 @@ class StepMethods:
     """The public building blocks of a training step: the Trainer's :meth:`autocast`,
     :meth:`no_gradient_sync`, :meth:`backward`, :meth:`clip_and_step` and :meth:`update_scaler`.
 
-    The built-in ``train_one_iter`` is written with them, and so is an override. One code path:
-    with AMP off, autocast is a null context and the GradScaler a no-op.
+    The built-in step, :meth:`forward_backward_step`, is written with them, and so is an
+    override of ``train_one_iter``. One code path: with AMP off, autocast is a null context and
+    the GradScaler a no-op.
 
     Args:
         model: The model as trained (wrapped in DDP, compiled or sharded, maybe).
+        unpack_batch_dict: Call ``model(**batch)`` instead of ``model(batch)``.
         optimizer: The main optimizer; its steps skipped by the GradScaler are tracked.
         device: The model's device.
         amp_dtype: ``torch.float16`` (with loss scaling), ``torch.bfloat16``, or None for no AMP.
@@ -41,12 +43,15 @@ class StepMethods:
     def __init__(
         self,
         model: nn.Module,
+        unpack_batch_dict: bool,
         optimizer: Optimizer,
         device: torch.device,
         amp_dtype: Optional[torch.dtype],
         clip_grad_norm: float,
         cuda_graph: bool = False,
     ) -> None:
+        self.model = model
+        self.unpack_batch_dict = unpack_batch_dict
         self.optimizer = optimizer
         self.clip_grad_norm = clip_grad_norm
         # DDP (also under torch.compile) skips its gradient all-reduce with no_sync()
@@ -111,6 +116,36 @@ class StepMethods:
         if self._update_due:
             self.grad_scaler.update()
             self._update_due = False
+
+    def forward_backward_step(
+        self, batches: list[Any], set_to_none: bool = True
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The built-in step, in numbered steps with the public methods: forward, backward and
+        step on ``batches`` (one per micro-step, gradients summed); returns the losses and the
+        other metrics as device tensors. ``cuda_graph=True`` captures this whole method."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        k = len(batches)
+        losses: dict[str, torch.Tensor] = {}
+        for micro_step, batch in enumerate(batches):
+            # 2. forward under autocast; gradients stay local until the last micro-batch
+            with self.no_gradient_sync(micro_step < k - 1):
+                with self.autocast():
+                    out = self.model(**batch) if self.unpack_batch_dict else self.model(batch)
+                loss, logged = total_loss(out)
+                # 3. backward (the GradScaler multiplies the loss with float16 AMP)
+                self.backward(loss / k if k > 1 else loss)
+            losses = {n: losses[n] + v for n, v in logged.items()} if losses else logged
+        if k > 1:
+            losses = {name: value / k for name, value in losses.items()}
+        # 4. clip the gradients and step; float16 steps with inf or NaN gradients are skipped
+        extras: dict[str, Any] = {}
+        grad_norm = self.clip_and_step()
+        self.update_scaler()
+        if grad_norm is not None:
+            extras["grad_norm"] = grad_norm
+        if self._scaling:
+            extras["amp_skipped_steps"] = self._skipped
+        return losses, extras
 
     @property
     def step_skipped(self) -> bool:

@@ -7,7 +7,6 @@ building blocks), ``metric_storage.py`` (metrics, reduced and NaN-checked at log
 import logging
 import math
 import os
-import signal
 import time
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -17,13 +16,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
-from .arguments import (
-    check_arguments,
-    default_hooks,
-    make_writable_dir,
-    model_device,
-    warmup_scheduler,
-)
+from . import arguments as args
 from .checkpoint import Checkpointer, checkpoint_name
 from .cuda_graph import GraphedStep, check_graphable
 from .distributed import get_rank
@@ -35,7 +28,7 @@ from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import MetricStorage, PendingMetrics, scalars
 from .preemption import Preemption
 from .progress import DataStream, Progress
-from .step import StepMethods, total_loss, wrappers
+from .step import StepMethods, wrappers
 from .writers import MetricWriter
 
 logger = logging.getLogger(__name__)
@@ -50,7 +43,9 @@ class Trainer(StepMethods):
     ``work_dir/checkpoints`` and log to the console, ``work_dir/log.txt``, TensorBoard and
     ``work_dir/metrics.jsonl``. For anything fancier, subclass and override
     :meth:`train_one_iter`: the public methods it uses (:meth:`autocast`, :meth:`backward`,
-    :meth:`clip_and_step`, :meth:`log_losses`, ...) keep every feature.
+    :meth:`clip_and_step`, :meth:`log_losses`, ...) keep every feature. SIGTERM or SIGUSR1
+    (preemption) makes :meth:`train` save after the current iteration and exit with status
+    128 + the signal number.
 
     Args:
         model: Returns a scalar loss tensor or a dict of them. Moving the batch to the model's
@@ -73,12 +68,9 @@ class Trainer(StepMethods):
         amp_dtype: ``torch.float16`` (with a GradScaler) or ``torch.bfloat16``; None picks
             float16 on CUDA and bfloat16 on CPU.
         accumulation_steps: Micro-batches whose gradients are summed per optimizer step.
-        by_epoch: Whether ``lr_scheduler`` steps once per epoch (True) or per iteration.
-        warmup_t: Warmup length in iterations (or epochs with ``warmup_by_epoch``); 0 disables.
-        warmup_by_epoch: Count ``warmup_t`` in epochs.
-        warmup_mode: ``"fix"``, ``"factor"`` or ``"auto"``; see :class:`LRWarmupScheduler`.
-        warmup_init_lr: The first LR of ``"fix"`` warmup.
-        warmup_factor: The starting factor of ``"factor"`` and ``"auto"`` warmup.
+        by_epoch, warmup_t, warmup_by_epoch, warmup_mode, warmup_init_lr, warmup_factor: How
+            ``lr_scheduler`` steps (per epoch or iteration) and the warmup in front of it; see
+            :class:`LRWarmupScheduler`.
         plateau_metric: With ReduceLROnPlateau, the metric it judges (one that your
             :class:`~trainer.hooks.EvalHook` returns); None judges ``"Eval Metric"``, as
             core-pytorch-utils does. It steps after each new value.
@@ -145,27 +137,27 @@ class Trainer(StepMethods):
         preempt_check_period: int = 10,
     ) -> None:
         arguments = dict(locals())  # every argument, by name
-        self.epoch_len = check_arguments(arguments)
-        self.model = (
-            torch.compile(model, **(compile if compile is not True else {})) if compile else model
-        )
+        self.epoch_len = args.check_arguments(arguments)
         self.data_loader = data_loader
         self.work_dir = os.fspath(work_dir)  # a str or a pathlib.Path
-        self.unpack_batch_dict = unpack_batch_dict
         self.accumulation_steps = accumulation_steps
         self.log_period = log_period
         self.train_by_epoch = max_epochs > 0
         self.max_epochs = max_epochs or math.ceil(max_iters / self.epoch_len)
         self.max_iters = max_iters or max_epochs * self.epoch_len
-        self.lr_scheduler = warmup_scheduler(arguments, self.epoch_len)
-        self.device = model_device(model)
+        self.lr_scheduler = args.warmup_scheduler(arguments, self.epoch_len)
+        self.device = args.model_device(model)
         self.enable_amp = enable_amp
         self.amp_dtype = amp_dtype or (
             torch.float16 if self.device.type == "cuda" else torch.bfloat16
         )
         self.progress = Progress(self.epoch_len, self.max_iters)
         amp_dtype = self.amp_dtype if enable_amp else None
-        super().__init__(self.model, optimizer, self.device, amp_dtype, clip_grad_norm, cuda_graph)
+        if compile:
+            model = torch.compile(model, **(compile if compile is not True else {}))
+        super().__init__(
+            model, unpack_batch_dict, optimizer, self.device, amp_dtype, clip_grad_norm, cuda_graph
+        )
         self._graphed_step: Optional[GraphedStep] = None
         if cuda_graph:
             check_graphable(model, optimizer, self.device, self.grad_scaler.is_enabled())
@@ -186,8 +178,8 @@ class Trainer(StepMethods):
         )  # fmt: skip
         self._period_start = (0.0, -1)  # (time, iteration before it) of the log period running
 
-        make_writable_dir(self.ckpt_dir)
-        self.register_hooks(default_hooks(arguments))
+        args.make_writable_dir(self.ckpt_dir)
+        self.register_hooks(args.default_hooks(arguments))
 
     # ----------------------------------------------------------------------------------------
     # Where training is
@@ -292,7 +284,6 @@ class Trainer(StepMethods):
         continue_after_stop: bool = False,
     ) -> None:
         """Train, first resuming from ``resume_from_checkpoint`` or the latest checkpoint.
-        SIGTERM or SIGUSR1 (preemption): save after this iteration and exit with 128 + signal.
 
         Args:
             resume_from_checkpoint: A checkpoint to resume from; it must exist.
@@ -344,7 +335,9 @@ class Trainer(StepMethods):
                 break
             signum = agreed_signal(progress.iter)
             if signum and progress.iter < self.max_iters - 1:
-                self._exit_preempted(signum)
+                path = self.save_checkpoint(self.checkpoint_name())
+                self.wait_for_checkpoint()
+                self._preemption.exit(signum, path, progress.iter + 1)
         if progress.position[1] < self.epoch_iters:  # stop() in mid-epoch
             return False
         self._data.end_pass()
@@ -358,10 +351,7 @@ class Trainer(StepMethods):
         self._checkpointer.remove_temp_files()
         if path is not None or auto_resume:
             self.load_checkpoint(path, auto_resume=auto_resume)
-        progress = self.progress
-        # a checkpoint that stop() ended, where training goes on from: stay stopped
-        progress.stopped = progress.saved == (progress.position, True) and not continue_after_stop
-        if progress.stopped:
+        if self.progress.stay_stopped(continue_after_stop):
             logger.info(
                 f"The run was ended by stop() at iteration {self.start_iter}: not training "
                 "on. Pass train(continue_after_stop=True) to go on."
@@ -394,17 +384,6 @@ class Trainer(StepMethods):
             logger.info(f"Stopping after iteration {self.cur_iter + 1}, as stop() asked.")
         self.progress.stopped = True
 
-    def _exit_preempted(self, signum: int) -> None:
-        path = self.save_checkpoint(self.checkpoint_name())
-        self.wait_for_checkpoint()
-        status = 128 + signum  # what a shell reports for death by this signal
-        logger.warning(
-            f"Preempted by {signal.Signals(signum).name} after iteration {self.cur_iter + 1}: "
-            f"saved {path or 'a checkpoint (rank 0 writes)'}; exiting with status {status}. "
-            "Rerun the same command to resume."
-        )
-        raise SystemExit(status)
-
     # ----------------------------------------------------------------------------------------
     # The step, and the public building blocks it is made of
 
@@ -420,35 +399,6 @@ class Trainer(StepMethods):
         self.log_losses(**losses)
         if extras:
             self.log(self.cur_iter, reduce=True, **extras)
-
-    def forward_backward_step(
-        self, batches: list[Any], set_to_none: bool = True
-    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Forward, backward and step on ``batches`` (one per micro-step); returns the losses and
-        the other metrics as device tensors. ``cuda_graph=True`` captures this whole method."""
-        self.optimizer.zero_grad(set_to_none=set_to_none)
-        k = len(batches)
-        losses: dict[str, torch.Tensor] = {}
-        for micro_step, batch in enumerate(batches):
-            # 2. forward under autocast; gradients stay local until the last micro-batch
-            with self.no_gradient_sync(micro_step < k - 1):
-                with self.autocast():
-                    out = self.model(**batch) if self.unpack_batch_dict else self.model(batch)
-                loss, logged = total_loss(out)
-                # 3. backward (the GradScaler multiplies the loss with float16 AMP)
-                self.backward(loss / k if k > 1 else loss)
-            losses = {n: losses[n] + v for n, v in logged.items()} if losses else logged
-        if k > 1:
-            losses = {name: value / k for name, value in losses.items()}
-        # 4. clip the gradients and step; float16 steps with inf or NaN gradients are skipped
-        extras: dict[str, Any] = {}
-        grad_norm = self.clip_and_step()
-        self.update_scaler()
-        if grad_norm is not None:
-            extras["grad_norm"] = grad_norm
-        if self._scaling:
-            extras["amp_skipped_steps"] = self._skipped
-        return losses, extras
 
     def next_batch(self) -> Any:
         """The next batch of the current epoch's pass over the data loader (time counted as
@@ -466,16 +416,10 @@ class Trainer(StepMethods):
         reduce: bool = False,
         **metrics: Union[float, torch.Tensor],
     ) -> None:
-        """Record metrics of iteration ``iter``; tensors stay on their device until the next log
-        point, so logging every iteration costs no sync.
-
-        Args:
-            iter: The iteration the values belong to.
-            smooth: Whether the logger shows the window mean (True) or the latest value.
-            reduce: Under torchrun, average the values over ranks at the log point (every rank
-                must log them at the same iterations); by default they stay this rank's own.
-            metrics: Names and numbers or scalar tensors.
-        """
+        """Record ``metrics`` (numbers or scalar tensors, which stay on their device until the
+        next log point: no sync) of iteration ``iter``. The logger shows their window mean
+        (``smooth``) or latest value. ``reduce``: average them over ranks under torchrun (log
+        them on every rank at the same iterations); otherwise they stay this rank's own."""
         self._pending.add(iter, scalars(metrics), smooth, reduce=reduce)
 
     def log_losses(self, **losses: torch.Tensor) -> None:
@@ -508,17 +452,12 @@ class Trainer(StepMethods):
     def save_checkpoint(
         self, file_name: str, *, then: Optional[Callable[[], None]] = None
     ) -> Optional[str]:
-        """Save the full state as ``ckpt_dir/file_name`` (written in the background, atomically,
-        then ``latest.txt`` moves) and return its path; every rank calls it, after checking its
-        losses, and rank 0 alone writes (the others get None). ``then()`` runs once the file is
-        durable. The next save and :meth:`wait_for_checkpoint` raise the write's error, if any.
-        """
-        self._pending.flush(every_rank=True)
+        """Save the whole state as ``ckpt_dir/file_name``; see :meth:`Checkpointer.save`."""
+        self._pending.flush(every_rank=True)  # so a non-finite loss raises before it is saved
         return self._checkpointer.save(file_name, then)
 
     def wait_for_checkpoint(self) -> None:
-        """Wait for the checkpoint write in flight; an ``OSError`` says it failed (the previous
-        checkpoint and ``latest.txt`` are untouched then)."""
+        """Wait for the checkpoint write in flight; raise its ``OSError`` if it failed."""
         self._checkpointer.wait()
 
     def load_checkpoint(
@@ -529,19 +468,7 @@ class Trainer(StepMethods):
         resume: bool = True,
         strict: bool = True,
     ) -> bool:
-        """Load a checkpoint: the whole training state, or only the model's weights.
-
-        Args:
-            path: A checkpoint file; it must exist and load.
-            auto_resume: With no ``path``, use the newest checkpoint in ``ckpt_dir`` that loads,
-                ``latest.txt``'s first. One that fails to load is skipped with a warning; if none
-                loads, this raises rather than start from scratch.
-            resume: Restore the whole state to continue the run exactly; False loads the
-                model's weights only (fine-tuning, evaluation).
-            strict: The model's keys and shapes must match; False loads those that match and
-                logs what it skipped (``load_checkpoint(path, resume=False, strict=False)``).
-
-        Returns:
-            Whether a checkpoint was loaded.
-        """
+        """Load the whole state (``resume``) or the weights alone from ``path``, or with
+        ``auto_resume`` from the newest checkpoint that loads; see :meth:`Checkpointer.load`.
+        ``load_checkpoint(path, resume=False, strict=False)`` fine-tunes from other weights."""
         return self._checkpointer.load(path, auto_resume, resume, strict)

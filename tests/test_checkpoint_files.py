@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from trainer.checkpoint import (
+from trainer.checkpoint_files import (
     BackgroundWriter,
     atomic_save,
     load_checkpoint_file,

@@ -1,0 +1,44 @@
+"""BestCheckpointHook: best.pth at each new best, remembered across resume."""
+
+import os
+
+import torch
+
+from trainer.hooks import BestCheckpointHook, EvalHook
+
+from conftest import evaluating, load
+
+
+def test_best_checkpoint_keeps_the_best_epoch_across_resume(make_trainer):
+    values = [0.5, 0.7, 0.6, 0.65, 0.69, 0.71]
+    trainer = evaluating(make_trainer(max_epochs=4), values, BestCheckpointHook("acc"))
+    trainer.train()
+    ckpt = trainer.ckpt_dir
+    best = load(os.path.join(ckpt, "best.pth"))
+    assert best["progress"]["epoch"] == 2 and best["hooks"]["BestCheckpointHook"]["best"] == 0.7
+    assert all(torch.equal(v, load(os.path.join(ckpt, "epoch_2.pth"))["model"][k])
+               for k, v in best["model"].items())  # fmt: skip
+    # resumed, 0.69 does not beat the 0.7 it remembers; 0.71 does
+    resumed = evaluating(make_trainer(max_epochs=5), values, BestCheckpointHook("acc"))
+    resumed.train()
+    assert load(os.path.join(ckpt, "best.pth"))["progress"]["epoch"] == 2
+    evaluating(make_trainer(max_epochs=6), values, BestCheckpointHook("acc")).train()
+    assert load(os.path.join(ckpt, "best.pth"))["progress"]["epoch"] == 6
+
+
+def test_best_checkpoint_in_iteration_based_training_resumes_exactly(make_trainer, tmp_path):
+    # evaluated every 3 iterations; best.pth is saved after the LR update and resumes exactly
+    def build(work_dir, max_iters):
+        t = make_trainer(max_iters=max_iters, work_dir=work_dir, by_epoch=False)
+        t.register_hook(EvalHook(3, lambda: {"loss_seen": float(t.cur_iter)}))
+        t.register_hook(BestCheckpointHook("loss_seen", mode="min"))
+        return t
+
+    first = build(tmp_path / "a", 12)
+    first.train()
+    best = load(os.path.join(first.ckpt_dir, "best.pth"))
+    assert best["progress"]["inner_iter"] == 3  # the first evaluation was the best (2)
+    resumed = build(tmp_path / "b", 12)
+    resumed.train(resume_from_checkpoint=os.path.join(first.ckpt_dir, "best.pth"))
+    for a, b in zip(resumed.model.parameters(), first.model.parameters()):
+        assert torch.equal(a, b)

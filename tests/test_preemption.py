@@ -1,0 +1,46 @@
+"""Preemption signals: caught while training, agreed across ranks (the torchrun cases, with real
+processes, are in test_resume.py)."""
+
+import os
+import signal
+
+import pytest
+import torch
+
+from trainer import HookBase
+from trainer.preemption import Preemption
+
+from conftest import build
+
+
+def test_in_one_process_a_signal_stops_after_the_iteration_it_arrived_in():
+    preemption = Preemption(check_period=10)
+    before = signal.getsignal(signal.SIGUSR1)
+    with preemption.catching():
+        assert preemption.agreed_signal(0) == 0
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert preemption.agreed_signal(1) == signal.SIGUSR1  # not only at check periods
+    assert signal.getsignal(signal.SIGUSR1) is before  # the handler is restored
+    with preemption.catching():
+        assert preemption.agreed_signal(2) == 0  # a new train() starts afresh
+
+
+def test_preemption_at_an_epochs_last_iteration_resumes_exactly(tmp_path):
+    class SigtermAt(HookBase):
+        def after_iter(self):
+            if self.trainer.cur_iter == 7:  # the last of epoch 0's 8 iterations
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    trainer = build(tmp_path, max_epochs=3, checkpoint_period=100)
+    trainer.register_hook(SigtermAt())
+    with pytest.raises(SystemExit) as exit_info:
+        trainer.train()
+    assert exit_info.value.code == 128 + signal.SIGTERM
+    assert os.path.isfile(tmp_path / "checkpoints" / "iter_8.pth")
+    resumed = build(tmp_path, max_epochs=3, checkpoint_period=100)
+    resumed.train()
+    assert resumed.start_iter == 8
+    full = build(tmp_path / "uninterrupted", max_epochs=3, checkpoint_period=100)
+    full.train()
+    a, b = resumed.model.state_dict(), full.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
