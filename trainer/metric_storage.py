@@ -272,20 +272,24 @@ class PendingMetrics:
             if series.check_finite and not all(map(math.isfinite, numbers[name])):
                 bad = min(it for it, v in zip(series.iters, numbers[name]) if not math.isfinite(v))
                 first_bad = min(first_bad, bad)
+        if first_bad == math.inf:  # the common case: everything goes into the storage
+            for name, series in pending.items():
+                self.storage.extend(name, series.iters, numbers[name], series.smooth)
+            return
         at_first_bad = {}
         for name, series in pending.items():
             iters, values = series.iters, numbers[name]
-            keep = [i for i, it in enumerate(iters) if it < first_bad]  # all, when none is bad
-            kept_iters, kept_values = [iters[i] for i in keep], [values[i] for i in keep]
-            self.storage.extend(name, kept_iters, kept_values, series.smooth)
+            keep = [i for i, it in enumerate(iters) if it < first_bad]
+            self.storage.extend(
+                name, [iters[i] for i in keep], [values[i] for i in keep], series.smooth
+            )
             if first_bad in iters:
                 at_first_bad[name] = values[iters.index(first_bad)]
-        if at_first_bad:
-            raise FloatingPointError(
-                f"Loss became NaN or infinite at iteration {first_bad} (epoch "
-                f"{first_bad // self._epoch_len}): {at_first_bad}. Lower the LR, enable "
-                "clip_grad_norm, or check the data of that iteration."
-            )
+        raise FloatingPointError(
+            f"Loss became NaN or infinite at iteration {first_bad} (epoch "
+            f"{first_bad // self._epoch_len}): {at_first_bad}. Lower the LR, enable "
+            "clip_grad_norm, or check the data of that iteration."
+        )
 
 
 def scalars(metrics: dict[str, Any]) -> dict[str, Any]:
@@ -336,13 +340,17 @@ _CPU = torch.device("cpu")
 def _to_host(values: list[Any]) -> list[float]:
     """Numbers and scalar tensors as floats, the tensors copied to the host together."""
     tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    if tensors:
-        try:
-            stacked = torch.stack(tensors)  # the common case: one device
-        except RuntimeError:
-            stacked = torch.stack([t.to(tensors[0].device) for t in tensors])
-        copied = iter(stacked.float().cpu().tolist())
-    return [next(copied) if isinstance(v, torch.Tensor) else float(v) for v in values]
+    if not tensors:
+        return [float(v) for v in values]
+    try:
+        stacked = torch.stack(tensors)  # the common case: one device
+    except RuntimeError:
+        stacked = torch.stack([t.to(tensors[0].device) for t in tensors])
+    copied = stacked.float().cpu().tolist()
+    if len(tensors) == len(values):  # tensors only, the common case
+        return copied
+    numbers = iter(copied)
+    return [next(numbers) if isinstance(v, torch.Tensor) else float(v) for v in values]
 
 
 def _to_tensor(values: list[Any], device: torch.device) -> torch.Tensor:
