@@ -2,8 +2,8 @@
 skipping during accumulation, clipping, and the optimizer step through the GradScaler.
 
 The Trainer has each of them as a public method (``trainer.autocast()``,
-``trainer.backward(loss)``, ...): its own ``train_one_iter`` is written with them, and so is an
-override.
+``trainer.backward(loss)``, ...): the built-in step, ``forward_backward_step`` below, is written
+with them, and so is an override of ``train_one_iter``.
 """
 
 import contextlib
