@@ -102,24 +102,20 @@ class JSONLinesWriter(MetricWriter):
     (``pandas.read_json(path, lines=True)``).
 
     Resuming drops the lines of iterations the resumed run repeats (left by the interrupted
-    run), so the file tells one consistent history. Lines reach the file at least every
-    ``flush_secs`` seconds (as TensorBoard's events do) and when training ends.
+    run), so the file tells one consistent history. Every line is flushed as it is written, so a
+    killed run keeps what it logged.
     """
 
-    def __init__(self, path: str, start_iter: int = 0, flush_secs: float = 10.0) -> None:
+    def __init__(self, path: str, start_iter: int = 0) -> None:
         self._path = path
         if os.path.exists(path):
             _keep_lines_before(path, start_iter)
         self._file = open(path, "a", encoding="utf-8")
-        self._flush_secs = flush_secs
-        self._flushed = time.perf_counter()
 
     def write(self, trainer: Any, iter: int, metrics: dict[str, float]) -> None:
         record = {"iter": iter, "epoch": trainer.cur_epoch + 1, **metrics}
         self._file.write(json.dumps(record) + "\n")
-        if time.perf_counter() - self._flushed > self._flush_secs:
-            self._file.flush()
-            self._flushed = time.perf_counter()
+        self._file.flush()
 
     def close(self) -> None:
         self._file.close()
