@@ -26,7 +26,7 @@ from .fsdp import (
     load_full_optimizer_state,
 )
 from .progress import DataStream, Progress, map_position
-from .step import wrappers
+from .step import unwrapped
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +84,7 @@ class Checkpointer:
 
     @property
     def _module(self) -> nn.Module:
-        *_, module = wrappers(self._model)
-        return module
+        return unwrapped(self._model)
 
     def register(self, name: str, obj: Any) -> None:
         """Save ``obj``'s state under ``extra[name]`` and restore it on resume."""

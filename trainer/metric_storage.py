@@ -272,24 +272,21 @@ class PendingMetrics:
             if series.check_finite and not all(map(math.isfinite, numbers[name])):
                 bad = min(it for it, v in zip(series.iters, numbers[name]) if not math.isfinite(v))
                 first_bad = min(first_bad, bad)
-        if first_bad == math.inf:  # the common case: everything goes into the storage
-            for name, series in pending.items():
-                self.storage.extend(name, series.iters, numbers[name], series.smooth)
-            return
         at_first_bad = {}
         for name, series in pending.items():
             iters, values = series.iters, numbers[name]
-            keep = [i for i, it in enumerate(iters) if it < first_bad]
-            self.storage.extend(
-                name, [iters[i] for i in keep], [values[i] for i in keep], series.smooth
+            if first_bad < math.inf:  # keep only what came before the first bad iteration
+                if first_bad in iters:
+                    at_first_bad[name] = values[iters.index(first_bad)]
+                keep = [i for i, it in enumerate(iters) if it < first_bad]
+                iters, values = [iters[i] for i in keep], [values[i] for i in keep]
+            self.storage.extend(name, iters, values, series.smooth)
+        if at_first_bad:
+            raise FloatingPointError(
+                f"Loss became NaN or infinite at iteration {first_bad} (epoch "
+                f"{first_bad // self._epoch_len}): {at_first_bad}. Lower the LR, enable "
+                "clip_grad_norm, or check the data of that iteration."
             )
-            if first_bad in iters:
-                at_first_bad[name] = values[iters.index(first_bad)]
-        raise FloatingPointError(
-            f"Loss became NaN or infinite at iteration {first_bad} (epoch "
-            f"{first_bad // self._epoch_len}): {at_first_bad}. Lower the LR, enable "
-            "clip_grad_norm, or check the data of that iteration."
-        )
 
 
 def scalars(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -200,6 +200,12 @@ def total_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return total, logged
 
 
+def unwrapped(model: nn.Module) -> nn.Module:
+    """``model`` without its torch.compile and DDP / DataParallel wrappers."""
+    *_, module = wrappers(model)
+    return module
+
+
 def wrappers(model: nn.Module) -> Iterator[nn.Module]:
     """``model`` and the modules torch.compile / DDP / DataParallel wrap, outermost first."""
     # torch._dynamo is slow to import; a compiled model has imported it

@@ -28,7 +28,7 @@ from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import MetricStorage, PendingMetrics, scalars
 from .preemption import Preemption
 from .progress import DataStream, Progress
-from .step import StepMethods, wrappers
+from .step import StepMethods, unwrapped
 from .writers import MetricWriter
 
 logger = logging.getLogger(__name__)
@@ -223,8 +223,7 @@ class Trainer(StepMethods):
     def model_or_module(self) -> nn.Module:
         """The model without its torch.compile and DistributedDataParallel / DataParallel
         wrappers: the module whose weights checkpoints hold."""
-        *_, module = wrappers(self.model)
-        return module
+        return unwrapped(self.model)
 
     @property
     def ckpt_dir(self) -> str:
@@ -322,18 +321,17 @@ class Trainer(StepMethods):
         progress = self.progress
         start = progress.position[1] if progress.position[0] == epoch else 0
         progress.epoch = epoch
-        call_hooks, agreed_signal = self._hooks.call, self._preemption.agreed_signal  # hot loop
-        call_hooks("before_epoch")
+        self.call_hooks("before_epoch")
         self.model.train()
         for inner_iter in range(start, self.epoch_iters):
             progress.begin_iter(inner_iter)
-            call_hooks("before_iter")
+            self.call_hooks("before_iter")
             self.train_one_iter()
             self._end_iter()
-            call_hooks("after_iter")
+            self.call_hooks("after_iter")
             if progress.stopped:
                 break
-            signum = agreed_signal(progress.iter)
+            signum = self._preemption.agreed_signal(progress.iter)
             if signum and progress.iter < self.max_iters - 1:
                 path = self.save_checkpoint(self.checkpoint_name())
                 self.wait_for_checkpoint()
@@ -360,8 +358,7 @@ class Trainer(StepMethods):
 
     def _end_iter(self) -> None:
         self.progress.end_iter()
-        if self._update_due:  # an override stepped but did not update the scaler
-            self.update_scaler()
+        self.update_scaler()  # a no-op unless an override stepped but did not update
         it = self.progress.iter
         if (it + 1) % self.log_period == 0 or it == self.max_iters - 1:
             # Times per iteration over the log period, measured here rather than per iteration.

@@ -80,16 +80,12 @@ class TensorBoardWriter(MetricWriter):
 
     def __init__(self, log_dir: str) -> None:
         from torch.utils.tensorboard import SummaryWriter
-        from torch.utils.tensorboard.summary import scalar
 
         self._writer = SummaryWriter(log_dir=log_dir)
-        self._scalar = scalar
 
     def write(self, trainer: Any, iter: int, metrics: dict[str, float]) -> None:
-        # One event holding every scalar, rather than an event per add_scalar call.
-        summaries = [self._scalar(name, value) for name, value in metrics.items()]
-        summary = type(summaries[0])(value=[v for s in summaries for v in s.value])
-        self._writer.file_writer.add_summary(summary, iter)
+        for name, value in metrics.items():
+            self._writer.add_scalar(name, value, iter)
         # No flush here: the writer flushes on its own timer (flush_secs) and on close.
 
     def close(self) -> None:

@@ -1,6 +1,6 @@
 """The base class of every hook, and the order hooks run in."""
 
-from typing import Any, Union
+from typing import Any
 
 
 class Priority:
@@ -87,7 +87,7 @@ class HookBase:
         """``trainer.metric_storage``: reading it is a sync point, so read it on log iterations."""
         return self.trainer.metric_storage
 
-    def log(self, *args: Any, **kwargs: Union[float, Any]) -> None:
+    def log(self, *args: Any, **kwargs: Any) -> None:
         """``trainer.log(iter, smooth=True, **metrics)``: record metrics, kept on the device."""
         self.trainer.log(*args, **kwargs)
 

@@ -64,10 +64,9 @@ class LoggerHook(HookBase):
 
     def after_iter(self) -> None:
         """Write at every ``period``-th and at the last iteration."""
-        done = self.trainer.cur_iter + 1  # one read: this runs every iteration
-        if done % self._period == 0 or done == self.trainer.max_iters:
+        if self.every_n_iters(self._period) or self.is_last_iter():
             self._write(log_point=True)
-        if done % (10 * self._period) == 0:
+        if self.every_n_iters(10 * self._period):
             self._log_hook_times()
 
     def after_epoch(self) -> None:
