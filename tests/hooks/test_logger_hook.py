@@ -94,6 +94,8 @@ class FakeClock:
     def perf_counter(self):
         return self.now
 
+    monotonic = time = perf_counter
+
 
 def test_the_eta_spreads_evaluation_time_over_the_iterations(make_trainer, caplog, monkeypatch):
     clock = FakeClock()
