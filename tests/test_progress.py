@@ -3,8 +3,9 @@
 import os
 
 import pytest
+import torch
 
-from conftest import TinyModel, tiny_loader
+from conftest import TinyModel, load, tiny_loader
 
 
 def test_resume_with_a_different_epoch_length_is_refused(make_trainer):
@@ -62,3 +63,21 @@ def test_a_changed_batch_size_at_an_epoch_end_needs_no_mapping(make_trainer, cap
     trainer.train()
     assert "1 processes x batches of 4 to 1 x 8, at the start of epoch 1" in caplog.text
     assert (trainer.start_iter, trainer.cur_iter) == (4, 7)
+
+
+def test_a_list_of_batches_resumes_in_mid_epoch_without_a_saved_pass_state(make_trainer, tmp_path):
+    batches = list(tiny_loader())  # 8 batches, already made: a pass draws no random numbers
+    first = Recording()
+    part = make_trainer(
+        max_epochs=2, model=first, loader=batches, checkpoint_by_epoch=False, checkpoint_period=6,
+        work_dir=tmp_path / "part",
+    )  # fmt: skip
+    part.train()
+    mid_epoch = os.path.join(part.ckpt_dir, "iter_12.pth")  # 4 of the second epoch's 8
+    assert [r["epoch_start"] for r in load(mid_epoch)["rng"]] == [None]
+    resumed = Recording()
+    again = make_trainer(max_epochs=2, model=resumed, loader=batches, work_dir=tmp_path / "again")
+    again.train(resume_from_checkpoint=mid_epoch)
+    assert resumed.seen == first.seen[12 * 4:]  # the last 4 batches of epoch 2, once
+    for a, b in zip(part.model.state_dict().values(), again.model.state_dict().values()):
+        assert torch.equal(a, b)
