@@ -88,7 +88,7 @@ class StepMethods:
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, the loss multiplied by the GradScaler's scale with float16 AMP."""
-        self.grad_scaler.scale(loss).backward()
+        (self.grad_scaler.scale(loss) if self._scaling else loss).backward()
 
     def clip_and_step(self, optimizer: Optional[Optimizer] = None) -> Optional[torch.Tensor]:
         """Unscale and clip (``clip_grad_norm``) the gradients of ``optimizer``'s parameters,
@@ -104,10 +104,13 @@ class StepMethods:
             norm = nn.utils.clip_grad_norm_(params, self.clip_grad_norm).detach()
             if self._sharded_model is not None:
                 norm = local_value(norm)  # FSDP2: a replicated DTensor
+        if not self._scaling:
+            optimizer.step()
+            return norm
         if optimizer is self.optimizer:
-            self._skipped = self._scaling  # until _on_optimizer_step says otherwise
+            self._skipped = True  # until _on_optimizer_step says otherwise
         self.grad_scaler.step(optimizer)
-        self._update_due = self._scaling
+        self._update_due = True
         return norm
 
     def update_scaler(self) -> None:

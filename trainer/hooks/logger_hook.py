@@ -64,10 +64,11 @@ class LoggerHook(HookBase):
 
     def after_iter(self) -> None:
         """Write at every ``period``-th and at the last iteration."""
-        if self.every_n_iters(self._period) or self.is_last_iter():
+        done = self.trainer.cur_iter + 1  # read once: this runs every iteration
+        if done % self._period == 0 or done == self.trainer.max_iters:
             self._write(log_point=True)
-        if self.every_n_iters(10 * self._period):
-            self._log_hook_times()
+            if done % (10 * self._period) == 0:
+                self._log_hook_times()
 
     def after_epoch(self) -> None:
         """Write what other hooks logged at the epoch's end (e.g. evaluation)."""
