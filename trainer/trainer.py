@@ -1,7 +1,8 @@
 """The :class:`Trainer`: the training loop and its hooks. What it holds lives in modules of its
 own: ``progress.py`` (where training is, the resumable data passes), ``step.py`` (the step's
 building blocks), ``metric_storage.py`` (metrics, reduced and NaN-checked at log points),
-``preemption.py`` (signals agreed across ranks), ``checkpoint.py`` and ``hooks/``.
+``preemption.py`` (signals agreed across ranks), ``checkpoint.py`` and ``hooks/`` (the hooks,
+and in ``registry.py`` their order, timing and the Trainer's hook methods).
 """
 
 import logging
@@ -21,8 +22,7 @@ from .checkpoint import Checkpointer, checkpoint_name
 from .cuda_graph import GraphedStep, check_graphable
 from .distributed import get_rank
 from .env import collect_env
-from .hooks import HookBase
-from .hooks.registry import HookRegistry
+from .hooks.registry import HookMethods, HookRegistry
 from .logger import ensure_console_logging, log_file_path, log_to_file
 from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import MetricStorage, PendingMetrics, scalars
@@ -34,7 +34,7 @@ from .writers import MetricWriter
 logger = logging.getLogger(__name__)
 
 
-class Trainer(StepMethods):
+class Trainer(StepMethods, HookMethods):
     """Trains a model that returns its loss; hooks do everything around the loop.
 
     Each iteration fetches ``accumulation_steps`` batches, runs ``model(batch)`` (or
@@ -239,39 +239,6 @@ class Trainer(StepMethods):
     def log_file(self) -> str:
         """This rank's text log: ``work_dir/log.txt`` (``log_rank{N}.txt`` on other ranks)."""
         return log_file_path(self.work_dir, get_rank())
-
-    # ----------------------------------------------------------------------------------------
-    # Hooks
-
-    def register_hook(self, hook: HookBase) -> None:
-        """Add a hook; hooks run by ascending ``priority``, ties in registration order."""
-        self._hooks.register(hook)
-
-    def register_hooks(self, hooks: Sequence[Optional[HookBase]]) -> None:
-        """Add several hooks; None entries are skipped."""
-        for hook in hooks:
-            if hook is not None:
-                self._hooks.register(hook)
-
-    def unregister_hook(self, hook: Union[HookBase, type]) -> list[HookBase]:
-        """Remove ``hook``, or every hook of that class (a default one, say, to replace it with
-        your own); returns what was removed."""
-        return self._hooks.unregister(hook)
-
-    def call_hooks(self, event: str, *args: Any) -> None:
-        """Run every hook's ``event`` handler, e.g. ``call_hooks("after_eval", results)``."""
-        self._hooks.call(event, *args)
-
-    @property
-    def hook_info(self) -> list[str]:
-        """The registered hooks in the order they run, with their priorities."""
-        return [f"{h.class_name} (priority {h.priority})" for h in self._hooks.hooks]
-
-    @property
-    def hook_seconds(self) -> dict[str, float]:
-        """Seconds spent in each hook since :meth:`train` started, by class name (a hook's
-        ``after_eval`` time also counts in the ``EvalHook`` that calls it)."""
-        return self._hooks.seconds_by_class()
 
     # ----------------------------------------------------------------------------------------
     # The loop
