@@ -299,8 +299,9 @@ def scalars(metrics: dict[str, Any]) -> dict[str, Any]:
                         f"Metric {name!r} must be a number or a one-element tensor, got a tensor "
                         f"of shape {tuple(value.shape)}; reduce it first (e.g. .mean())."
                     )
-                value = value.reshape(())
-            metrics[name] = value.detach() if value.requires_grad else value
+                metrics[name] = value = value.reshape(())
+            if value.requires_grad:
+                metrics[name] = value.detach()
     return metrics
 
 

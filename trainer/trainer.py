@@ -290,12 +290,13 @@ class Trainer(StepMethods, HookMethods):
         progress.epoch = epoch
         self.call_hooks("before_epoch")
         self.model.train()
+        hooks = self._hooks
         for inner_iter in range(start, self.epoch_iters):
             progress.begin_iter(inner_iter)
-            self.call_hooks("before_iter")
+            hooks.call("before_iter")
             self.train_one_iter()
             self._end_iter()
-            self.call_hooks("after_iter")
+            hooks.call("after_iter")
             if progress.stopped:
                 break
             signum = self._preemption.agreed_signal(progress.iter)
@@ -325,7 +326,8 @@ class Trainer(StepMethods, HookMethods):
 
     def _end_iter(self) -> None:
         self.progress.end_iter()
-        self.update_scaler()  # a no-op unless an override stepped but did not update
+        if self._update_due:  # an override stepped the GradScaler but did not update it
+            self.update_scaler()
         it = self.progress.iter
         if (it + 1) % self.log_period == 0 or it == self.max_iters - 1:
             # Times per iteration over the log period, measured here rather than per iteration.

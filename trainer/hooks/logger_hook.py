@@ -64,7 +64,7 @@ class LoggerHook(HookBase):
 
     def after_iter(self) -> None:
         """Write at every ``period``-th and at the last iteration."""
-        done = self.trainer.cur_iter + 1  # read once: this runs every iteration
+        done = self.trainer.progress.iter + 1  # read once: this runs every iteration
         if done % self._period == 0 or done == self.trainer.max_iters:
             self._write(log_point=True)
             if done % (10 * self._period) == 0:
