@@ -34,3 +34,11 @@ def test_paired_overhead_and_checkpoint_save_report():
     save = run(os.path.join(BENCHMARKS, "checkpoint_save.py"), "--saves", "1")
     assert re.search(r"save_checkpoint blocks training \d+ ms", save)
     assert re.search(r"save_checkpoint is durable after \d+ ms", save)
+
+
+def test_iteration_profile_reports_the_extra_time_by_position():
+    out = run(os.path.join(BENCHMARKS, "iteration_profile.py"), "--iters", "300")
+    positions = ", ".join(f"{p}: [+-]\\d+" for p in (48, 49, 0, 1, 2))
+    assert re.search(
+        rf"ordinary iteration: \d+ us; extra time by position \(us\): {positions}; ", out
+    )

@@ -78,6 +78,6 @@ def test_a_list_of_batches_resumes_in_mid_epoch_without_a_saved_pass_state(make_
     resumed = Recording()
     again = make_trainer(max_epochs=2, model=resumed, loader=batches, work_dir=tmp_path / "again")
     again.train(resume_from_checkpoint=mid_epoch)
-    assert resumed.seen == first.seen[12 * 4:]  # the last 4 batches of epoch 2, once
+    assert resumed.seen == first.seen[12 * 4 :]  # the last 4 batches of epoch 2, once
     for a, b in zip(part.model.state_dict().values(), again.model.state_dict().values()):
         assert torch.equal(a, b)
