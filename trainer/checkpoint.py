@@ -4,8 +4,10 @@ The files themselves (atomic background writes, ``latest.txt``) are ``checkpoint
 
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -17,7 +19,7 @@ from .checkpoint_files import (
     remove_temp_files,
     save_in_background,
 )
-from .distributed import gather, is_main_process
+from .distributed import all_gather, gather, get_world_size, is_main_process
 from .fsdp import (
     full_state_dicts,
     is_sharded,
@@ -114,6 +116,7 @@ class Checkpointer:
         Returns:
             The path being written, or None on other ranks.
         """
+        self._refuse_non_finite(file_name)
         self._progress.mark_saved()
         # FSDP2: every rank takes part in gathering the full weights, which rank 0 writes.
         weights = full_state_dicts(self._model, self._optimizer) if self._sharded else None
@@ -124,6 +127,26 @@ class Checkpointer:
         path = os.path.join(self.ckpt_dir, file_name)
         save_in_background(self._writer, lambda: self._state_dict(rng, weights), path, then)
         return path
+
+    def _refuse_non_finite(self, file_name: str) -> None:
+        # One host read per device: a checkpoint with NaN weights would become `latest` and
+        # make every rerun fail at the same iteration.
+        state = {
+            "model": self._module.state_dict(),
+            "optimizer": self._optimizer.state_dict()["state"],
+            "extra": {name: obj.state_dict() for name, obj in self._extra.items()},
+        }
+        bad = non_finite(state)
+        if get_world_size() > 1:  # sharded state differs by rank: every rank must agree
+            bad = sorted({name for names in all_gather(bad) for name in names})
+        if bad:
+            raise FloatingPointError(
+                f"Not saving {file_name}: after iteration {self._progress.iter + 1}, "
+                f"{len(bad)} tensors hold NaN or infinite values ({', '.join(bad[:5])}"
+                f"{', ...' if len(bad) > 5 else ''}). The latest checkpoint is still the last "
+                "good one. Lower the LR, enable clip_grad_norm, or check the data and the loss "
+                "of the last iterations (a NaN gradient can come with a finite loss)."
+            )
 
     def wait(self) -> None:
         """Wait for the write in flight; raise its error, if any."""
@@ -181,6 +204,7 @@ class Checkpointer:
         else:
             data = load_checkpoint_file(path)
             check_keys(data, path, RESUME_KEYS if resume else ("model",))
+            check_finite(data, path)
         load_model_state(self._module, data["model"], path, strict, self._sharded)
         if not resume:
             logger.info(f"Loaded model weights from {path}; the training state is not restored.")
@@ -229,6 +253,33 @@ def checkpoint_name(by_epoch: bool, position: tuple[int, int], iters_done: int) 
     return f"iter_{iters_done}.pth"
 
 
+def non_finite(state: Any, prefix: str = "") -> list[str]:
+    """The names (``model.linear.weight``, ``optimizer.0.momentum_buffer``, ...) of the
+    floating-point tensors in the nested dicts and lists of ``state`` that hold a NaN or an
+    infinity; sharded tensors are checked in this rank's shard. One host read per device."""
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in _named_tensors(state, prefix):
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor
+        if local.is_floating_point() or local.is_complex():
+            by_device.setdefault(local.device, []).append((name, local))
+    bad = []
+    for items in by_device.values():
+        finite = torch.stack([torch.isfinite(t).all() for _, t in items]).tolist()
+        bad += [name for (name, _), ok in zip(items, finite) if not ok]
+    return bad
+
+
+def _named_tensors(state: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(state, torch.Tensor):
+        yield prefix, state
+    elif isinstance(state, dict):
+        for key, value in state.items():
+            yield from _named_tensors(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(state, (list, tuple)):
+        for i, value in enumerate(state):
+            yield from _named_tensors(value, f"{prefix}.{i}" if prefix else str(i))
+
+
 def check_keys(data: dict[str, Any], path: str, keys: tuple[str, ...]) -> None:
     """Raise a RuntimeError naming ``path`` when ``data`` lacks any of ``keys``."""
     missing = [k for k in keys if k not in data]
@@ -236,6 +287,18 @@ def check_keys(data: dict[str, Any], path: str, keys: tuple[str, ...]) -> None:
         raise RuntimeError(
             f"Checkpoint {path!r} lacks {missing}: it was not written by trainer.save_checkpoint. "
             "For weights alone, use load_checkpoint(path, resume=False)."
+        )
+
+
+def check_finite(data: dict[str, Any], path: str) -> None:
+    """Raise a RuntimeError naming ``path`` when its weights or optimizer state hold a NaN or an
+    infinity (a checkpoint written before saves refused them)."""
+    bad = non_finite({key: data[key] for key in ("model", "optimizer", "extra") if key in data})
+    if bad:
+        raise RuntimeError(
+            f"Checkpoint {path!r} holds NaN or infinite values in {len(bad)} tensors "
+            f"({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}): resuming it would fail "
+            "at once. Resume from an older checkpoint."
         )
 
 
@@ -248,6 +311,7 @@ def load_newest(ckpt_dir: str) -> Optional[tuple[str, dict[str, Any]]]:
         try:
             data = load_checkpoint_file(path)
             check_keys(data, path, RESUME_KEYS)
+            check_finite(data, path)
         except RuntimeError as e:
             logger.warning(f"Skipping a checkpoint that does not load: {e}")
             failures.append(str(e))

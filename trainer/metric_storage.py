@@ -282,8 +282,11 @@ class PendingMetrics:
                 iters, values = [iters[i] for i in keep], [values[i] for i in keep]
             self.storage.extend(name, iters, values, series.smooth)
         if at_first_bad:
+            checked = [n for n, s in pending.items() if s.check_finite and n in at_first_bad]
+            bad = [n for n in checked if not math.isfinite(at_first_bad[n])]
+            what = "Loss" if set(bad) - {"grad_norm"} else "The gradient norm (the loss was not)"
             raise FloatingPointError(
-                f"Loss became NaN or infinite at iteration {first_bad} (epoch "
+                f"{what} became NaN or infinite at iteration {first_bad} (epoch "
                 f"{first_bad // self._epoch_len}): {at_first_bad}. Lower the LR, enable "
                 "clip_grad_norm, or check the data of that iteration."
             )

@@ -361,10 +361,11 @@ class Trainer(StepMethods, HookMethods):
         batches = [self.next_batch() for _ in range(self.accumulation_steps)]
         # 2.-4. forward, backward, clip and step: one CUDA graph replay with cuda_graph=True
         losses, extras = (self._graphed_step or self.forward_backward_step)(batches)
-        # 5. log: the values stay on the device until the next log point
+        # 5. log: the values stay on the device until the next log point. A NaN gradient norm
+        # fails like a NaN loss, unless float16's GradScaler skipped that step.
         self.log_losses(**losses)
         if extras:
-            self.log(self.cur_iter, reduce=True, **extras)
+            self.log(self.cur_iter, reduce=True, check_finite=not self._scaling, **extras)
 
     def next_batch(self) -> Any:
         """The next batch of the current epoch's pass over the data loader (time counted as
@@ -380,13 +381,15 @@ class Trainer(StepMethods, HookMethods):
         smooth: bool = True,
         *,
         reduce: bool = False,
+        check_finite: bool = False,
         **metrics: Union[float, torch.Tensor],
     ) -> None:
         """Record ``metrics`` (numbers or scalar tensors, which stay on their device until the
         next log point: no sync) of iteration ``iter``. The logger shows their window mean
         (``smooth``) or latest value. ``reduce``: average them over ranks under torchrun (log
-        them on every rank at the same iterations); otherwise they stay this rank's own."""
-        self._pending.add(iter, scalars(metrics), smooth, reduce=reduce)
+        them on every rank at the same iterations); otherwise they stay this rank's own.
+        ``check_finite``: a NaN or infinite value raises at the next log point, as losses do."""
+        self._pending.add(iter, scalars(metrics), smooth, check_finite, reduce)
 
     def log_losses(self, **losses: torch.Tensor) -> None:
         """Record losses of the current iteration as the built-in step does: checked at the next

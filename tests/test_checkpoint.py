@@ -1,0 +1,70 @@
+"""What checkpoints may hold, and how loading them fails or falls back (trainer/checkpoint.py)."""
+
+import os
+
+import pytest
+import torch
+
+from trainer.checkpoint_files import read_latest_pointer
+
+from conftest import TinyModel, load
+
+
+class NaNGradientAt(TinyModel):
+    """A finite loss whose gradient is NaN at forward call ``at`` (counted from 0)."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.calls = at, 0
+
+    def forward(self, batch):
+        loss = super().forward(batch)
+        self.calls += 1
+        if self.calls - 1 == self.at:
+            loss = loss + torch.sqrt(self.linear.weight.sum() * 0)  # 0, with a NaN gradient
+        return loss
+
+
+def test_non_finite_weights_are_never_saved_and_the_rerun_resumes_the_last_good_one(make_trainer):
+    # the NaN gradient comes at the last iteration of epoch 2, whose loss is finite
+    trainer = make_trainer(max_epochs=3, model=NaNGradientAt(15))
+    expected = (
+        r"Not saving epoch_2\.pth: after iteration 16, 2 tensors hold NaN or infinite values "
+        r"\(model\.linear\.weight, optimizer\.0\.momentum_buffer\)"
+    )
+    with pytest.raises(FloatingPointError, match=expected):
+        trainer.train()
+    assert sorted(os.listdir(trainer.ckpt_dir)) == ["epoch_1.pth", "latest.txt"]
+    assert read_latest_pointer(trainer.ckpt_dir) == os.path.join(trainer.ckpt_dir, "epoch_1.pth")
+
+    rerun = make_trainer(max_epochs=3, model=NaNGradientAt(-1))  # the cause fixed
+    rerun.train()
+    assert rerun.start_iter == 8  # from epoch_1.pth
+    weights = load(os.path.join(rerun.ckpt_dir, "epoch_3.pth"))["model"]
+    assert all(torch.isfinite(v).all() for v in weights.values())
+
+
+def test_a_non_finite_gradient_norm_fails_like_a_non_finite_loss(make_trainer):
+    trainer = make_trainer(max_epochs=2, model=NaNGradientAt(5), clip_grad_norm=1.0)
+    expected = r"The gradient norm \(the loss was not\) became NaN or infinite at iteration 5 "
+    with pytest.raises(FloatingPointError, match=expected):
+        trainer.train()
+    assert not os.path.exists(trainer.ckpt_dir) or os.listdir(trainer.ckpt_dir) == []
+
+
+def test_auto_resume_skips_a_checkpoint_with_non_finite_weights(make_trainer, caplog, tmp_path):
+    trainer = make_trainer(max_epochs=2)
+    trainer.train()
+    newest = os.path.join(trainer.ckpt_dir, "epoch_2.pth")
+    data = load(newest)
+    data["model"]["linear.bias"][0] = float("nan")
+    torch.save(data, newest)  # as a run from before saves refused NaN weights could leave it
+    torch.save(data, tmp_path / "bad.pth")
+    rerun = make_trainer(max_epochs=2)
+    rerun.train()
+    assert rerun.start_iter == 8  # from epoch_1.pth
+    assert (
+        "epoch_2.pth' holds NaN or infinite values in 1 tensors (model.linear.bias)" in caplog.text
+    )
+    with pytest.raises(RuntimeError, match="holds NaN or infinite values"):
+        make_trainer(max_epochs=2).load_checkpoint(str(tmp_path / "bad.pth"))
