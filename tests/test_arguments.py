@@ -80,3 +80,39 @@ def test_warmup_options_with_an_lr_warmup_scheduler_are_refused(make_trainer, op
 def test_checkpoint_options_without_checkpoints_are_refused(make_trainer, option):
     with pytest.raises(ValueError, match=f"checkpoint_period=0 .* so {next(iter(option))} would"):
         make_trainer(checkpoint_period=0, **option)
+
+
+def test_an_optimizer_over_another_models_parameters_is_refused(tmp_path):
+    model, other = TinyModel(), TinyModel()
+    optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
+    expected = r"optimizer holds 2 parameters that are not the model's \(shapes \(1, 4\), \(1,\)\)"
+    with pytest.raises(ValueError, match=expected + r".*torch\.optim\.SGD\(model\.parameters"):
+        Trainer(model, optimizer, None, tiny_loader(), max_epochs=1, work_dir=tmp_path)
+
+
+def test_a_scheduler_of_another_optimizer_is_refused(tmp_path):
+    model = TinyModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    stray = torch.optim.SGD(model.parameters(), lr=0.1)
+    for scheduler in (
+        torch.optim.lr_scheduler.StepLR(stray, 1),
+        torch.optim.lr_scheduler.ReduceLROnPlateau(stray),
+        LRWarmupScheduler(torch.optim.lr_scheduler.StepLR(stray, 1), epoch_len=8),
+    ):
+        with pytest.raises(ValueError, match="lr_scheduler schedules another optimizer"):
+            Trainer(model, optimizer, scheduler, tiny_loader(), max_epochs=1, work_dir=tmp_path)
+
+
+def test_trainable_parameters_in_no_optimizer_are_warned_about(tmp_path, caplog):
+    model = TinyModel()
+    model.extra = torch.nn.Linear(2, 2)  # trainable, in no optimizer
+    optimizer = torch.optim.SGD(model.linear.parameters(), lr=0.1)
+    Trainer(model, optimizer, None, tiny_loader(), max_epochs=1, work_dir=tmp_path).train()
+    assert (
+        "2 trainable parameters of the model are in no optimizer and will not change: "
+        "extra.weight, extra.bias" in caplog.text
+    )
+    caplog.clear()
+    model.extra.requires_grad_(False)  # frozen on purpose: nothing to say
+    Trainer(model, optimizer, None, tiny_loader(), max_epochs=2, work_dir=tmp_path).train()
+    assert "in no optimizer" not in caplog.text

@@ -2,6 +2,7 @@
 expected, what was received and how to fix it), and the default hooks and LR warmup wrapper
 they configure."""
 
+import logging
 import os
 import tempfile
 from typing import Any
@@ -14,6 +15,8 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from .fsdp import is_sharded
 from .hooks import CheckpointHook, DistributedHook, HookBase, LoggerHook, LRUpdateHook
 from .lr_scheduler import LRWarmupScheduler
+
+logger = logging.getLogger(__name__)
 
 _AMP_DTYPES = (torch.float16, torch.bfloat16)
 # Trainer arguments that configure the warmup wrapper it builds, with their defaults.
@@ -30,6 +33,7 @@ WARMUP_ARGUMENTS = {
 def check_arguments(args: dict[str, Any]) -> int:
     """Check the Trainer's constructor arguments (by name); returns iterations per epoch."""
     _check_types(args["model"], args["optimizer"], args["lr_scheduler"], args["data_loader"])
+    _check_wiring(args["model"], args["optimizer"], args["lr_scheduler"])
     _check_epochs_or_iters(args["max_epochs"], args["max_iters"])
     for name in ("log_period", "accumulation_steps", "preempt_check_period"):
         _check_int(name, args[name], minimum=1)
@@ -140,6 +144,45 @@ def _check_types(model: Any, optimizer: Any, lr_scheduler: Any, data_loader: Any
         )
     if not hasattr(data_loader, "__iter__"):
         raise TypeError(f"data_loader must be iterable, got {type(data_loader).__name__}.")
+
+
+def _check_wiring(model: nn.Module, optimizer: Optimizer, lr_scheduler: Any) -> None:
+    own = {id(p) for p in model.parameters()}
+    foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in own]
+    if foreign:
+        shapes = ", ".join(str(tuple(p.shape)) for p in foreign[:3])
+        raise ValueError(
+            f"optimizer holds {len(foreign)} parameters that are not the model's (shapes "
+            f"{shapes}{', ...' if len(foreign) > 3 else ''}): stepping it would never change "
+            "the model. Build it on this model's parameters, e.g. "
+            f"torch.optim.{type(optimizer).__name__}(model.parameters(), ...), after moving the "
+            "model to its device and wrapping or sharding it."
+        )
+    scheduler = lr_scheduler
+    if isinstance(scheduler, LRWarmupScheduler):
+        scheduler = scheduler.torch_scheduler or scheduler
+    scheduled = getattr(scheduler, "optimizer", optimizer)
+    if scheduled is not optimizer:
+        raise ValueError(
+            f"lr_scheduler schedules another optimizer ({type(scheduled).__name__} object at "
+            f"{id(scheduled):#x}), not the trainer's optimizer ({type(optimizer).__name__} at "
+            f"{id(optimizer):#x}), so the trainer's LR would never change. Build it on the "
+            f"optimizer you pass: {type(lr_scheduler).__name__}(optimizer, ...)."
+        )
+
+
+def warn_unoptimized(model: nn.Module, optimizers: list[Optimizer]) -> None:
+    """Warn about trainable parameters of ``model`` that none of ``optimizers`` holds: they
+    never change (frozen by omission, which may be meant)."""
+    held = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
+    left = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if left:
+        logger.warning(
+            f"{len(left)} trainable parameters of the model are in no optimizer and will not "
+            f"change: {', '.join(left[:5])}{', ...' if len(left) > 5 else ''}. If that is "
+            "meant, freeze them with requires_grad_(False); otherwise add them to the optimizer "
+            "(or register a second one with register_checkpointable)."
+        )
 
 
 def _check_int(name: str, value: Any, minimum: int, zero: str = "") -> None:

@@ -88,6 +88,12 @@ class Checkpointer:
     def _module(self) -> nn.Module:
         return unwrapped(self._model)
 
+    @property
+    def optimizers(self) -> list[Optimizer]:
+        """The trainer's optimizer and the registered ones."""
+        extra = [obj for obj in self._extra.values() if isinstance(obj, Optimizer)]
+        return [self._optimizer, *extra]
+
     def register(self, name: str, obj: Any) -> None:
         """Save ``obj``'s state under ``extra[name]`` and restore it on resume."""
         if not all(callable(getattr(obj, m, None)) for m in ("state_dict", "load_state_dict")):

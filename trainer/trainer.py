@@ -314,6 +314,7 @@ class Trainer(StepMethods, HookMethods):
     def _start(self, path: Optional[str], auto_resume: bool, continue_after_stop: bool) -> None:
         logger.info(f"Environment:\n{collect_env()}")
         logger.info(f"Hooks: {self.hook_info}")
+        args.warn_unoptimized(self.model_or_module, self._checkpointer.optimizers)
         self._checkpointer.remove_temp_files()
         if path is not None or auto_resume:
             self.load_checkpoint(path, auto_resume=auto_resume)
