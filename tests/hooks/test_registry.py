@@ -1,6 +1,9 @@
 """The hook registry: default hooks switched off or replaced, in one argument or call."""
 
+import gc
 import os
+
+import pytest
 
 from trainer.hooks import CheckpointHook, HookBase, LoggerHook
 
@@ -50,3 +53,21 @@ def test_unregister_one_instance_keeps_the_others(make_trainer):
     trainer.train()
     assert calls == [second]
     assert [type(h) for h in trainer.unregister_hook(LoggerHook)] == [LoggerHook]
+
+
+def test_a_hook_is_registered_once_and_on_one_trainer(make_trainer, tmp_path):
+    trainer = make_trainer()
+    hook = HookBase()
+    trainer.register_hook(hook)
+    with pytest.raises(ValueError, match="This HookBase is registered already: it would run twice"):
+        trainer.register_hook(hook)
+    other = make_trainer(work_dir=tmp_path / "other")
+    with pytest.raises(ValueError, match="registered on another trainer"):
+        other.register_hook(hook)
+    assert hook.trainer.work_dir == trainer.work_dir  # not re-pointed
+    trainer.unregister_hook(hook)
+    other.register_hook(hook)  # moved on purpose
+    assert hook.trainer.work_dir == other.work_dir
+    del trainer, other
+    gc.collect()
+    make_trainer(work_dir=tmp_path / "third").register_hook(hook)  # its trainer is gone

@@ -30,6 +30,17 @@ class HookRegistry:
         """Add ``hook`` in priority order."""
         if not isinstance(hook, HookBase):
             raise TypeError(f"hook must be a HookBase instance, got {type(hook).__name__}.")
+        if any(h is hook for h in self.hooks):
+            raise ValueError(
+                f"This {hook.class_name} is registered already: it would run twice per event. "
+                "Register another instance if you want two."
+            )
+        if _alive(hook.trainer):
+            raise ValueError(
+                f"This {hook.class_name} is registered on another trainer: a hook serves one "
+                "trainer (self.trainer). Create another instance for this one, or unregister it "
+                "from the other trainer first."
+            )
         hook.trainer = self._owner
         position = sum(1 for h in self.hooks if h.priority <= hook.priority)
         self.hooks.insert(position, hook)
@@ -41,6 +52,8 @@ class HookRegistry:
             h for h in self.hooks if h is hook or (isinstance(hook, type) and isinstance(h, hook))
         ]
         self.hooks = [h for h in self.hooks if all(h is not r for r in removed)]
+        for h in removed:
+            h.trainer = None
         self._index()
         return removed
 
@@ -84,6 +97,17 @@ class HookRegistry:
                     key, n = f"{h.class_name}_{n}", n + 1
                 keys[key] = h
         return keys
+
+
+def _alive(trainer: Any) -> bool:
+    """Whether a hook's ``trainer`` proxy is set and its trainer still exists."""
+    if trainer is None:
+        return False
+    try:
+        trainer.__class__  # noqa: B018 (a dead proxy raises on any use)
+    except ReferenceError:
+        return False
+    return True
 
 
 def _overrides(hook: HookBase, event: str) -> bool:
