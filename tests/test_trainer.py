@@ -343,3 +343,37 @@ def test_stop_ends_after_the_iteration_and_a_rerun_stays_stopped(make_trainer, t
     full.train()
     for a, b in zip(on.model.parameters(), full.model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_every_after_train_runs_when_a_before_train_or_an_after_train_raises(make_trainer):
+    calls = []
+
+    class Record(HookBase):
+        def __init__(self, name, fail_in=None):
+            self.name, self.fail_in = name, fail_in
+
+        def before_train(self):
+            calls.append(f"{self.name}.before_train")
+            if self.fail_in == "before_train":
+                raise RuntimeError(f"{self.name} failed")
+
+        def after_train(self):
+            calls.append(f"{self.name}.after_train")
+            if self.fail_in == "after_train":
+                raise OSError(f"{self.name} failed")
+
+    trainer = make_trainer()
+    trainer.register_hooks([Record("a"), Record("b", fail_in="before_train"), Record("c")])
+    with pytest.raises(RuntimeError, match="b failed"):
+        trainer.train()
+    assert calls == ["a.before_train", "b.before_train", "a.after_train", "b.after_train",
+                     "c.after_train"]  # fmt: skip
+    assert trainer.cur_iter == -1  # no iteration ran
+
+    calls.clear()
+    trainer = make_trainer(max_epochs=1, work_dir=trainer.work_dir + "_2")
+    trainer.register_hooks([Record("a", fail_in="after_train"), Record("b")])
+    with pytest.raises(OSError, match="a failed"):
+        trainer.train()
+    assert calls[-2:] == ["a.after_train", "b.after_train"]
+    assert os.path.exists(os.path.join(trainer.ckpt_dir, "epoch_1.pth"))  # training itself ended

@@ -263,8 +263,8 @@ class Trainer(StepMethods, HookMethods):
         # Signals are caught from the start: one during start-up exits after the first iteration.
         with log_to_file("trainer", self.log_file), self._preemption.catching():
             self._start(resume_from_checkpoint, auto_resume, continue_after_stop)
-            self.call_hooks("before_train")
             try:
+                self.call_hooks("before_train")
                 self._period_start = (time.perf_counter(), self.cur_iter)
                 with self._watch_skipped_steps():
                     end = self.progress.position[0] if self.progress.stopped else self.max_epochs
@@ -279,7 +279,7 @@ class Trainer(StepMethods, HookMethods):
                 raise
             finally:
                 try:
-                    self.call_hooks("after_train")
+                    self._hooks.call("after_train", every_handler=True)
                 finally:
                     self.wait_for_checkpoint()  # the last checkpoint is on disk when train() ends
 

@@ -67,10 +67,23 @@ class HookRegistry:
         }
         self.seconds = [0.0] * len(self.hooks)
 
-    def call(self, event: str, *args: Any) -> None:
-        """Run every hook's ``event`` handler, timing each."""
+    def call(self, event: str, *args: Any, every_handler: bool = False) -> None:
+        """Run every hook's ``event`` handler, timing each. With ``every_handler``, a handler
+        that raises does not stop the others; the first error is raised after them."""
         handlers = self._handlers[event]
         if not handlers:
+            return
+        if every_handler:
+            errors = []
+            for i, handler in handlers:
+                start = time.perf_counter()
+                try:
+                    handler(*args)
+                except Exception as e:
+                    errors.append(e)
+                self.seconds[i] += time.perf_counter() - start
+            if errors:
+                raise errors[0]
             return
         seconds, clock = self.seconds, time.perf_counter
         start = clock()
