@@ -18,7 +18,7 @@ from conftest import TinyModel, tiny_dataset, tiny_loader
         ({"max_epochs": 2, "max_iters": 5}, ValueError, r"exactly one of max_epochs or max_iters"),
         ({"max_epochs": 0}, ValueError, r"got max_epochs=0, max_iters=0"),
         ({"max_epochs": -1}, ValueError, r"max_epochs must be an int >= 0, got -1"),
-        ({"max_epochs": 1.5}, ValueError, r"max_epochs must be an int >= 0, got 1.5"),
+        ({"max_epochs": 1.5}, TypeError, r"max_epochs must be an int >= 0, got float 1.5"),
         ({"log_period": 0}, ValueError, r"log_period must be a positive int, got 0"),
         ({"accumulation_steps": 0}, ValueError, r"accumulation_steps must be a positive int"),
         ({"max_num_checkpoints": 0}, ValueError, r"max_num_checkpoints must be a positive int"),
@@ -32,6 +32,41 @@ def test_bad_arguments_raise_clear_errors(make_trainer, kwargs, error, message):
         make_trainer(**kwargs)
 
 
+@pytest.mark.parametrize(
+    "name, value, expected",
+    [
+        ("clip_grad_norm", "1.0", "a number, got str '1.0'"),
+        ("clip_grad_norm", None, "a number, got NoneType None"),
+        ("log_period", "50", "a positive int, got str '50'"),
+        ("checkpoint_period", 1.0, r"an int >= 0 \(0 disables\), got float 1.0"),
+        ("max_num_checkpoints", "3", "a positive int, got str '3'"),
+        ("accumulation_steps", True, "a positive int, got bool True"),
+        ("preempt_check_period", None, "a positive int, got NoneType None"),
+        ("warmup_t", 0.5, "an int >= 0, got float 0.5"),
+        ("enable_amp", "yes", "True or False, got str 'yes'"),
+        ("unpack_batch_dict", 1, "True or False, got int 1"),
+        ("by_epoch", None, "True or False"),
+        ("warmup_by_epoch", 0, "True or False"),
+        ("checkpoint_by_epoch", "no", "True or False"),
+        ("cuda_graph", None, "True or False"),
+        ("tensorboard", 1, "True or False"),
+        ("metrics_jsonl", "off", "True or False"),
+        ("warmup_mode", 1, "a str, got int 1"),
+        ("warmup_init_lr", "0", "a number, got str '0'"),
+        ("warmup_factor", None, "a number, got NoneType None"),
+        ("plateau_metric", 3, "a str or None, got int 3"),
+        ("amp_dtype", "float16", "torch.float16, torch.bfloat16 or None, got str 'float16'"),
+        ("metric_writers", [print], "a list of trainer.writers.MetricWriter objects"),
+        ("compile", "yes", "compile must be a bool or a dict"),
+    ],
+)
+def test_every_argument_type_error_names_the_argument(make_trainer, name, value, expected):
+    with pytest.raises(
+        TypeError, match=rf"{name} must be {expected}" if name != "compile" else expected
+    ):
+        make_trainer(**{name: value})
+
+
 def test_bad_types_raise_type_errors(tmp_path):
     model = TinyModel()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -41,6 +76,8 @@ def test_bad_types_raise_type_errors(tmp_path):
         Trainer(model, None, None, tiny_loader(), max_epochs=1, work_dir=str(tmp_path))
     with pytest.raises(TypeError, match="lr_scheduler must be"):
         Trainer(model, opt, "cosine", tiny_loader(), max_epochs=1, work_dir=str(tmp_path))
+    with pytest.raises(TypeError, match="work_dir must be a str or os.PathLike path, got int 3"):
+        Trainer(model, opt, None, tiny_loader(), max_epochs=1, work_dir=3)
 
 
 def test_empty_and_unsized_data_loaders_are_refused(make_trainer):

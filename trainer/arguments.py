@@ -15,6 +15,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from .fsdp import is_sharded
 from .hooks import CheckpointHook, DistributedHook, HookBase, LoggerHook, LRUpdateHook
 from .lr_scheduler import LRWarmupScheduler
+from .writers import MetricWriter
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +31,34 @@ WARMUP_ARGUMENTS = {
 }
 
 
+# The expected type of every plain constructor argument, and how to say it.
+_NUMBER = ((int, float), "a number")
+_FLAG = ((bool,), "True or False")
+_SIMPLE_TYPES = {
+    "work_dir": ((str, os.PathLike), "a str or os.PathLike path"),
+    "unpack_batch_dict": _FLAG, "clip_grad_norm": _NUMBER, "enable_amp": _FLAG,
+    "by_epoch": _FLAG, "warmup_by_epoch": _FLAG, "warmup_mode": ((str,), "a str"),
+    "warmup_init_lr": _NUMBER, "warmup_factor": _NUMBER, "checkpoint_by_epoch": _FLAG,
+    "cuda_graph": _FLAG, "tensorboard": _FLAG, "metrics_jsonl": _FLAG,
+    "plateau_metric": ((str, type(None)), "a str or None"),
+    "amp_dtype": ((torch.dtype, type(None)), "torch.float16, torch.bfloat16 or None"),
+}  # fmt: skip
+
+
 def check_arguments(args: dict[str, Any]) -> int:
     """Check the Trainer's constructor arguments (by name); returns iterations per epoch."""
     _check_types(args["model"], args["optimizer"], args["lr_scheduler"], args["data_loader"])
+    for name, (types, what) in _SIMPLE_TYPES.items():
+        value = args[name]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}.")
+    _check_int("warmup_t", args["warmup_t"], minimum=0)
+    writers = args["metric_writers"]
+    if isinstance(writers, str) or not all(isinstance(w, MetricWriter) for w in writers):
+        raise TypeError(
+            "metric_writers must be a list of trainer.writers.MetricWriter objects, got "
+            f"{writers!r}."
+        )
     _check_wiring(args["model"], args["optimizer"], args["lr_scheduler"])
     _check_epochs_or_iters(args["max_epochs"], args["max_iters"])
     for name in ("log_period", "accumulation_steps", "preempt_check_period"):
@@ -186,9 +212,12 @@ def warn_unoptimized(model: nn.Module, optimizers: list[Optimizer]) -> None:
 
 
 def _check_int(name: str, value: Any, minimum: int, zero: str = "") -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-        raise ValueError(f"{name} must be {what}{f' ({zero})' if zero else ''}, got {value!r}.")
+    what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+    what += f" ({zero})" if zero else ""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}.")
+    if value < minimum:
+        raise ValueError(f"{name} must be {what}, got {value!r}.")
 
 
 def _check_epochs_or_iters(max_epochs: Any, max_iters: Any) -> None:
