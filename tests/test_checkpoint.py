@@ -5,9 +5,10 @@ import os
 import pytest
 import torch
 
+from trainer import Trainer
 from trainer.checkpoint_files import read_latest_pointer
 
-from conftest import TinyModel, load
+from conftest import TinyModel, build, load, tiny_loader
 
 
 class NaNGradientAt(TinyModel):
@@ -68,3 +69,14 @@ def test_auto_resume_skips_a_checkpoint_with_non_finite_weights(make_trainer, ca
     )
     with pytest.raises(RuntimeError, match="holds NaN or infinite values"):
         make_trainer(max_epochs=2).load_checkpoint(str(tmp_path / "bad.pth"))
+
+
+def test_resuming_with_another_optimizer_class_names_the_checkpoint_and_both_classes(tmp_path):
+    first = build(tmp_path, max_epochs=1)  # SGD
+    first.train()
+    model = TinyModel()
+    adam = Trainer(model, torch.optim.Adam(model.parameters()), None, tiny_loader(), max_epochs=2,
+                   work_dir=tmp_path)  # fmt: skip
+    expected = r"epoch_1\.pth' holds the state of a SGD for optimizer, and this trainer's optimizer"
+    with pytest.raises(ValueError, match=expected + r" is a Adam: that state does not fit it"):
+        adam.train()

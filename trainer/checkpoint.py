@@ -167,7 +167,7 @@ class Checkpointer:
     def _state_dict(self, rng: list[dict], weights: Optional[tuple]) -> dict[str, Any]:
         state = {
             "progress": self._progress.state_dict(self._batch_size),
-            "config": self._config,
+            "config": {**self._config, "classes": self._classes()},
             **{key: part.state_dict() for key, part in self._parts.items()},
             "hooks": {key: hook.state_dict() for key, hook in self._hooks().items()},
             "extra": {name: obj.state_dict() for name, obj in self._extra.items()},
@@ -180,6 +180,11 @@ class Checkpointer:
         if weights is not None:  # gathered into fresh CPU tensors already: no second copy
             state["model"], state["optimizer"] = weights
         return state
+
+    def _classes(self) -> dict[str, str]:
+        # What resuming needs unchanged: an optimizer's state does not fit another class's.
+        objects = {"optimizer": self._optimizer, **{f"extra.{n}": o for n, o in self._extra.items()}}
+        return {key: type(obj).__name__ for key, obj in objects.items()}
 
     def load(self, path: Optional[str], auto_resume: bool, resume: bool, strict: bool) -> bool:
         """Load a checkpoint: the whole training state, or only the model's weights.
@@ -220,7 +225,7 @@ class Checkpointer:
         return True
 
     def _load_state_dict(self, data: dict[str, Any], path: str) -> None:
-        check_config(data["config"], self._config, path)
+        check_config(data["config"], {**self._config, "classes": self._classes()}, path)
         progress = self._progress
         accumulation = self._config["accumulation_steps"]
         position = map_position(
@@ -389,14 +394,25 @@ def load_optimizer_state(
 
 
 def check_config(saved: dict[str, Any], now: dict[str, Any], path: str) -> None:
-    """Refuse a checkpoint whose ``accumulation_steps`` differs (the data position would not
-    map); warn about a changed AMP setting (training goes on, not bit for bit)."""
+    """Refuse a checkpoint whose ``accumulation_steps`` (the data position would not map) or
+    optimizer classes differ; warn about a changed AMP setting (training goes on, not bit for
+    bit)."""
     if saved["accumulation_steps"] != now["accumulation_steps"]:
         raise ValueError(
             f"Checkpoint {path!r} was trained with accumulation_steps="
             f"{saved['accumulation_steps']}, this trainer has {now['accumulation_steps']}; "
             "the data position cannot be mapped. Resume with the same accumulation_steps."
         )
+    for key, saved_class in saved.get("classes", {}).items():  # none in older checkpoints
+        now_class = now["classes"].get(key, saved_class)
+        if now_class != saved_class:
+            raise ValueError(
+                f"Checkpoint {path!r} holds the state of a {saved_class} for {key}, and this "
+                f"trainer's {key} is a {now_class}: that state does not fit it. Resume with a "
+                f"{saved_class}, or start the new optimizer from the checkpoint's weights alone: "
+                "trainer.load_checkpoint(path, resume=False), then train(auto_resume=False) in "
+                "a new work_dir."
+            )
     if saved["amp"] != now["amp"]:
         logger.warning(
             f"Checkpoint {path} was trained with AMP {saved['amp']}, this run uses AMP "
