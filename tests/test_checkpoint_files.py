@@ -1,5 +1,6 @@
 import os
 import pickle
+import stat
 import threading
 import time
 
@@ -173,3 +174,24 @@ def test_background_writer_runs_writes_one_at_a_time_in_order():
         assert order == list(range(i))  # submit waited for the previous write only
     writer.wait()
     assert order == [0, 1, 2]
+
+
+@pytest.mark.parametrize("umask, mode", [(0o027, 0o640), (0o002, 0o664)])
+def test_checkpoints_get_the_permissions_the_umask_gives_every_other_file(
+    make_trainer, umask, mode
+):
+    previous = os.umask(umask)
+    try:
+        trainer = make_trainer(max_epochs=1)
+        trainer.train()
+    finally:
+        os.umask(previous)
+    files = [
+        os.path.join(trainer.ckpt_dir, "epoch_1.pth"),
+        os.path.join(trainer.ckpt_dir, "latest.txt"),
+        os.path.join(trainer.work_dir, "log.txt"),
+        os.path.join(trainer.work_dir, "metrics.jsonl"),
+    ]
+    assert {path: oct(stat.S_IMODE(os.stat(path).st_mode)) for path in files} == {
+        path: oct(mode) for path in files
+    }

@@ -183,7 +183,10 @@ class Checkpointer:
 
     def _classes(self) -> dict[str, str]:
         # What resuming needs unchanged: an optimizer's state does not fit another class's.
-        objects = {"optimizer": self._optimizer, **{f"extra.{n}": o for n, o in self._extra.items()}}
+        objects = {
+            "optimizer": self._optimizer,
+            **{f"extra.{n}": o for n, o in self._extra.items()},
+        }
         return {key: type(obj).__name__ for key, obj in objects.items()}
 
     def load(self, path: Optional[str], auto_resume: bool, resume: bool, strict: bool) -> bool:

@@ -31,10 +31,11 @@ def save_in_background(
     writer.wait()  # one write at a time; raises if the previous one failed
     copied = copy_to_cpu(state())
     ckpt_dir, file_name = os.path.split(path)
+    mode = 0o666 & ~current_umask()  # read here, in the training thread
 
     def write() -> None:
-        atomic_save(copied, path)
-        update_latest_pointer(ckpt_dir, file_name)
+        atomic_save(copied, path, mode)
+        update_latest_pointer(ckpt_dir, file_name, mode)
         logger.info(f"Saved checkpoint {path}")
         if then is not None:
             then()
@@ -42,18 +43,35 @@ def save_in_background(
     writer.submit(write)
 
 
-def atomic_save(obj: Any, path: str) -> None:
+def atomic_save(obj: Any, path: str, mode: Optional[int] = None) -> None:
     """``torch.save`` that leaves ``path`` either untouched or complete, never half-written.
 
     The data goes to a temporary file in the same folder, is flushed to disk, and replaces
     ``path`` in one ``os.replace``; the folder is then synced so the rename itself is durable.
+    The file gets permissions ``mode`` (by default what ``open()`` would give: 0o666 less the
+    umask), not the 0o600 of a temporary file.
     """
-    _atomic_write(path, lambda f: torch.save(obj, f))
+    _atomic_write(path, lambda f: torch.save(obj, f), mode)
 
 
-def update_latest_pointer(ckpt_dir: str, file_name: str) -> None:
+def update_latest_pointer(ckpt_dir: str, file_name: str, mode: Optional[int] = None) -> None:
     """Point ``ckpt_dir/latest.txt`` at ``file_name``, atomically (works where symlinks do not)."""
-    _atomic_write(os.path.join(ckpt_dir, LATEST_POINTER), lambda f: f.write(file_name.encode()))
+    path = os.path.join(ckpt_dir, LATEST_POINTER)
+    _atomic_write(path, lambda f: f.write(file_name.encode()), mode)
+
+
+def current_umask() -> int:
+    """The process's umask (Linux reports it; elsewhere it is set and restored at once)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def read_latest_pointer(ckpt_dir: str) -> Optional[str]:
@@ -171,13 +189,14 @@ def load_checkpoint_file(path: str) -> dict[str, Any]:
     return data
 
 
-def _atomic_write(path: str, write) -> None:
+def _atomic_write(path: str, write: Callable[[Any], Any], mode: Optional[int]) -> None:
     folder = os.path.dirname(os.path.abspath(path))
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(
             prefix=f".{os.path.basename(path)}.", suffix=_TEMP_SUFFIX, dir=folder
         )
+        os.fchmod(fd, 0o666 & ~current_umask() if mode is None else mode)  # mkstemp: 0o600
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
