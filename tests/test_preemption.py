@@ -44,3 +44,27 @@ def test_preemption_at_an_epochs_last_iteration_resumes_exactly(tmp_path):
     full.train()
     a, b = resumed.model.state_dict(), full.model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_preemption_checkpoints_count_against_max_num_checkpoints(tmp_path):
+    class SigtermAt(HookBase):
+        def __init__(self, iteration):
+            self.iteration = iteration
+
+        def after_iter(self):
+            if self.trainer.cur_iter == self.iteration:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    ckpt_dir = tmp_path / "checkpoints"
+    for iteration in (2, 10, 13, 19, 28):  # five preemptions in four epochs of 8 iterations
+        trainer = build(tmp_path, max_epochs=4, max_num_checkpoints=2)
+        trainer.register_hook(SigtermAt(iteration))
+        with pytest.raises(SystemExit):
+            trainer.train()
+        pths = sorted(p for p in os.listdir(ckpt_dir) if p.endswith(".pth"))
+        assert len(pths) <= 3, pths  # the two kept and the preemption's newest, at most
+    build(tmp_path, max_epochs=4, max_num_checkpoints=2).train()
+    # the newest two: the last preemption's, resumed from, and the final one
+    assert sorted(p for p in os.listdir(ckpt_dir) if p.endswith(".pth")) == [
+        "epoch_4.pth", "iter_29.pth"
+    ]  # fmt: skip

@@ -21,7 +21,8 @@ class CheckpointHook(HookBase):
 
     Args:
         period: Epochs (``by_epoch``) or iterations between checkpoints.
-        max_to_keep: Keep the newest N checkpoints this hook wrote; None keeps all.
+        max_to_keep: Keep the newest N checkpoints this hook wrote (with those of preemptions
+            that a run resumed from); None keeps all.
         by_epoch: Count ``period`` in epochs (True) or iterations.
 
     Example::
@@ -36,6 +37,19 @@ class CheckpointHook(HookBase):
         self._max_to_keep = max_to_keep
         self._by_epoch = by_epoch
         self._saved: list[str] = []
+
+    def before_train(self) -> None:
+        """Count the checkpoint this run resumed from among this hook's, if the trainer saved
+        it outside this hook (a preemption): it is then deleted in turn, and preemptions do
+        not pile up checkpoints beyond ``max_to_keep``."""
+        name = self.trainer.checkpoint_name()
+        resumed = self.trainer.start_iter > 0
+        if resumed and name not in self._saved:
+            if os.path.isfile(os.path.join(self.trainer.ckpt_dir, name)):
+                self._saved.append(name)
+                old = self._old()
+                _delete(self.trainer.ckpt_dir, old)  # the resumed checkpoint is durable
+                self._saved = self._saved[len(old) :]
 
     def after_iter(self) -> None:
         """Save mid-epoch checkpoints in iteration mode."""
@@ -57,21 +71,15 @@ class CheckpointHook(HookBase):
 
     def _save(self, file_name: str) -> None:
         self._saved = [name for name in self._saved if name != file_name] + [file_name]
-        keep = len(self._saved) if self._max_to_keep is None else self._max_to_keep
-        old = self._saved[:-keep]
-        ckpt_dir = self.trainer.ckpt_dir
+        old, ckpt_dir = self._old(), self.trainer.ckpt_dir
+        # The checkpoint still lists the old files: a run killed before they are deleted deletes
+        # them after resuming. They go in the background, once the new one is durable.
+        self.trainer.save_checkpoint(file_name, then=lambda: _delete(ckpt_dir, old))
+        self._saved = self._saved[len(old) :]
 
-        def delete_old() -> None:  # in the background, once the new checkpoint is durable
-            for name in old:
-                path = os.path.join(ckpt_dir, name)
-                if os.path.exists(path):
-                    os.remove(path)
-                    logger.info(f"Deleted old checkpoint {path}")
-
-        # The checkpoint lists the old files too: a run killed before they are deleted deletes
-        # them after resuming.
-        self.trainer.save_checkpoint(file_name, then=delete_old)
-        self._saved = self._saved[-keep:]
+    def _old(self) -> list[str]:
+        """The names beyond the newest ``max_to_keep``, oldest first."""
+        return self._saved[: -self._max_to_keep] if self._max_to_keep else []
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoints this hook wrote, oldest first."""
@@ -80,3 +88,11 @@ class CheckpointHook(HookBase):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         self._saved = list(state["saved"])
+
+
+def _delete(ckpt_dir: str, names: list[str]) -> None:
+    for name in names:
+        path = os.path.join(ckpt_dir, name)
+        if os.path.exists(path):
+            os.remove(path)
+            logger.info(f"Deleted old checkpoint {path}")
