@@ -80,3 +80,53 @@ def test_resuming_with_another_optimizer_class_names_the_checkpoint_and_both_cla
     expected = r"epoch_1\.pth' holds the state of a SGD for optimizer, and this trainer's optimizer"
     with pytest.raises(ValueError, match=expected + r" is a Adam: that state does not fit it"):
         adam.train()
+
+
+def damage(ckpt_dir, how):
+    """Damage the newest of two epoch checkpoints (epoch_2.pth) or the pointer, as ``how`` says."""
+    newest = ckpt_dir / "epoch_2.pth"
+    if how == "wrong types":
+        torch.save({key: 5 for key in load(newest)}, newest)
+    elif how == "a weight that is not a tensor":
+        data = load(newest)
+        data["model"]["linear.weight"] = 5
+        torch.save(data, newest)
+    elif how == "progress without epoch":
+        data = load(newest)
+        del data["progress"]["epoch"]
+        torch.save(data, newest)
+    elif how == "non-UTF-8 pointer":
+        (ckpt_dir / "latest.txt").write_bytes(b"\xff\xfe\x00epoch")
+    elif how == "pointer is a directory":
+        (ckpt_dir / "latest.txt").unlink()
+        (ckpt_dir / "latest.txt").mkdir()
+    elif how == "dangling symlink":
+        (ckpt_dir / "epoch_9.pth").symlink_to(ckpt_dir / "gone.pth")
+        (ckpt_dir / "latest.txt").write_text("epoch_9.pth")
+    elif how == "directory named .pth":
+        (ckpt_dir / "epoch_9.pth").mkdir()
+        (ckpt_dir / "latest.txt").write_text("epoch_9.pth")
+
+
+@pytest.mark.parametrize(
+    "how, start_iter, warning",
+    [
+        ("wrong types", 8, "epoch_2.pth' is damaged: 'progress' is of type int, expected dict"),
+        ("a weight that is not a tensor", 8, "'model' holds 1 entries that are not tensors"),
+        ("progress without epoch", 8, "epoch_2.pth' is damaged: 'progress' lacks 'epoch'"),
+        ("non-UTF-8 pointer", 16, "latest.txt is damaged (not UTF-8 text)"),
+        ("pointer is a directory", 16, "latest.txt is damaged (a directory, not a file)"),
+        ("dangling symlink", 16, "epoch_9.pth' does not exist"),
+        ("directory named .pth", 16, "epoch_9.pth' is a directory, not a file"),
+    ],
+)
+def test_a_damaged_newest_checkpoint_or_pointer_falls_back_with_a_warning(
+    make_trainer, tmp_path, caplog, how, start_iter, warning
+):
+    make_trainer(max_epochs=2).train()
+    damage(tmp_path / "work" / "checkpoints", how)
+    rerun = make_trainer(max_epochs=3)
+    rerun.train()  # falls back; and the next save replaces a damaged pointer
+    assert rerun.start_iter == start_iter
+    assert warning in caplog.text
+    assert read_latest_pointer(rerun.ckpt_dir) == os.path.join(rerun.ckpt_dir, "epoch_3.pth")

@@ -217,7 +217,9 @@ class Checkpointer:
             path, data = found
         else:
             data = load_checkpoint_file(path)
-            check_keys(data, path, RESUME_KEYS if resume else ("model",))
+            keys = RESUME_KEYS if resume else ("model",)
+            check_keys(data, path, keys)
+            check_structure(data, path, keys)
             check_finite(data, path)
         load_model_state(self._module, data["model"], path, strict, self._sharded)
         if not resume:
@@ -304,6 +306,50 @@ def check_keys(data: dict[str, Any], path: str, keys: tuple[str, ...]) -> None:
         )
 
 
+# What each part of a checkpoint must be: its type, and for dicts the keys it must have.
+_STRUCTURE: dict[str, tuple[type, tuple[str, ...]]] = {
+    "model": (dict, ()),
+    "optimizer": (dict, ("state", "param_groups")),
+    "progress": (dict, ("epoch", "inner_iter", "epoch_len")),
+    "config": (dict, ("accumulation_steps", "amp")),
+    "lr_scheduler": (dict, ()),
+    "grad_scaler": (dict, ()),
+    "metric_storage": (dict, ()),
+    "hooks": (dict, ()),
+    "rng": (list, ()),
+}
+
+
+def check_structure(data: dict[str, Any], path: str, keys: tuple[str, ...]) -> None:
+    """Raise a RuntimeError naming ``path`` and the first problem when the parts ``keys`` of a
+    checkpoint do not have the types and keys that loading them uses."""
+
+    def damaged(reason: str) -> RuntimeError:
+        return RuntimeError(f"Checkpoint {path!r} is damaged: {reason}.")
+
+    for key in keys:
+        kind, required = _STRUCTURE[key]
+        value = data[key]
+        if not isinstance(value, kind):
+            raise damaged(f"{key!r} is of type {type(value).__name__}, expected {kind.__name__}")
+        for name in required:
+            if name not in value:
+                raise damaged(f"{key!r} lacks {name!r}")
+    if "model" in keys:
+        wrong = [k for k, v in data["model"].items() if not isinstance(v, torch.Tensor)]
+        if wrong:
+            raise damaged(f"'model' holds {len(wrong)} entries that are not tensors ({wrong[0]!r})")
+    if "progress" in keys:
+        progress = data["progress"]
+        wrong = [k for k in _STRUCTURE["progress"][1] if not isinstance(progress[k], int)]
+        if wrong:
+            raise damaged(f"'progress' has {wrong[0]!r} = {progress[wrong[0]]!r}, not an int")
+    if "rng" in keys and not (
+        data["rng"] and all(isinstance(r, dict) and "now" in r for r in data["rng"])
+    ):
+        raise damaged("'rng' is not a list of per-rank RNG states")
+
+
 def check_finite(data: dict[str, Any], path: str) -> None:
     """Raise a RuntimeError naming ``path`` when its weights or optimizer state hold a NaN or an
     infinity (a checkpoint written before saves refused them)."""
@@ -325,8 +371,9 @@ def load_newest(ckpt_dir: str) -> Optional[tuple[str, dict[str, Any]]]:
         try:
             data = load_checkpoint_file(path)
             check_keys(data, path, RESUME_KEYS)
+            check_structure(data, path, RESUME_KEYS)
             check_finite(data, path)
-        except RuntimeError as e:
+        except (RuntimeError, OSError) as e:
             logger.warning(f"Skipping a checkpoint that does not load: {e}")
             failures.append(str(e))
             continue

@@ -57,6 +57,8 @@ def atomic_save(obj: Any, path: str, mode: Optional[int] = None) -> None:
 def update_latest_pointer(ckpt_dir: str, file_name: str, mode: Optional[int] = None) -> None:
     """Point ``ckpt_dir/latest.txt`` at ``file_name``, atomically (works where symlinks do not)."""
     path = os.path.join(ckpt_dir, LATEST_POINTER)
+    if os.path.isdir(path) and not os.path.islink(path):
+        os.rmdir(path)  # damage in its place (an empty folder); a full one raises, named
     _atomic_write(path, lambda f: f.write(file_name.encode()), mode)
 
 
@@ -75,25 +77,42 @@ def current_umask() -> int:
 
 
 def read_latest_pointer(ckpt_dir: str) -> Optional[str]:
-    """The path ``latest.txt`` names, or None when there is no pointer yet."""
+    """The path ``latest.txt`` names, or None when there is no pointer yet or it is damaged
+    (then with a warning: the checkpoints are searched by age instead)."""
     pointer = os.path.join(ckpt_dir, LATEST_POINTER)
-    if not os.path.isfile(pointer):
+    if not os.path.lexists(pointer):
         return None
-    with open(pointer) as f:
-        name = f.read().strip()
+    try:
+        with open(pointer, "rb") as f:
+            name = f.read().decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = (
+            "a directory, not a file" if os.path.isdir(pointer)
+            else "not UTF-8 text" if isinstance(e, UnicodeDecodeError)
+            else e.strerror or str(e)
+        )  # fmt: skip
+        logger.warning(f"{pointer} is damaged ({reason}); using the newest checkpoint by age.")
+        return None
     return os.path.join(ckpt_dir, name) if name else None
 
 
 def list_checkpoints(ckpt_dir: str) -> list[str]:
-    """The ``.pth`` files in ``ckpt_dir``, newest first: the one ``latest.txt`` names leads."""
-    paths = sorted(
-        glob.glob(os.path.join(ckpt_dir, "*.pth")), key=lambda p: (os.path.getmtime(p), p)
-    )[::-1]
+    """The ``.pth`` entries in ``ckpt_dir``, newest first: the one ``latest.txt`` names leads.
+    (Entries that are not files, such as a dangling link, stay in the list: loading them fails
+    with a reason that is worth a warning.)"""
+    paths = sorted(glob.glob(os.path.join(ckpt_dir, "*.pth")), key=lambda p: (_mtime(p), p))[::-1]
     latest = read_latest_pointer(ckpt_dir)
     if latest in paths:
         paths.remove(latest)
         paths.insert(0, latest)
     return paths
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except OSError:  # a dangling link
+        return 0.0
 
 
 def remove_temp_files(ckpt_dir: str) -> list[str]:
@@ -176,6 +195,8 @@ class BackgroundWriter:
 
 def load_checkpoint_file(path: str) -> dict[str, Any]:
     """Load a checkpoint with ``weights_only=True``: tensors and plain data only, never code."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"Checkpoint {path!r} is a directory, not a file.")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"Checkpoint {path!r} does not exist.")
     try:
