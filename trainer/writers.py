@@ -87,15 +87,18 @@ class TensorBoardWriter(MetricWriter):
 
     Args:
         log_dir: Where the event files go.
+        start_iter: The iteration this run starts from: TensorBoard drops the events of earlier
+            runs from it on (``purge_step``), which a resumed run repeats or a fresh one
+            replaces, so no step shows twice and two runs' curves never mix.
         handoff_secs: Seconds between hand-overs to ``SummaryWriter``.
     """
 
-    def __init__(self, log_dir: str, handoff_secs: float = 5.0) -> None:
+    def __init__(self, log_dir: str, start_iter: int = 0, handoff_secs: float = 5.0) -> None:
         from tensorboard.compat.proto.summary_pb2 import Summary
         from torch.utils.tensorboard import SummaryWriter
 
         self._summary = Summary
-        self._writer = SummaryWriter(log_dir=log_dir, max_queue=1000)
+        self._writer = SummaryWriter(log_dir=log_dir, max_queue=1000, purge_step=start_iter)
         self._handoff_secs = handoff_secs
         self._next_handoff = time.monotonic() + handoff_secs
         self._events: list[tuple[Any, int, float]] = []  # (summary, step, wall time)

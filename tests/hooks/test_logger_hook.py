@@ -138,3 +138,46 @@ def test_time_in_hooks_is_reported(make_trainer, caplog, monkeypatch):
     reports = re.findall(r"Time in hooks, of (\S+) s of training: (.*)\.", caplog.text)
     assert reports[0][0] == "3" and reports[0][1].startswith("Tick 2.5 s, Slow 0.5 s")
     assert reports[-1][0] == "5" and reports[-1][1].startswith("Tick 4 s, Slow 1 s")
+
+
+def jsonl_iters(trainer):
+    with open(os.path.join(trainer.work_dir, "metrics.jsonl")) as f:
+        return [json.loads(line)["iter"] for line in f]
+
+
+def test_rerunning_a_finished_run_writes_no_metric_again(make_trainer):
+    first = make_trainer(max_epochs=2, log_period=4)
+    first.train()
+    lines, scalars = jsonl_iters(first), read_scalars(first.tb_log_dir)
+    rerun = make_trainer(max_epochs=2, log_period=4)
+    rerun.train()  # resumes at the end: nothing to train, nothing new to write
+    assert jsonl_iters(rerun) == lines == [3, 7, 11, 15]
+    assert read_scalars(rerun.tb_log_dir) == scalars
+
+
+def test_a_resumed_run_replaces_the_steps_it_repeats(make_trainer, tmp_path):
+    whole = make_trainer(max_epochs=2, log_period=4, work_dir=tmp_path / "whole")
+    whole.train()
+    crashed = make_trainer(max_epochs=2, log_period=4)
+    crashed.train()
+    # as if the run had crashed after logging epoch 2 but before its checkpoint
+    ckpt_dir = tmp_path / "work" / "checkpoints"
+    os.remove(ckpt_dir / "epoch_2.pth")
+    (ckpt_dir / "latest.txt").write_text("epoch_1.pth")
+    resumed = make_trainer(max_epochs=2, log_period=4)
+    resumed.train()
+    assert resumed.start_iter == 8
+    assert jsonl_iters(resumed) == [3, 7, 11, 15]
+    scalars = read_scalars(resumed.tb_log_dir)
+    assert [step for step, _ in scalars["total_loss"]] == [3, 7, 11, 15]
+    assert scalars["total_loss"] == read_scalars(whole.tb_log_dir)["total_loss"]
+
+
+def test_a_fresh_run_in_the_same_work_dir_does_not_mix_with_the_old_curves(make_trainer):
+    make_trainer(max_epochs=2, log_period=4, lr=0.1).train()
+    fresh = make_trainer(max_epochs=1, log_period=4, lr=0.01)
+    fresh.train(auto_resume=False)
+    scalars = read_scalars(fresh.tb_log_dir)
+    assert [step for step, _ in scalars["total_loss"]] == [3, 7]
+    assert scalars["lr"] == [(3, pytest.approx(0.01)), (7, pytest.approx(0.01))]
+    assert jsonl_iters(fresh) == [3, 7]

@@ -50,13 +50,16 @@ class LoggerHook(HookBase):
         self._train_start = 0.0
 
     def before_train(self) -> None:
-        """Open the writers and start the clock."""
+        """Open the writers and start the clock. What a resumed run's metrics already hold was
+        written by the run that saved them; what that run wrote after its checkpoint (steps this
+        run repeats) is dropped from TensorBoard and ``metrics.jsonl``."""
         trainer = self.trainer
         self._train_start = time.perf_counter()
+        self._written = {name: buffer.count for name, buffer in trainer.metric_storage.items()}
         self._writers = [ConsoleWriter(self._train_start, trainer.start_iter)]
         if is_main_process():
             if self._tensorboard:
-                self._writers.append(TensorBoardWriter(trainer.tb_log_dir))
+                self._writers.append(TensorBoardWriter(trainer.tb_log_dir, trainer.start_iter))
             if self._metrics_jsonl:
                 path = os.path.join(trainer.work_dir, "metrics.jsonl")
                 self._writers.append(JSONLinesWriter(path, trainer.start_iter))
