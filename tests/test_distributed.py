@@ -6,6 +6,7 @@ import re
 import subprocess
 import sys
 import textwrap
+import time
 from subprocess import PIPE
 
 import pytest
@@ -67,7 +68,7 @@ def test_collectives_across_two_gloo_processes(tmp_path):
 
 
 TRAIN_WORKER = """
-import os, sys, time
+import io, os, sys, time
 import torch
 from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -118,7 +119,19 @@ def main():
     model = torch.nn.parallel.DistributedDataParallel(RankLoss())
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     trainer = Trainer(model, optimizer, None, Batches(), max_iters=16, log_period=8,
-                      work_dir=sys.argv[1], checkpoint_period=100)
+                      work_dir=sys.argv[1], checkpoint_period=int(os.environ.get("CKPT", 100)),
+                      preempt_check_period=int(os.environ.get("PREEMPT_CHECK", 10)))
+    if os.environ.get("DISK_FULL") and rank == 0:
+        real_save = torch.save
+
+        def full_disk(obj, f, *args, **kwargs):  # as torch.save reports a full disk
+            if isinstance(f, io.BytesIO):  # pickling for a collective, not a checkpoint
+                return real_save(obj, f, *args, **kwargs)
+            try:
+                raise OSError(28, "No space left on device")
+            except OSError:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")
+        torch.save = full_disk
     trainer.register_hook(Fault())
     evals = {
         "shard": lambda: {"acc": float(rank)},  # each rank its own shard's number
@@ -206,6 +219,21 @@ def test_an_exception_on_one_rank_ends_the_job_and_names_the_rank(tmp_path):
     assert "RuntimeError: injected failure on rank 1 at iteration 5" in root_cause
     log = (tmp_path / "work" / "log_rank1.txt").read_text()
     assert "Training failed in iteration 5:" in log and "injected failure" in log
+
+
+def test_a_failed_checkpoint_write_on_rank_0_ends_every_rank_promptly(tmp_path):
+    # rank 0's write of iter_8.pth fails; the ranks agree on it at a preemption check, long
+    # before the process group's 60 s timeout
+    start = time.monotonic()
+    result = run_failing_worker(tmp_path, DISK_FULL=1, CKPT=1, PREEMPT_CHECK=2, PG_TIMEOUT=60)
+    assert result.returncode == 1
+    assert time.monotonic() - start < 45, result.stderr[-3000:]
+    log0 = (tmp_path / "work" / "log.txt").read_text()
+    log1 = (tmp_path / "work" / "log_rank1.txt").read_text()
+    assert re.search(r"OSError: \[Errno 28\] Could not write .*iter_8\.pth: No space left", log0)
+    assert "Rank 0 could not write a checkpoint (its log names the file and the reason); every " \
+        "rank stops after iteration" in log1  # fmt: skip
+    assert "Timed out" not in result.stderr
 
 
 def test_a_stalled_rank_makes_the_others_fail_after_the_process_group_timeout(tmp_path):

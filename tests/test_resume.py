@@ -7,6 +7,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -380,9 +381,12 @@ def test_disk_full_names_the_path_and_keeps_the_last_checkpoint(tmp_path, monkey
     build(tmp_path, max_epochs=1).train()
     before = (tmp_path / "checkpoints" / "epoch_1.pth").read_bytes()
 
-    def full_disk(obj, f, *args, **kwargs):
+    def full_disk(obj, f, *args, **kwargs):  # what torch.save raises when the disk is full
         f.write(b"partial")
-        raise OSError(28, "No space left on device")
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos")  # noqa: B904 (torch chains it so)
 
     trainer = build(tmp_path, max_epochs=2)
     monkeypatch.setattr(torch, "save", full_disk)
@@ -396,6 +400,26 @@ def test_disk_full_names_the_path_and_keeps_the_last_checkpoint(tmp_path, monkey
     rerun.train()
     assert rerun.start_iter == 8
     assert_bit_equal(rerun.model.state_dict(), uninterrupted(tmp_path, max_epochs=2))
+
+
+def test_a_failed_write_surfaces_at_the_next_iteration_end_not_the_next_save(tmp_path, monkeypatch):
+    def full_disk(obj, f, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    class WaitForTheWrite(HookBase):  # so that iteration 9 surely ends after the write failed
+        def after_iter(self):
+            if self.trainer.cur_iter == 9:
+                for thread in threading.enumerate():
+                    if thread.name == "checkpoint-writer":
+                        thread.join(timeout=60)
+
+    trainer = build(tmp_path, max_epochs=3)
+    trainer.register_hook(WaitForTheWrite())
+    monkeypatch.setattr(torch, "save", full_disk)  # epoch_1.pth, at iteration 7, fails
+    with pytest.raises(OSError, match=r"Could not write .*epoch_1\.pth: No space left") as error:
+        trainer.train()
+    assert error.value.errno == 28
+    assert 8 <= trainer.cur_iter <= 9  # the iteration end after the failure, not iteration 15
 
 
 def test_unwritable_work_dir_fails_at_construction(tmp_path, monkeypatch):

@@ -82,7 +82,7 @@ class Checkpointer:
         self._batch_size = batch_size
         self._extra: dict[str, Any] = {}
         self._sharded = is_sharded(model)  # by FSDP2's fully_shard
-        self._writer = BackgroundWriter()
+        self.writer = BackgroundWriter()  # its ``failed`` flag is read every iteration
 
     @property
     def _module(self) -> nn.Module:
@@ -131,7 +131,7 @@ class Checkpointer:
         if not is_main_process():
             return None
         path = os.path.join(self.ckpt_dir, file_name)
-        save_in_background(self._writer, lambda: self._state_dict(rng, weights), path, then)
+        save_in_background(self.writer, lambda: self._state_dict(rng, weights), path, then)
         return path
 
     def _refuse_non_finite(self, file_name: str) -> None:
@@ -144,7 +144,10 @@ class Checkpointer:
         }
         bad = non_finite(state)
         if get_world_size() > 1:  # sharded state differs by rank: every rank must agree
-            bad = sorted({name for names in all_gather(bad) for name in names})
+            everyone = all_gather((bad, self.writer.failed))  # and on rank 0's last write
+            if any(failed for _, failed in everyone):
+                self.raise_write_error()
+            bad = sorted({name for names, _ in everyone for name in names})
         if bad:
             raise FloatingPointError(
                 f"Not saving {file_name}: after iteration {self._progress.iter + 1}, "
@@ -156,7 +159,16 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Wait for the write in flight; raise its error, if any."""
-        self._writer.wait()
+        self.writer.wait()
+
+    def raise_write_error(self) -> None:
+        """Raise the failed write's ``OSError`` on rank 0, and on the other ranks an error that
+        points at rank 0's: every rank stops."""
+        self.writer.wait()
+        raise RuntimeError(
+            "Rank 0 could not write a checkpoint (its log names the file and the reason); "
+            f"every rank stops after iteration {self._progress.iter + 1}."
+        )
 
     def remove_temp_files(self) -> None:
         """On rank 0, delete what writes interrupted by a crash left behind."""

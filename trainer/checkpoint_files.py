@@ -7,6 +7,7 @@ import logging
 import os
 import tempfile
 import threading
+from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
@@ -170,6 +171,8 @@ class BackgroundWriter:
     def __init__(self) -> None:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
+        #: The last write failed and :meth:`wait` has not raised it yet (read it freely: a flag).
+        self.failed = False
 
     def submit(self, write: Callable[[], None]) -> None:
         """Wait for the previous write, then start ``write()`` in the background."""
@@ -183,14 +186,14 @@ class BackgroundWriter:
             self._thread.join()
             self._thread = None
         if self._error is not None:
-            error, self._error = self._error, None
+            error, self._error, self.failed = self._error, None, False
             raise error
 
     def _run(self, write: Callable[[], None]) -> None:
         try:
             write()
         except BaseException as e:  # handed to the training thread at its next wait()
-            self._error = e
+            self._error, self.failed = e, True
 
 
 def load_checkpoint_file(path: str) -> dict[str, Any]:
@@ -231,11 +234,24 @@ def _atomic_write(path: str, write: Callable[[Any], Any], mode: Optional[int]) -
     except BaseException as e:
         if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
-        if isinstance(e, OSError):
+        # torch.save reports a failed write (a full disk) as a RuntimeError of its own, with
+        # the OSError as its context
+        cause = next((c for c in _chain(e) if isinstance(c, OSError)), None)
+        if cause is not None:
             message = (
-                f"Could not write {path}: {e.strerror or e}. The previous checkpoint and "
-                "latest.txt are untouched; free disk space or pick another work_dir."
+                f"Could not write {path}: {cause.strerror or cause}. The previous checkpoint "
+                "and latest.txt are untouched; free disk space or pick another work_dir."
             )
             # OSError(None, message) would read "[Errno None] ..."
-            raise (OSError(e.errno, message) if e.errno else OSError(message)) from e
+            raise (OSError(cause.errno, message) if cause.errno else OSError(message)) from e
         raise
+
+
+def _chain(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and the exceptions it was raised from or while handling."""
+    seen: set[int] = set()
+    current: Optional[BaseException] = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__

@@ -19,6 +19,9 @@ logger = logging.getLogger(__name__)
 
 # SIGUSR1 is what SLURM sends ahead of preemption (with --signal=USR1@<seconds>).
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# What agreed_signal returns when rank 0's checkpoint write failed: above any signal number, so
+# that it wins the ranks' maximum.
+WRITE_FAILED = 1000
 
 
 class Preemption:
@@ -70,15 +73,18 @@ class Preemption:
             os.kill(os.getpid(), signum)
         self.caught = signum
 
-    def agreed_signal(self, iteration: int) -> int:
-        """The signal that every rank stops for after ``iteration``, or 0 to go on."""
+    def agreed_signal(self, iteration: int, write_failed: bool = False) -> int:
+        """The signal that every rank stops for after ``iteration``, 0 to go on, or
+        :data:`WRITE_FAILED` when a rank's ``write_failed`` (its checkpoint write failed): every
+        rank then learns it in the same bound as a signal."""
+        local = WRITE_FAILED if write_failed else (self.caught or 0)
         if not self._distributed:
-            return self.caught or 0
+            return local
         if (iteration + 1) % self.check_period:
             return 0
         agreed = self._finish_check()
         # a numpy-backed CPU tensor: reading it needs no device sync
-        flag = np.array([self.caught or 0], dtype=np.int32)
+        flag = np.array([local], dtype=np.int32)
         work = dist.all_reduce(
             torch.from_numpy(flag), op=dist.ReduceOp.MAX, group=self._group, async_op=True
         )

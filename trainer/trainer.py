@@ -26,7 +26,7 @@ from .hooks.registry import HookMethods, HookRegistry
 from .logger import ensure_console_logging, log_file_path, log_to_file
 from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import MetricStorage, PendingMetrics, scalars
-from .preemption import Preemption
+from .preemption import WRITE_FAILED, Preemption
 from .progress import DataStream, Progress
 from .step import StepMethods, unwrapped
 from .writers import MetricWriter
@@ -299,7 +299,9 @@ class Trainer(StepMethods, HookMethods):
             hooks.call("after_iter")
             if progress.stopped:
                 break
-            signum = self._preemption.agreed_signal(progress.iter)
+            signum = self._preemption.agreed_signal(progress.iter, self._checkpointer.writer.failed)
+            if signum == WRITE_FAILED:  # surfaced now, not at the next save
+                self._checkpointer.raise_write_error()
             if signum and progress.iter < self.max_iters - 1:
                 path = self.save_checkpoint(self.checkpoint_name())
                 self.wait_for_checkpoint()
