@@ -17,6 +17,7 @@ Under torchrun it trains with DistributedDataParallel and a DistributedSampler.
     LOG_PERIOD            the log period (5)
     PREEMPT_CHECK         preempt_check_period (10)
     KILL_AT_ITER=n        SIGKILL this process after iteration n
+    KILL_WHEN_SAVED=1     ... once the checkpoint write in flight, if any, is on disk
     KILL_RANK=r           only rank r kills itself (KILL_* act only in torchrun's first attempt)
     KILL_IN_SAVE=n        SIGKILL it halfway through writing its n-th checkpoint
     KILL_BEFORE_POINTER=n SIGKILL it after its n-th checkpoint file, before latest.txt moves
@@ -82,6 +83,8 @@ def main():
         def after_iter(self):
             time.sleep(float(os.environ.get("SLOW", 0)))
             if self.trainer.cur_iter == env_int("KILL_AT_ITER", -1):
+                if env_int("KILL_WHEN_SAVED"):
+                    self.trainer.wait_for_checkpoint()
                 os.kill(os.getpid(), signal.SIGKILL)
 
     class Model(nn.Module):

@@ -137,8 +137,11 @@ def test_elastic_restart_after_a_killed_worker_is_bit_exact(tmp_path, torchrun_r
 
 def test_resume_with_one_process_instead_of_two_maps_the_data_position(tmp_path):
     work = tmp_path / "work"
-    code, _ = torchrun(work, tmp_path / "cut.pth", KILL_AT_ITER=7)  # epochs of 5 iterations
-    assert code != 0  # the latest checkpoint: epoch 1 after 1 iteration of 2 ranks x 4 samples
+    # epochs of 5 iterations; the latest checkpoint: epoch 1 after 1 iteration of 2 ranks x 4
+    # samples (written at iteration 6: the kill waits for it, or it could land before the
+    # background write ends and leave iter_3.pth the latest)
+    code, _ = torchrun(work, tmp_path / "cut.pth", KILL_AT_ITER=7, KILL_WHEN_SAVED=1)
+    assert code != 0
     code, err = run(work, tmp_path / "out.pth", DIST_SAMPLER=1, BATCH=3)
     assert code == 1 and "(1 of 5 iterations, 8 samples)" in err and "cannot continue" in err
     record = tmp_path / "seen.txt"
