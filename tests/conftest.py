@@ -4,7 +4,9 @@ import glob
 import logging
 import os
 import signal
+import socket
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -139,3 +141,16 @@ def _process_tree(root: int) -> list[int]:
         tree.append(pid)
         todo.extend(children.get(pid, []))
     return tree
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_command(*args: str) -> list[str]:
+    """``python -m torch.distributed.run *args`` on a free port of its own, not the default
+    29500: a torchrun that an earlier test (or another job on the machine) left running can
+    neither block nor be joined by this one."""
+    return [sys.executable, "-m", "torch.distributed.run", "--master-port", str(free_port()), *args]

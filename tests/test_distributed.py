@@ -4,7 +4,6 @@ processes launched by torchrun."""
 import os
 import re
 import subprocess
-import sys
 import textwrap
 import time
 from subprocess import PIPE
@@ -22,7 +21,7 @@ from trainer.distributed import (
     reduce_dict,
 )
 
-from conftest import communicate
+from conftest import communicate, torchrun_command
 
 
 def test_single_process_fallbacks(monkeypatch):
@@ -53,7 +52,7 @@ torch.distributed.destroy_process_group()
 
 
 def torchrun(args, timeout, env=None):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"] + args
+    cmd = torchrun_command("--nproc_per_node", "2", *args)
     proc = subprocess.Popen(cmd, stdout=PIPE, stderr=PIPE, text=True, env=env)
     stdout, stderr = communicate(proc, timeout)
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)

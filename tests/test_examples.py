@@ -3,7 +3,6 @@
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from subprocess import PIPE
@@ -11,7 +10,7 @@ from subprocess import PIPE
 import pytest
 import torch
 
-from conftest import communicate
+from conftest import communicate, free_port, torchrun_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytest.importorskip("sklearn", reason="the examples extra (scikit-learn) is not installed")
@@ -41,7 +40,7 @@ def test_train_digits_reaches_95_percent(tmp_path):
 
 def test_train_digits_under_torchrun_with_two_processes(tmp_path):
     script = os.path.join(ROOT, "examples", "train_digits.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script]
+    cmd = torchrun_command("--nproc_per_node", "2", script)
     output = run(cmd + ["--work-dir", str(tmp_path)], cwd=tmp_path)
     assert "world size 2" in output
     assert final_accuracy(output) >= 0.95
@@ -52,19 +51,13 @@ def test_train_digits_under_torchrun_with_two_processes(tmp_path):
     ]  # fmt: skip
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def test_train_digits_as_two_torchrun_nodes_on_localhost(tmp_path):
     """Two one-process "nodes" meeting at a c10d rendezvous train exactly as one two-process
     node does."""
     script = os.path.join(ROOT, "examples", "train_digits.py")
     torchrun = [sys.executable, "-m", "torch.distributed.run"]
     args = [script, "--epochs", "2"]
-    run(torchrun + ["--nproc_per_node", "2"] + args + ["--work-dir", "one"], cwd=tmp_path)
+    run(torchrun_command("--nproc_per_node", "2", *args, "--work-dir", "one"), cwd=tmp_path)
     rdzv = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d"]
     rdzv += ["--rdzv-endpoint", f"localhost:{free_port()}", "--rdzv-id", "digits"]
     # torchrun gives one-process nodes all CPU threads: one each, as on the single node
@@ -151,7 +144,7 @@ def test_train_gan_killed_and_rerun_is_bit_exact(tmp_path):
 
 def test_train_gan_under_torchrun(tmp_path):
     script = os.path.join(ROOT, "examples", "train_gan.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script]
+    cmd = torchrun_command("--nproc_per_node", "2", script)
     output = run(cmd + ["--epochs", "2", "--work-dir", str(tmp_path)], cwd=tmp_path)
     assert re.search(r"Final mode distance: [\d.]+ \(world size 2, AMP bfloat16\)", output)
     assert "d_loss" in (tmp_path / "log.txt").read_text()

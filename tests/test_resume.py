@@ -16,7 +16,7 @@ from torch import nn
 
 from trainer import HookBase
 
-from conftest import TinyModel, build, communicate
+from conftest import TinyModel, build, communicate, torchrun_command
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "resume_worker.py")
 
@@ -38,7 +38,7 @@ def run(work_dir, out, **env):
 
 def start_torchrun(work_dir, out, *, args=(), **env):
     """The worker under torchrun, two ranks on gloo; ``args`` go to torchrun."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", *args, WORKER]
+    cmd = torchrun_command("--nproc_per_node", "2", *args, WORKER)
     full_env = {**os.environ, "WORK_DIR": str(work_dir), "OUT": str(out), "MODE": "epoch"}
     full_env.update({k: str(v) for k, v in env.items()})
     return subprocess.Popen(
