@@ -103,8 +103,9 @@ def test_mid_epoch_resume_on_cuda_is_bit_exact(tmp_path):
 
     def make(work_dir):
         return cuda_trainer(
-            work_dir, DropoutMLP, max_iters=24, checkpoint_period=5, enable_amp=True
-        )
+            work_dir, DropoutMLP, max_iters=24, checkpoint_period=5, checkpoint_by_epoch=False,
+            enable_amp=True,
+        )  # fmt: skip
 
     full = make(tmp_path / "full")
     full.train()

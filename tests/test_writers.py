@@ -1,3 +1,7 @@
+import os
+import socket
+import time
+
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from trainer import writers
@@ -44,3 +48,23 @@ def test_tensorboard_events_are_handed_over_in_batches_with_their_own_wall_time(
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(s, float(s)) for s in range(5)]
     assert [e.wall_time for e in acc.Scalars("lr")] == [w for _, w in handed]
+
+
+def test_a_new_run_in_the_same_second_sorts_after_the_old_one_and_purges_it(tmp_path):
+    # TensorBoard reads event files in name order; an old run's file from this very second whose
+    # counter sorts after the new one's (9 after 10) would be read last and its curves kept
+    old = TensorBoardWriter(str(tmp_path))
+    for step in range(4):
+        old.write(None, step, {"loss": 1.0})
+    old.close()
+    (old_file,) = os.listdir(tmp_path)
+    # as if made in the coming second, by this process, with a counter that sorts last
+    old_name = f"events.out.tfevents.{int(time.time()) + 1}.{socket.gethostname()}.{os.getpid()}.z"
+    os.rename(tmp_path / old_file, tmp_path / old_name)
+    new = TensorBoardWriter(str(tmp_path), start_iter=0)
+    new.write(None, 0, {"loss": 2.0})
+    new.close()
+    assert sorted(os.listdir(tmp_path))[0] == old_name
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(0, 2.0)]

@@ -98,6 +98,7 @@ class TensorBoardWriter(MetricWriter):
         from torch.utils.tensorboard import SummaryWriter
 
         self._summary = Summary
+        _wait_for_a_later_file_name(log_dir)
         self._writer = SummaryWriter(log_dir=log_dir, max_queue=1000, purge_step=start_iter)
         self._handoff_secs = handoff_secs
         self._next_handoff = time.monotonic() + handoff_secs
@@ -118,6 +119,29 @@ class TensorBoardWriter(MetricWriter):
     def close(self) -> None:
         self._hand_over()
         self._writer.close()
+
+
+def _wait_for_a_later_file_name(log_dir: str) -> None:
+    """Wait, if need be, so that the new event file sorts after those already in ``log_dir``.
+
+    TensorBoard reads a directory's event files in name order, and applies a run's
+    ``purge_step`` only to the files before its own. A name is
+    ``events.out.tfevents.<second>.<host>.<pid>.<counter>``, the counter not zero-padded, so a
+    run started in the same second as the previous one (a notebook, a test) could sort before it
+    (counter 10 before 9) and have its curves mixed with the old ones.
+    """
+    try:
+        names = os.listdir(log_dir)
+    except OSError:
+        return  # no directory yet: nothing to sort after
+    seconds = [
+        int(parts[3])
+        for parts in (name.split(".") for name in names if name.startswith("events.out.tfevents."))
+        if len(parts) > 3 and parts[3].isdigit()
+    ]
+    delay = max(seconds, default=0) + 1 - time.time()
+    if 0 < delay <= 2:  # longer means a clock set back; waiting would not be worth it
+        time.sleep(delay)
 
 
 class JSONLinesWriter(MetricWriter):
