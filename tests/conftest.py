@@ -143,6 +143,16 @@ def _process_tree(root: int) -> list[int]:
     return tree
 
 
+def cpu_env(**extra: str) -> dict[str, str]:
+    """The environment for a test's subprocess, with any GPU hidden.
+
+    Those tests check the CPU and gloo paths (``tests/test_cuda.py`` checks CUDA in-process). On
+    a machine with one GPU, the examples would pick it and float16, and two ranks would share
+    it, which NCCL refuses.
+    """
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", **extra}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("localhost", 0))

@@ -1,7 +1,6 @@
 """Rank helpers and the trainer's metric reduction, in one process and in two real gloo
 processes launched by torchrun."""
 
-import os
 import re
 import subprocess
 import textwrap
@@ -21,7 +20,7 @@ from trainer.distributed import (
     reduce_dict,
 )
 
-from conftest import communicate, torchrun_command
+from conftest import communicate, cpu_env, torchrun_command
 
 
 def test_single_process_fallbacks(monkeypatch):
@@ -53,7 +52,7 @@ torch.distributed.destroy_process_group()
 
 def torchrun(args, timeout, env=None):
     cmd = torchrun_command("--nproc_per_node", "2", *args)
-    proc = subprocess.Popen(cmd, stdout=PIPE, stderr=PIPE, text=True, env=env)
+    proc = subprocess.Popen(cmd, stdout=PIPE, stderr=PIPE, text=True, env=env or cpu_env())
     stdout, stderr = communicate(proc, timeout)
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
@@ -164,7 +163,7 @@ main()
 def run_train_worker(tmp_path, **env):
     script = tmp_path / "train_worker.py"
     script.write_text(textwrap.dedent(TRAIN_WORKER))
-    full_env = {**os.environ, **{k: str(v) for k, v in env.items()}}
+    full_env = cpu_env(**{k: str(v) for k, v in env.items()})
     result = torchrun([str(script), str(tmp_path / "work")], timeout=90, env=full_env)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
@@ -205,7 +204,7 @@ def run_failing_worker(tmp_path, **env):
     """The train worker with a fault injected on rank 1."""
     script = tmp_path / "train_worker.py"
     script.write_text(textwrap.dedent(TRAIN_WORKER))
-    full_env = {**os.environ, **{k: str(v) for k, v in env.items()}}
+    full_env = cpu_env(**{k: str(v) for k, v in env.items()})
     return torchrun([str(script), str(tmp_path / "work")], timeout=90, env=full_env)
 
 
@@ -276,13 +275,16 @@ if sys.argv[2] == "ddp":
     model = nn.parallel.DistributedDataParallel(net)
     model.register_comm_hook(None, counting_allreduce)
 else:
-    real = torch.distributed.reduce_scatter_single  # what FSDP2 reduces gradients with
+    # what FSDP2 reduces gradients with: reduce_scatter_single in newer torch versions
+    name = next(n for n in ("reduce_scatter_single", "reduce_scatter_tensor")
+                if hasattr(torch.distributed, n))
+    real = getattr(torch.distributed, name)
 
     def counting(*args, **kwargs):
         reductions["n"] += 1
         return real(*args, **kwargs)
 
-    torch.distributed.reduce_scatter_single = counting
+    setattr(torch.distributed, name, counting)
     model = fully_shard(net)
 batches = [(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(8)]
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

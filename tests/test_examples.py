@@ -10,14 +10,14 @@ from subprocess import PIPE
 import pytest
 import torch
 
-from conftest import communicate, free_port, torchrun_command
+from conftest import communicate, cpu_env, free_port, torchrun_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytest.importorskip("sklearn", reason="the examples extra (scikit-learn) is not installed")
 
 
 def run(cmd, cwd, timeout=180):
-    proc = subprocess.Popen(cmd, cwd=cwd, stdout=PIPE, stderr=PIPE, text=True)
+    proc = subprocess.Popen(cmd, cwd=cwd, env=cpu_env(), stdout=PIPE, stderr=PIPE, text=True)
     stdout, stderr = communicate(proc, timeout)
     assert proc.returncode == 0, stderr[-3000:]
     return stdout + stderr
@@ -61,7 +61,7 @@ def test_train_digits_as_two_torchrun_nodes_on_localhost(tmp_path):
     rdzv = ["--nnodes", "2", "--nproc_per_node", "1", "--rdzv-backend", "c10d"]
     rdzv += ["--rdzv-endpoint", f"localhost:{free_port()}", "--rdzv-id", "digits"]
     # torchrun gives one-process nodes all CPU threads: one each, as on the single node
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = cpu_env(OMP_NUM_THREADS="1")
     nodes = [
         subprocess.Popen(
             torchrun + rdzv + ["--node_rank", str(n)] + args + ["--work-dir", "two"],
@@ -120,7 +120,7 @@ def test_train_gan_killed_and_rerun_is_bit_exact(tmp_path):
 
     def gan(work_dir, out, kill_at=-1):
         cmd = [sys.executable, str(driver), examples, str(out), "--epochs", "4"]
-        env = {**os.environ, "KILL_AT": str(kill_at)}
+        env = cpu_env(KILL_AT=str(kill_at))
         proc = subprocess.Popen(
             cmd + ["--work-dir", str(work_dir)], cwd=tmp_path, env=env, stdout=PIPE, stderr=PIPE,
             text=True,

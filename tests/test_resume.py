@@ -16,13 +16,13 @@ from torch import nn
 
 from trainer import HookBase
 
-from conftest import TinyModel, build, communicate, torchrun_command
+from conftest import TinyModel, build, communicate, cpu_env, torchrun_command
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "resume_worker.py")
 
 
 def start(work_dir, out, **env):
-    full_env = {**os.environ, "WORK_DIR": str(work_dir), "OUT": str(out), "MODE": "epoch"}
+    full_env = cpu_env(WORK_DIR=str(work_dir), OUT=str(out), MODE="epoch")
     full_env.update({k: str(v) for k, v in env.items()})
     return subprocess.Popen(
         [sys.executable, WORKER], env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -39,7 +39,7 @@ def run(work_dir, out, **env):
 def start_torchrun(work_dir, out, *, args=(), **env):
     """The worker under torchrun, two ranks on gloo; ``args`` go to torchrun."""
     cmd = torchrun_command("--nproc_per_node", "2", *args, WORKER)
-    full_env = {**os.environ, "WORK_DIR": str(work_dir), "OUT": str(out), "MODE": "epoch"}
+    full_env = cpu_env(WORK_DIR=str(work_dir), OUT=str(out), MODE="epoch")
     full_env.update({k: str(v) for k, v in env.items()})
     return subprocess.Popen(
         cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
