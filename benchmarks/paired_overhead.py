@@ -1,6 +1,6 @@
 """The Trainer's overhead on the tiny MLP, paired in one process so that machine drift cancels.
 
-    python benchmarks/paired_overhead.py [--iters 6000] [--device cpu]
+    python benchmarks/paired_overhead.py [--iters 6000] [--device cpu] [--step flat]
 
 overhead.py's separate processes are the reference method, but on a small shared VM the machine's
 speed drifts by 10-20% over seconds, more than the few percent being measured. Here a hook, after
@@ -10,6 +10,10 @@ each pair run within a tenth of a second of each other. Reported: the median rat
 (hand-written time / Trainer time, i.e. Trainer steps/s over hand-written steps/s) and its
 quartiles. The hand-written half runs right after the Trainer's, so the comparison is not perfectly
 symmetric; treat differences below 1% as noise.
+
+``--step flat`` is an experiment, not a way to train: the Trainer's step replaced by the
+hand-written one (reaching into private attributes, for the plain configuration only), with the
+loop, hooks and logging kept, to measure what the layers of the built-in step cost.
 """
 
 import argparse
@@ -47,10 +51,24 @@ class PairedTiming(HookBase):
         self._start = time.perf_counter()
 
 
+class FlatStepTrainer(Trainer):
+    """The built-in step without its layers (no AMP, accumulation, clipping or DDP)."""
+
+    def train_one_iter(self):
+        batch = self._data.next_batch()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.model(batch)
+        logged = loss.detach()
+        loss.backward()
+        self.optimizer.step()
+        self._pending.add(self.cur_iter, {"total_loss": logged}, check_finite=True, reduce=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--iters", type=int, default=6000)
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    parser.add_argument("--step", default="builtin", choices=("builtin", "flat"))
     args = parser.parse_args()
     if args.device == "cpu":
         torch.set_num_threads(1)  # as in overhead.py
@@ -71,7 +89,8 @@ def main():
 
     timing = PairedTiming(hand_written, skip_iters=4 * CHUNK)
     with tempfile.TemporaryDirectory() as work_dir:
-        trainer = Trainer(
+        trainer_class = FlatStepTrainer if args.step == "flat" else Trainer
+        trainer = trainer_class(
             model, optimizer, None, batches, max_iters=args.iters, work_dir=work_dir,
             log_period=CHUNK, checkpoint_period=10**6,
         )  # fmt: skip

@@ -31,6 +31,8 @@ def test_overhead_counts_two_host_reads_per_log_period_and_no_collective():
 def test_paired_overhead_and_checkpoint_save_report():
     paired = run(os.path.join(BENCHMARKS, "paired_overhead.py"), "--iters", "400")
     assert re.search(r"paired: median [\d.]+ \(quartiles [\d.]+-[\d.]+, 4 pairs", paired)
+    flat = run(os.path.join(BENCHMARKS, "paired_overhead.py"), "--iters", "400", "--step", "flat")
+    assert re.search(r"paired: median [\d.]+ \(quartiles [\d.]+-[\d.]+, 4 pairs", flat)
     save = run(os.path.join(BENCHMARKS, "checkpoint_save.py"), "--saves", "1")
     assert re.search(r"save_checkpoint blocks training \d+ ms", save)
     assert re.search(r"save_checkpoint is durable after \d+ ms", save)
