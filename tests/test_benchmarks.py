@@ -44,3 +44,9 @@ def test_iteration_profile_reports_the_extra_time_by_position():
     assert re.search(
         rf"ordinary iteration: \d+ us; extra time by position \(us\): {positions}; ", out
     )
+
+
+def test_resume_cost_reports_the_samples_loaded_before_the_first_resumed_step():
+    out = run(os.path.join(BENCHMARKS, "resume_cost.py"), "--repeats", "1", "--workers", "0")
+    # skipped by index: the first step's batch of 4 alone, resumed and from scratch
+    assert re.search(r"\| 0 \| [\d.]+ s \| 4 \| [\d.]+ s \| 4 \|", out)

@@ -1,11 +1,16 @@
 """Progress, the resume-position mapping and the resumable data passes."""
 
+import logging
+import multiprocessing
 import os
 
 import pytest
 import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
 
-from conftest import TinyModel, load, tiny_loader
+from trainer import HookBase
+
+from conftest import TinyModel, build, load, tiny_dataset, tiny_loader
 
 
 def test_resume_with_a_different_epoch_length_is_refused(make_trainer):
@@ -81,3 +86,94 @@ def test_a_list_of_batches_resumes_in_mid_epoch_without_a_saved_pass_state(make_
     assert resumed.seen == first.seen[12 * 4 :]  # the last 4 batches of epoch 2, once
     for a, b in zip(part.model.state_dict().values(), again.model.state_dict().values()):
         assert torch.equal(a, b)
+
+
+class CountingDataset(Dataset):
+    """tiny_dataset, counting the samples loaded (in worker processes too)."""
+
+    def __init__(self, n=32):
+        self.data = tiny_dataset(n)
+        self.loads = multiprocessing.Value("i", 0)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        with self.loads.get_lock():
+            self.loads.value += 1
+        return self.data[i]
+
+
+class LoadsAtFirstStep(HookBase):
+    def __init__(self, dataset):
+        self.dataset, self.loads = dataset, None
+
+    def after_iter(self):
+        if self.loads is None:
+            self.loads = self.dataset.loads.value
+
+
+class CrashAfter(HookBase):
+    priority = 100  # after CheckpointHook's save
+
+    def __init__(self, iteration):
+        self.iteration = iteration
+
+    def after_iter(self):
+        if self.trainer.cur_iter == self.iteration:
+            raise KeyboardInterrupt
+
+
+class CustomBatches(Sampler):
+    """A batch sampler of a kind the trainer does not know: batches of 4 in a shuffled order."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        order = torch.randperm(self.n).tolist()
+        return iter([order[i : i + 4] for i in range(0, self.n, 4)])
+
+    def __len__(self):
+        return self.n // 4
+
+
+def loaders(kind, dataset, workers):
+    # shuffled with torch's default RNG: the worker seed and the shuffle seed both come from it
+    if kind == "batch_sampler":
+        return DataLoader(dataset, batch_sampler=CustomBatches(len(dataset)), num_workers=workers)
+    return DataLoader(dataset, batch_size=4, shuffle=True, num_workers=workers)
+
+
+@pytest.mark.parametrize("kind, workers", [("plain", 0), ("plain", 2), ("batch_sampler", 0)])
+def test_a_mid_epoch_resume_skips_the_consumed_batches_without_loading_them(
+    tmp_path, caplog, kind, workers
+):
+    caplog.set_level(logging.INFO, logger="trainer")
+    whole = build(tmp_path / "whole", loader=loaders(kind, CountingDataset(), workers))
+    whole.train()
+    # 2 epochs of 8 iterations; a checkpoint after iteration 6 of the second, then a crash
+    part = build(
+        tmp_path / "part", loader=loaders(kind, CountingDataset(), workers),
+        checkpoint_by_epoch=False, checkpoint_period=7,
+    )  # fmt: skip
+    part.register_hook(CrashAfter(13))
+    with pytest.raises(KeyboardInterrupt):
+        part.train()
+    dataset = CountingDataset()
+    resumed = build(tmp_path / "part", loader=loaders(kind, dataset, workers))
+    first_step = LoadsAtFirstStep(dataset)
+    resumed.register_hook(first_step)
+    resumed.train()
+    assert resumed.start_iter == 14
+    for name, value in whole.model.state_dict().items():
+        assert torch.equal(value, resumed.model.state_dict()[name]), name
+    if kind == "plain":
+        assert "skipped the 6 batches already trained on by index" in caplog.text
+        # the step's batch of 4, and with workers the rest of the epoch that they prefetch
+        assert first_step.loads == (4 if workers == 0 else 8)
+    else:
+        assert "its batch_sampler is a CustomBatches, not a BatchSampler, so the 6 batches" in (
+            caplog.text
+        )
+        assert first_step.loads == 7 * 4  # the 6 consumed batches are loaded again

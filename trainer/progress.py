@@ -1,5 +1,5 @@
 """Where training is: :class:`Progress`, the resume-position mapping, and :class:`DataStream`,
-the data iteration that a mid-epoch resume replays exactly."""
+the data iteration that a mid-epoch resume continues exactly."""
 
 import dataclasses
 import logging
@@ -7,6 +7,7 @@ import time
 from typing import Any, Optional
 
 import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from .distributed import get_rank, get_world_size
 from .seed import get_rng_state, set_rng_state
@@ -127,13 +128,16 @@ def map_position(
 
 
 class DataStream:
-    """Passes over a data loader, one per epoch, that a mid-epoch resume replays exactly.
+    """Passes over a data loader, one per epoch, that a mid-epoch resume continues exactly.
 
-    A pass remembers the RNG state it started with. Resuming in mid-epoch replays the shuffle
-    (and worker seeds) of the interrupted pass from that state, skips the consumed batches, then
-    goes back to the RNG state of the checkpoint. Skipped batches are loaded but never reach
-    the model. A list or tuple of batches draws no random numbers, so its passes remember no
-    state.
+    A pass remembers the RNG state it started with. Resuming in mid-epoch starts the interrupted
+    pass again from that state, so its shuffle and worker seeds are the same, without the
+    consumed batches, then goes back to the RNG state of the checkpoint. With torch's
+    ``DataLoader`` over a map-style dataset the consumed batches are skipped by index: their
+    indices are drawn as before, their samples are never loaded. Any other loader (a custom
+    ``batch_sampler``, a ``DataLoader`` subclass, an iterable) loads them and drops them, which
+    one log line says. A list or tuple of batches draws no random numbers, so its passes
+    remember no state.
 
     Args:
         data_loader: A data loader, or any iterable with a length.
@@ -171,9 +175,7 @@ class DataStream:
             now = get_rng_state(generators)
             if self._pass_rng is not None:
                 set_rng_state(self._pass_rng, generators)
-            data_iter = iter(self.data_loader)
-            for _ in range(self._to_skip):
-                next(data_iter)
+            data_iter = self._skipping_iter(self._to_skip)  # draws what the skipped ones drew
             set_rng_state(now, generators)
             self._to_skip = 0
             return data_iter
@@ -182,6 +184,33 @@ class DataStream:
         sequence = isinstance(self.data_loader, (list, tuple))
         self._pass_rng = None if sequence else get_rng_state(generators)
         return iter(self.data_loader)
+
+    def _skipping_iter(self, n: int) -> Any:
+        """An iterator over the current pass without its first ``n`` batches."""
+        loader = self.data_loader
+        why_not = _why_not_skippable(loader)
+        if why_not is not None:
+            logger.info(f"Resuming in mid-epoch: {why_not}, so the {n} batches already trained "
+                        "on are loaded again and dropped.")  # fmt: skip
+            data_iter = iter(loader)
+            for _ in range(n):
+                next(data_iter)
+            return data_iter
+        batched = loader.batch_sampler is not None
+        index_sampler = _SkipFirst(loader.batch_sampler if batched else loader.sampler, n)
+        options = {name: getattr(loader, name) for name in _LOADER_OPTIONS if hasattr(loader, name)}
+        if loader.num_workers == 0:
+            options.pop("prefetch_factor", None)  # refused without workers
+        options["persistent_workers"] = False  # this loader serves one pass
+        if batched:
+            clone = DataLoader(loader.dataset, batch_sampler=index_sampler, **options)
+        else:
+            clone = DataLoader(loader.dataset, batch_size=None, sampler=index_sampler, **options)
+        data_iter = iter(clone)
+        index_sampler.skip_now()  # without workers the sampler draws at the first batch: now
+        logger.info(f"Resuming in mid-epoch: skipped the {n} batches already trained on by index, "
+                    "without loading them.")  # fmt: skip
+        return data_iter
 
     def generators(self) -> tuple[torch.Generator, ...]:
         """The loader's and its sampler's own generators, if they have any."""
@@ -214,3 +243,60 @@ class DataStream:
         self._pass_rng = state["epoch_start"]
         self._to_skip = batches_to_skip
         self._iter = None
+
+
+# What a pass over a DataLoader depends on, besides its dataset and sampler
+_LOADER_OPTIONS = (
+    "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
+    "multiprocessing_context", "generator", "prefetch_factor", "pin_memory_device", "in_order",
+)  # fmt: skip
+
+
+def _why_not_skippable(loader: Any) -> Optional[str]:
+    """Why the batches of ``loader`` cannot be skipped by index; None when they can."""
+    if type(loader) is not DataLoader:
+        return f"the data loader is a {type(loader).__name__}, not a torch DataLoader"
+    if isinstance(loader.dataset, IterableDataset):
+        return "the dataset is an IterableDataset, which has no indices to skip"
+    if loader.batch_sampler is not None and type(loader.batch_sampler) is not BatchSampler:
+        return f"its batch_sampler is a {type(loader.batch_sampler).__name__}, not a BatchSampler"
+    return None
+
+
+class _SkipFirst(Sampler):
+    """The indices (or index batches) of ``sampler`` without the first ``n``. They are drawn
+    all the same, so the sampler's random numbers are drawn as in a full pass."""
+
+    def __init__(self, sampler: Any, n: int) -> None:
+        self.sampler, self.n = sampler, n
+        self._latest: Optional[_Skipping] = None
+
+    def __iter__(self) -> "_Skipping":
+        self._latest = _Skipping(iter(self.sampler), self.n)
+        return self._latest
+
+    def __len__(self) -> int:
+        return max(len(self.sampler) - self.n, 0)
+
+    def skip_now(self) -> None:
+        """Draw the skipped indices now rather than at the first batch."""
+        if self._latest is not None:
+            self._latest.skip()
+
+
+class _Skipping:
+    def __init__(self, indices: Any, n: int) -> None:
+        self._indices, self._n = indices, n
+
+    def skip(self) -> None:
+        for _ in range(self._n):
+            next(self._indices, None)
+        self._n = 0
+
+    def __iter__(self) -> "_Skipping":
+        return self
+
+    def __next__(self) -> Any:
+        if self._n:
+            self.skip()
+        return next(self._indices)
