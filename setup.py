@@ -10,7 +10,9 @@ setup(
     python_requires=">=3.9",
     install_requires=["torch>=2.4", "numpy", "tensorboard", "tabulate"],
     extras_require={
-        "dev": ["pytest>=7", "pytest-timeout", "ruff"],
+        "dev": ["pytest>=7", "pytest-timeout", "ruff", "torchdata>=0.8"],
         "examples": ["scikit-learn"],
+        # StatefulDataLoader: checkpointed through its own state, IterableDatasets included
+        "torchdata": ["torchdata>=0.8"],
     },
 )

@@ -140,12 +140,21 @@ class CustomBatches(Sampler):
 
 def loaders(kind, dataset, workers):
     # shuffled with torch's default RNG: the worker seed and the shuffle seed both come from it
+    if kind == "stateful":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        torch.manual_seed(0)  # its sampler draws its seed when it is made
+
+        return StatefulDataLoader(dataset, batch_size=4, shuffle=True, num_workers=workers)
     if kind == "batch_sampler":
         return DataLoader(dataset, batch_sampler=CustomBatches(len(dataset)), num_workers=workers)
     return DataLoader(dataset, batch_size=4, shuffle=True, num_workers=workers)
 
 
-@pytest.mark.parametrize("kind, workers", [("plain", 0), ("plain", 2), ("batch_sampler", 0)])
+@pytest.mark.parametrize(
+    "kind, workers",
+    [("plain", 0), ("plain", 2), ("batch_sampler", 0), ("stateful", 0), ("stateful", 2)],
+)
 def test_a_mid_epoch_resume_skips_the_consumed_batches_without_loading_them(
     tmp_path, caplog, kind, workers
 ):
@@ -168,7 +177,12 @@ def test_a_mid_epoch_resume_skips_the_consumed_batches_without_loading_them(
     assert resumed.start_iter == 14
     for name, value in whole.model.state_dict().items():
         assert torch.equal(value, resumed.model.state_dict()[name]), name
-    if kind == "plain":
+    if kind == "stateful":  # restored from the loader's own state, saved in the checkpoint
+        assert "from the state of the StatefulDataLoader, after the 6 batches" in caplog.text
+        assert first_step.loads == (4 if workers == 0 else 8)
+        saved = load(os.path.join(part.ckpt_dir, "iter_14.pth"))["rng"][0]["loader"]
+        assert isinstance(saved, dict) and saved
+    elif kind == "plain":
         assert "skipped the 6 batches already trained on by index" in caplog.text
         # the step's batch of 4, and with workers the rest of the epoch that they prefetch
         assert first_step.loads == (4 if workers == 0 else 8)

@@ -267,8 +267,10 @@ class Checkpointer:
         # epoch's end: the next pass starts fresh, nothing to skip.
         inner = position[1]
         self._data.resume(
-            data["rng"], path, inner * accumulation if inner < progress.epoch_len else 0
-        )
+            data["rng"], path, inner * accumulation if inner < progress.epoch_len else 0,
+            remapped=inner != data["progress"]["inner_iter"]
+            or len(data["rng"]) != get_world_size(),
+        )  # fmt: skip
         progress.resume(position, data["progress"].get("stopped", False))
 
 

@@ -149,6 +149,11 @@ class DataStream:
         self._iter: Optional[Any] = None
         self._pass_rng: Optional[dict[str, Any]] = None  # the RNG state the pass started with
         self._to_skip = 0
+        self._restored = False  # the loader was given its state from a checkpoint
+        # torchdata's StatefulDataLoader, say: checkpointed through its own state, not replayed
+        self._stateful = all(
+            callable(getattr(data_loader, name, None)) for name in ("state_dict", "load_state_dict")
+        )
 
     def next_batch(self) -> Any:
         """The next batch of the current pass (a new pass starts when there is none)."""
@@ -171,13 +176,18 @@ class DataStream:
 
     def _start_pass(self) -> Any:
         generators = self.generators()
-        if self._to_skip:
+        if self._to_skip or self._restored:
+            # the interrupted pass again: what starting it drew (a shuffle, the worker seeds) is
+            # drawn from the state it started with, then the checkpoint's state goes on
             now = get_rng_state(generators)
             if self._pass_rng is not None:
                 set_rng_state(self._pass_rng, generators)
-            data_iter = self._skipping_iter(self._to_skip)  # draws what the skipped ones drew
+            if self._restored:  # the loader was given its state: it goes on where it was
+                data_iter = iter(self.data_loader)
+            else:
+                data_iter = self._skipping_iter(self._to_skip)  # draws what the skipped drew
             set_rng_state(now, generators)
-            self._to_skip = 0
+            self._to_skip, self._restored = 0, False
             return data_iter
         # A pass over a sequence draws no random numbers: nothing to replay (and capturing the
         # state costs 50 to 200 us, a noticeable share of a short epoch of small batches).
@@ -222,15 +232,22 @@ class DataStream:
         return tuple(found)
 
     def rng_state(self, mid_pass: bool) -> dict[str, Any]:
-        """Every RNG's state now, and the state the pass started with when ``mid_pass``."""
-        return {
+        """Every RNG's state now, the state the pass started with when ``mid_pass``, and then
+        too the state of a loader that keeps its own (``state_dict()``)."""
+        state = {
             "now": get_rng_state(self.generators()),
             "epoch_start": self._pass_rng if mid_pass else None,
         }
+        if self._stateful:
+            state["loader"] = self.data_loader.state_dict() if mid_pass else None
+        return state
 
-    def resume(self, per_rank: list[dict[str, Any]], path: str, batches_to_skip: int) -> None:
-        """Restore this rank's RNG state from a checkpoint; the next pass skips
-        ``batches_to_skip`` batches of the interrupted one."""
+    def resume(
+        self, per_rank: list[dict[str, Any]], path: str, batches_to_skip: int, remapped: bool
+    ) -> None:
+        """Restore this rank's RNG state from a checkpoint; the next pass goes on after
+        ``batches_to_skip`` batches of the interrupted one (``remapped``: that number was mapped
+        to another world or batch size). A loader that keeps its own state is given it back."""
         rank, world_size = get_rank(), get_world_size()
         if len(per_rank) != world_size:
             logger.warning(
@@ -241,8 +258,16 @@ class DataStream:
         state = per_rank[rank % len(per_rank)]
         set_rng_state(state["now"], self.generators())
         self._pass_rng = state["epoch_start"]
+        self._iter, self._restored = None, False
+        loader_state = state.get("loader") if self._stateful and not remapped else None
+        if batches_to_skip and loader_state is not None:
+            self.data_loader.load_state_dict(loader_state)
+            logger.info(
+                f"Resuming in mid-epoch from the state of the {type(self.data_loader).__name__}, "
+                f"after the {batches_to_skip} batches already trained on."
+            )
+            batches_to_skip, self._restored = 0, True
         self._to_skip = batches_to_skip
-        self._iter = None
 
 
 # What a pass over a DataLoader depends on, besides its dataset and sampler
