@@ -44,7 +44,8 @@ class Checkpointer:
     A checkpoint is a dict of tensors and plain data (it loads with ``weights_only=True``):
     ``model`` (the unwrapped module's weights), ``optimizer``, the ``parts`` (LR scheduler,
     GradScaler, metrics), ``hooks`` (each stateful hook's state), ``extra`` (what
-    :meth:`register` added), ``rng`` (per rank), ``progress`` and ``config``.
+    :meth:`register` added), ``rng`` (per rank: the RNG states, and the state of a data loader
+    that keeps one), ``progress`` and ``config``.
 
     Args:
         ckpt_dir: The checkpoint folder.
