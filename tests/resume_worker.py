@@ -10,6 +10,9 @@ Under torchrun it trains with DistributedDataParallel and a DistributedSampler.
     ACCUM=k               accumulation_steps
     BATCH=b               batch size per process (4)
     DIST_SAMPLER=1        a DistributedSampler in a single process too
+    STREAM=1              a stream instead: torchdata's StatefulDataLoader over an
+                          IterableDataset without a length, shuffled anew at every pass (MODE=iter
+                          only). Under torchrun rank 1's shard is shorter: 4 batches to rank 0's 5.
     RECORD=path           append the indices of every batch the model sees to this file
     DROPOUT=p             the dropout probability (0.2)
     SLOW                  seconds to sleep in every iteration (gives signals time to land)
@@ -41,7 +44,7 @@ def main():
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
-    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+    from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
     import trainer.checkpoint_files as checkpoint_module
     from trainer import HookBase, Trainer, set_random_seed
@@ -116,6 +119,28 @@ def main():
         data, batch_size=env_int("BATCH", 4), shuffle=sampler is None, sampler=sampler,
         num_workers=env_int("NUM_WORKERS"),
     )  # fmt: skip
+    if env_int("STREAM"):
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        class Stream(IterableDataset):
+            """This rank's shard, in an order drawn from torch's RNG at every pass."""
+
+            def __init__(self):
+                self.indices = list(range(rank, 40, world_size))[: 16 if rank == 1 else 20]
+
+            def __iter__(self):
+                info = torch.utils.data.get_worker_info()
+                g = None
+                if info is not None:  # the workers share an order, from the loader's base seed
+                    g = torch.Generator().manual_seed(info.seed - info.id)
+                order = torch.randperm(len(self.indices), generator=g).tolist()
+                if info is not None:  # and each yields its share of it
+                    order = order[info.id :: info.num_workers]
+                return iter(data[self.indices[i]] for i in order)
+
+        loader = StatefulDataLoader(
+            Stream(), batch_size=env_int("BATCH", 4), num_workers=env_int("NUM_WORKERS")
+        )
     torch.manual_seed(0)  # the same initial weights on every rank, for fully_shard
     net = Model()
     set_random_seed(rank)

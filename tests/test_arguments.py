@@ -80,7 +80,7 @@ def test_bad_types_raise_type_errors(tmp_path):
         Trainer(model, opt, None, tiny_loader(), max_epochs=1, work_dir=3)
 
 
-def test_empty_and_unsized_data_loaders_are_refused(make_trainer):
+def test_an_empty_data_loader_and_max_epochs_over_a_stream_are_refused(make_trainer):
     with pytest.raises(ValueError, match="data_loader is empty"):
         make_trainer(loader=DataLoader(tiny_dataset(0), batch_size=4))
 
@@ -88,8 +88,13 @@ def test_empty_and_unsized_data_loaders_are_refused(make_trainer):
         def __iter__(self):
             yield from tiny_dataset()
 
-    with pytest.raises(TypeError, match="data_loader must have a length"):
-        make_trainer(loader=DataLoader(Stream(), batch_size=4))
+    with pytest.raises(ValueError) as error:  # its epochs have no length to count
+        make_trainer(loader=DataLoader(Stream(), batch_size=4), max_epochs=2)
+    assert str(error.value) == (
+        "max_epochs=2 needs a data_loader with a length, and this one (a DataLoader over "
+        "Stream) has none: it is a stream. Pass max_iters=N instead; an epoch is then one pass "
+        "until the stream ends."
+    )
 
 
 def test_unwritable_work_dir_fails_at_construction(make_trainer, tmp_path):

@@ -1,12 +1,13 @@
 """Progress, the resume-position mapping and the resumable data passes."""
 
+import itertools
 import logging
 import multiprocessing
 import os
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
 
 from trainer import HookBase
 
@@ -191,3 +192,177 @@ def test_a_mid_epoch_resume_skips_the_consumed_batches_without_loading_them(
             caplog.text
         )
         assert first_step.loads == 7 * 4  # the 6 consumed batches are loaded again
+
+
+# Streams: data loaders without a length
+
+
+class Stream(IterableDataset):
+    """``n`` samples ``(x, y)`` whose x is their index, in a fresh random order at every pass
+    (drawn from torch's RNG) or in order; ``n=None`` never ends."""
+
+    def __init__(self, n=14, shuffle=True):
+        self.n, self.shuffle = n, shuffle
+
+    def __iter__(self):
+        if self.n is None:
+            order = itertools.count()
+        else:
+            order = torch.randperm(self.n).tolist() if self.shuffle else range(self.n)
+        for i in order:
+            yield torch.full((4,), i / 20), torch.tensor([float(i % 3)])
+
+
+class Seen(TinyModel):
+    """Records the first x of every batch it trains on: the index of its first sample."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def forward(self, batch):
+        self.seen.append(round(float(batch[0][0, 0]) * 20))
+        return super().forward(batch)
+
+
+class Epochs(HookBase):
+    def __init__(self):
+        self.events = []
+
+    def before_epoch(self):
+        self.events.append(("before", self.trainer.cur_epoch, self.trainer.cur_iter + 1))
+
+    def after_epoch(self):
+        self.events.append(("after", self.trainer.cur_epoch, self.trainer.cur_iter + 1))
+
+
+def stream_trainer(work_dir, stream, max_iters, **overrides):
+    loader = overrides.pop("loader", None)
+    if loader is None:  # (a stream has no len(), so no truth value either)
+        loader = DataLoader(stream, batch_size=2)
+    trainer = build(work_dir, model=Seen(), loader=loader, max_iters=max_iters, **overrides)
+    epochs = Epochs()
+    trainer.register_hook(epochs)
+    return trainer, epochs
+
+
+def test_a_stream_trains_for_max_iters_in_epochs_that_end_with_its_passes(tmp_path, caplog):
+    caplog.set_level(logging.INFO, logger="trainer")
+    # 14 samples in batches of 2: passes of 7 iterations; 20 iterations cross two of them
+    trainer, epochs = stream_trainer(tmp_path, Stream(14), 20, log_period=5)
+    trainer.train()
+    assert trainer.cur_iter == 19 and trainer.max_epochs is None
+    assert epochs.events == [
+        ("before", 0, 0), ("after", 0, 7), ("before", 1, 7), ("after", 1, 14),
+        ("before", 2, 14), ("after", 2, 20),
+    ]  # fmt: skip
+    # every pass is the whole stream again, each in its own order
+    firsts = trainer.model.seen
+    assert len(firsts) == 20 and firsts[:7] != firsts[7:14]
+    # the log line counts iterations against max_iters (whose ETA it gives), epochs without a total
+    assert "epoch 2 [3]  iter 10/20  ETA " in caplog.text
+    # the by-epoch LR step (StepLR, halving) came at the two pass ends and the end of training;
+    # the checkpoints at the end of training, counted in passes (with a warning that says so)
+    assert trainer.lr == pytest.approx(0.1 / 8)
+    assert "data_loader has no length, so an epoch is one pass until its stream ends" in caplog.text
+    assert "by_epoch=True steps lr_scheduler and checkpoint_by_epoch=True saves" in caplog.text
+    assert sorted(os.listdir(trainer.ckpt_dir)) == ["iter_14.pth", "iter_20.pth", "iter_7.pth",
+                                                    "latest.txt"]  # fmt: skip
+
+
+def test_an_endless_stream_counts_iterations_when_told_and_warns_of_nothing(tmp_path, caplog):
+    trainer, epochs = stream_trainer(
+        tmp_path, Stream(None), 10, by_epoch=False, checkpoint_by_epoch=False, checkpoint_period=4
+    )
+    trainer.train()
+    assert epochs.events == [("before", 0, 0), ("after", 0, 10)]  # one epoch, ended by max_iters
+    assert trainer.model.seen[-1] == 18  # samples 0, 2, ..., 18: one stream, never restarted
+    assert sorted(os.listdir(trainer.ckpt_dir)) == ["iter_10.pth", "iter_4.pth", "iter_8.pth",
+                                                    "latest.txt"]  # fmt: skip
+    assert "has no length" not in caplog.text
+
+
+def test_a_stream_drops_a_last_iteration_that_its_pass_cannot_fill(tmp_path):
+    # passes of 7 batches, 2 per iteration: 3 iterations each, the 7th batch dropped
+    trainer, epochs = stream_trainer(tmp_path, Stream(14), 7, accumulation_steps=2)
+    trainer.train()
+    assert [e[2] for e in epochs.events] == [0, 3, 3, 6, 6, 7]
+    seen = trainer.model.seen
+    assert len(seen) == 14 and len(set(seen[:6])) == 6  # 6 distinct batches in the first pass
+
+
+def test_a_stream_that_yields_once_only_is_refused_at_its_second_pass(tmp_path):
+    once = (batch for batch in DataLoader(Stream(6), batch_size=2))  # a generator: one pass
+    trainer, _ = stream_trainer(tmp_path, None, 5, loader=once)
+    with pytest.raises(RuntimeError) as error:
+        trainer.train()
+    assert str(error.value) == (
+        "data_loader yielded 0 batches in a pass, fewer than the 1 of one iteration "
+        "(accumulation_steps). A generator yields once only: pass an iterable whose __iter__ "
+        "starts a new pass (a DataLoader, say)."
+    )
+    assert trainer.cur_iter == 2  # the first pass trained
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_stream_resumes_exactly_through_the_state_of_a_stateful_loader(tmp_path, workers):
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def run(work_dir, crash=None):
+        torch.manual_seed(0)  # the loader's base seed for its workers comes from torch's RNG
+        loader = StatefulDataLoader(Stream(14), batch_size=2, num_workers=workers)
+        trainer, _ = stream_trainer(
+            work_dir, None, 20, loader=loader, checkpoint_by_epoch=False, checkpoint_period=10
+        )
+        if crash is not None:
+            trainer.register_hook(CrashAfter(crash))
+        trainer.train()
+        return trainer
+
+    whole = run(tmp_path / "whole")
+    with pytest.raises(KeyboardInterrupt):  # after the checkpoint at iteration 10 (3 of pass 2)
+        run(tmp_path / "part", crash=10)
+    resumed = run(tmp_path / "part")
+    assert resumed.start_iter == 10
+    assert resumed.model.seen == whole.model.seen[10:]
+    for name, value in whole.model.state_dict().items():
+        assert torch.equal(value, resumed.model.state_dict()[name]), name
+
+
+def test_a_stream_without_state_starts_again_on_resume_with_one_warning(tmp_path, caplog):
+    def run(crash=None):
+        trainer, epochs = stream_trainer(
+            tmp_path, Stream(14, shuffle=False), 20, checkpoint_by_epoch=False,
+            checkpoint_period=10,
+        )  # fmt: skip
+        if crash is not None:
+            trainer.register_hook(CrashAfter(crash))
+        trainer.train()
+        return trainer, epochs
+
+    with pytest.raises(KeyboardInterrupt):
+        run(crash=10)
+    caplog.clear()
+    resumed, epochs = run()
+    assert resumed.start_iter == 10
+    warnings = [r for r in caplog.records if "starts again from the beginning" in r.getMessage()]
+    assert len(warnings) == 1 and "the 3 batches of this pass already trained on" in (
+        warnings[0].getMessage()
+    )
+    # epoch 2 goes on at its 4th iteration, with the whole stream again (7 batches), then a pass
+    # of 3 more to reach 20
+    assert epochs.events == [("before", 1, 10), ("after", 1, 17), ("before", 2, 17),
+                             ("after", 2, 20)]  # fmt: skip
+    assert resumed.model.seen == [0, 2, 4, 6, 8, 10, 12, 0, 2, 4]
+
+
+def test_resume_from_a_stream_with_a_loader_of_a_length_is_refused(tmp_path):
+    stream_trainer(tmp_path, Stream(14), 4)[0].train()
+    trainer = build(tmp_path, max_iters=8)  # the same work_dir, over a map-style dataset
+    with pytest.raises(ValueError) as error:
+        trainer.train()
+    assert str(error.value) == (
+        f"Checkpoint {os.path.join(trainer.ckpt_dir, 'iter_4.pth')!r} was saved with a data "
+        "loader of no length, this trainer's has 8 iterations per epoch; resume with the same "
+        "kind of data loader."
+    )

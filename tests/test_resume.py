@@ -64,16 +64,19 @@ def assert_bit_equal(a, b):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Final weights of uninterrupted runs, per (mode, num_workers)."""
+    """Final weights of uninterrupted runs, per (mode, num_workers, stream)."""
     cache = {}
 
-    def get(mode="epoch", num_workers=0):
-        if (mode, num_workers) not in cache:
-            root = tmp_path_factory.mktemp(f"ref-{mode}-{num_workers}")
-            code, err = run(root / "work", root / "out.pth", MODE=mode, NUM_WORKERS=num_workers)
+    def get(mode="epoch", num_workers=0, stream=0):
+        key = mode, num_workers, stream
+        if key not in cache:
+            root = tmp_path_factory.mktemp(f"ref-{mode}-{num_workers}-{stream}")
+            code, err = run(
+                root / "work", root / "out.pth", MODE=mode, NUM_WORKERS=num_workers, STREAM=stream
+            )
             assert code == 0, err[-3000:]
-            cache[mode, num_workers] = load(root / "out.pth")
-        return cache[mode, num_workers]
+            cache[key] = load(root / "out.pth")
+        return cache[key]
 
     return get
 
@@ -100,6 +103,39 @@ def test_sigkill_then_rerun_is_bit_exact(tmp_path, reference, mode, num_workers,
     if "KILL_IN_SAVE" in kill:
         assert "left by an interrupted checkpoint write" in err  # the stray temp file
     assert_bit_equal(load(out), reference(mode, num_workers))
+
+
+@pytest.mark.parametrize("num_workers, kill_at", [(0, 13), (2, 17)])
+def test_a_stream_killed_then_rerun_is_bit_exact(tmp_path, reference, num_workers, kill_at):
+    """A StatefulDataLoader over a stream (passes of 5 iterations) resumes from its own state,
+    in mid-pass; its pass draws its order from torch's RNG, which resumes too."""
+    work, out = tmp_path / "work", tmp_path / "out.pth"
+    env = {"MODE": "iter", "NUM_WORKERS": num_workers, "STREAM": 1}
+    code, _ = run(work, out, KILL_AT_ITER=kill_at, KILL_WHEN_SAVED=1, **env)
+    assert code == -signal.SIGKILL and not out.exists()
+    code, err = run(work, out, **env)
+    assert code == 0, err[-3000:]
+    assert f"Resumed from checkpoint {work / 'checkpoints'}/iter_{kill_at // 3 * 3}.pth" in err
+    assert "from the state of the StatefulDataLoader" in err
+    assert_bit_equal(load(out), reference("iter", num_workers, stream=1))
+
+
+def test_a_stream_with_uneven_shards_under_torchrun_killed_then_rerun_is_bit_exact(tmp_path):
+    """Rank 0's shard has 5 batches, rank 1's 4: every pass ends on both ranks after 4 (or
+    rank 0 would step alone, and hang). Killed in mid-pass, rerun, it ends as an uninterrupted
+    run does."""
+    env = {"MODE": "iter", "STREAM": 1}
+    code, err = torchrun(tmp_path / "whole", tmp_path / "whole.pth", **env)
+    assert code == 0, err[-3000:]
+    assert "epoch 2 [1]  iter 5/25" in (tmp_path / "whole" / "log.txt").read_text()
+    code, _ = torchrun(
+        tmp_path / "cut", tmp_path / "cut.pth", KILL_AT_ITER=7, KILL_WHEN_SAVED=1, **env
+    )
+    assert code != 0 and not (tmp_path / "cut.pth").exists()
+    code, err = torchrun(tmp_path / "cut", tmp_path / "cut.pth", **env)
+    assert code == 0, err[-3000:]
+    assert "from the state of the StatefulDataLoader, after the 2 batches" in err
+    assert_bit_equal(load(tmp_path / "cut.pth"), load(tmp_path / "whole.pth"))
 
 
 @pytest.fixture(scope="module")

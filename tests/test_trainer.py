@@ -226,8 +226,8 @@ def test_checkpoint_holds_plain_data_only(make_trainer):
     }  # fmt: skip
     assert len(data["rng"]) == 1 and data["rng"][0]["epoch_start"] is None  # one rank, epoch end
     assert data["progress"] == {
-        "epoch": 1, "inner_iter": 0, "epoch_len": 8, "world_size": 1, "batch_size": 4,
-        "stopped": False,
+        "epoch": 1, "inner_iter": 0, "epoch_len": 8, "iters_done": 8, "world_size": 1,
+        "batch_size": 4, "stopped": False,
     }  # fmt: skip
     assert data["hooks"]["CheckpointHook"] == {"saved": ["epoch_1.pth"]}
     assert_bit_equal(data["model"], weights(trainer))

@@ -5,7 +5,7 @@ they configure."""
 import logging
 import os
 import tempfile
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -45,8 +45,9 @@ _SIMPLE_TYPES = {
 }  # fmt: skip
 
 
-def check_arguments(args: dict[str, Any]) -> int:
-    """Check the Trainer's constructor arguments (by name); returns iterations per epoch."""
+def check_arguments(args: dict[str, Any]) -> Optional[int]:
+    """Check the Trainer's constructor arguments (by name); returns iterations per epoch, None
+    for a data loader without a length (a stream)."""
     _check_types(args["model"], args["optimizer"], args["lr_scheduler"], args["data_loader"])
     for name, (types, what) in _SIMPLE_TYPES.items():
         value = args[name]
@@ -81,7 +82,15 @@ def check_arguments(args: dict[str, Any]) -> int:
             "its collectives cannot be captured here. Pass cuda_graph=False."
         )
     _check_default_hook_options(args)
-    return _check_epoch_len(args["data_loader"], args["accumulation_steps"])
+    epoch_len = _check_epoch_len(args["data_loader"], args["accumulation_steps"])
+    if epoch_len is None and args["max_epochs"]:
+        raise ValueError(
+            f"max_epochs={args['max_epochs']} needs a data_loader with a length, and this one "
+            f"(a {type(args['data_loader']).__name__} over "
+            f"{type(getattr(args['data_loader'], 'dataset', None)).__name__}) has none: it is a "
+            "stream. Pass max_iters=N instead; an epoch is then one pass until the stream ends."
+        )
+    return epoch_len
 
 
 def default_hooks(args: dict[str, Any]) -> list[HookBase]:
@@ -243,14 +252,11 @@ def _check_compile(compile: Any, cuda_graph: bool) -> None:
         )
 
 
-def _check_epoch_len(data_loader: Any, accumulation_steps: int) -> int:
+def _check_epoch_len(data_loader: Any, accumulation_steps: int) -> Optional[int]:
     try:
         num_batches = len(data_loader)
     except TypeError:
-        raise TypeError(
-            "data_loader must have a length (a map-style dataset, or an IterableDataset with "
-            "__len__), so that epochs and the ETA are defined."
-        ) from None
+        return None  # a stream: its epochs end with its passes
     if num_batches == 0:
         raise ValueError(
             "data_loader is empty: it yields no batch. Check the dataset and batch_size."
@@ -261,6 +267,28 @@ def _check_epoch_len(data_loader: Any, accumulation_steps: int) -> int:
             f"{accumulation_steps}; lower accumulation_steps or the batch size."
         )
     return num_batches // accumulation_steps
+
+
+def stream_notice(args: dict[str, Any]) -> Optional[str]:
+    """For a data loader without a length (a stream): what its arguments count in epochs, which
+    then end only with the stream's passes; None when nothing does."""
+    by_epoch, scheduler = [], args["lr_scheduler"]
+    if isinstance(scheduler, LRWarmupScheduler):
+        stepped_by_epoch = scheduler.by_epoch and scheduler.torch_scheduler is not None
+    else:
+        stepped_by_epoch = scheduler is not None and args["by_epoch"]
+    if stepped_by_epoch:
+        by_epoch.append("by_epoch=True steps lr_scheduler")
+    if args["checkpoint_period"] and args["checkpoint_by_epoch"]:
+        by_epoch.append("checkpoint_by_epoch=True saves checkpoints")
+    if not by_epoch:
+        return None
+    return (
+        "data_loader has no length, so an epoch is one pass until its stream ends (never, for "
+        f"an endless one), and {' and '.join(by_epoch)} only at such ends and at the end of "
+        "training. To count iterations instead, pass by_epoch=False and "
+        "checkpoint_by_epoch=False (checkpoint_period then counts iterations)."
+    )
 
 
 def model_device(model: nn.Module) -> torch.device:

@@ -267,12 +267,14 @@ class Checkpointer:
         # A checkpoint from an epoch's last iteration (a preemption there) resumes with the
         # epoch's end: the next pass starts fresh, nothing to skip.
         inner = position[1]
+        mid_pass = progress.epoch_len is None or inner < progress.epoch_len
         self._data.resume(
-            data["rng"], path, inner * accumulation if inner < progress.epoch_len else 0,
+            data["rng"], path, inner * accumulation if mid_pass else 0,
             remapped=inner != data["progress"]["inner_iter"]
             or len(data["rng"]) != get_world_size(),
         )  # fmt: skip
-        progress.resume(position, data["progress"].get("stopped", False))
+        saved = data["progress"]
+        progress.resume(position, saved.get("stopped", False), saved.get("iters_done", 0))
 
 
 def checkpoint_name(by_epoch: bool, position: tuple[int, int], iters_done: int) -> str:

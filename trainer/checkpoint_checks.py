@@ -82,7 +82,11 @@ def check_structure(data: dict[str, Any], path: str, keys: tuple[str, ...]) -> N
             raise damaged(f"'model' holds {len(wrong)} entries that are not tensors ({wrong[0]!r})")
     if "progress" in keys:
         progress = data["progress"]
-        wrong = [k for k in _STRUCTURE["progress"][1] if not isinstance(progress[k], int)]
+        wrong = [
+            k
+            for k in _STRUCTURE["progress"][1]
+            if not isinstance(progress[k], int) and not (k == "epoch_len" and progress[k] is None)
+        ]
         if wrong:
             raise damaged(f"'progress' has {wrong[0]!r} = {progress[wrong[0]]!r}, not an int")
     if "rng" in keys and not (

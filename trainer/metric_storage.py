@@ -221,10 +221,11 @@ class PendingMetrics:
 
     Args:
         storage: Where flushed values go.
-        epoch_len: Iterations per epoch, to name the epoch of a bad loss.
+        epoch_len: Iterations per epoch, to name the epoch of a bad loss (None: a stream's
+            epochs have no fixed length, and only the iteration is named).
     """
 
-    def __init__(self, storage: "MetricStorage", epoch_len: int) -> None:
+    def __init__(self, storage: "MetricStorage", epoch_len: Optional[int]) -> None:
         self.storage = storage
         self._epoch_len = epoch_len
         self._series: dict[str, _Series] = {}
@@ -285,9 +286,10 @@ class PendingMetrics:
             checked = [n for n, s in pending.items() if s.check_finite and n in at_first_bad]
             bad = [n for n in checked if not math.isfinite(at_first_bad[n])]
             what = "Loss" if set(bad) - {"grad_norm"} else "The gradient norm (the loss was not)"
+            epoch = f" (epoch {first_bad // self._epoch_len})" if self._epoch_len else ""
             raise FloatingPointError(
-                f"{what} became NaN or infinite at iteration {first_bad} (epoch "
-                f"{first_bad // self._epoch_len}): {at_first_bad}. Lower the LR, enable "
+                f"{what} became NaN or infinite at iteration {first_bad}{epoch}: "
+                f"{at_first_bad}. Lower the LR, enable "
                 "clip_grad_norm, or check the data of that iteration."
             )
 

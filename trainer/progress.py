@@ -1,12 +1,14 @@
 """Where training is: :class:`Progress`, the resume-position mapping, and :class:`DataStream`,
 the data iteration that a mid-epoch resume continues exactly."""
 
+import collections
 import dataclasses
 import logging
 import time
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from .distributed import get_rank, get_world_size
@@ -25,22 +27,42 @@ class Progress:
     iterations); ``position`` is where a checkpoint taken now resumes: it moves when an
     iteration or an epoch ends. ``stopped``: :meth:`Trainer.stop` was called (or the resumed
     checkpoint remembers it). ``saved``: the position and stop of the last checkpoint saved or
-    loaded.
+    loaded. ``epoch_len`` is None for a data loader without a length (a stream), whose epochs
+    are passes that end when its iterator does.
     """
 
-    epoch_len: int
+    epoch_len: Optional[int]
     max_iters: int
     epoch: int = 0
     inner_iter: int = 0
     iter: int = -1
     start_iter: int = 0
+    epoch_start: int = 0  # the iterations done before the current epoch
     position: Position = (0, 0)
     stopped: bool = False
     saved: tuple[Position, bool] = ((-1, -1), False)
 
+    def begin_epoch(self, epoch: int) -> int:
+        """Enter ``epoch``; returns the iterations of it already done (when resuming)."""
+        done = self.position[1] if self.position[0] == epoch else 0
+        self.epoch, self.epoch_start = epoch, self.iter + 1 - done
+        return done
+
+    @property
+    def epoch_iters(self) -> int:
+        """The iterations of the current epoch: all of its pass, or what is left of
+        ``max_iters``; for a stream, an upper bound (its pass may end sooner)."""
+        left = self.max_iters - self.epoch_start
+        return left if self.epoch_len is None else min(self.epoch_len, left)
+
+    @property
+    def finished(self) -> bool:
+        """Whether training is over: stopped, or every iteration and its epoch's end done."""
+        return self.stopped or (self.iter + 1 >= self.max_iters and self.position[1] == 0)
+
     def begin_iter(self, inner_iter: int) -> None:
         self.inner_iter = inner_iter
-        self.iter = self.epoch * self.epoch_len + inner_iter
+        self.iter = self.epoch_start + inner_iter
 
     def end_iter(self) -> None:
         self.position = (self.epoch, self.inner_iter + 1)
@@ -62,11 +84,14 @@ class Progress:
         self.stopped = self.saved == (self.position, True) and not continue_after_stop
         return self.stopped
 
-    def resume(self, position: Position, stopped: bool) -> None:
-        """Go on from a loaded checkpoint's ``position``."""
+    def resume(self, position: Position, stopped: bool, iters_done: int) -> None:
+        """Go on from a loaded checkpoint's ``position``, after ``iters_done`` iterations (for a
+        stream; with a length they follow from the position)."""
         self.position = position
         self.saved = (position, stopped)
-        self.start_iter = min(self.max_iters, position[0] * self.epoch_len + position[1])
+        if self.epoch_len is not None:
+            iters_done = position[0] * self.epoch_len + position[1]
+        self.start_iter = min(self.max_iters, iters_done)
         self.iter = self.start_iter - 1
 
     def state_dict(self, batch_size: Optional[int]) -> dict[str, Any]:
@@ -76,6 +101,7 @@ class Progress:
             "epoch": epoch,
             "inner_iter": inner,
             "epoch_len": self.epoch_len,
+            "iters_done": self.iter + 1,
             "world_size": get_world_size(),
             "batch_size": batch_size,
             "stopped": self.stopped,
@@ -83,12 +109,28 @@ class Progress:
 
 
 def map_position(
-    saved: dict[str, Any], path: str, epoch_len: int, batch_size: Optional[int], accumulation: int
+    saved: dict[str, Any],
+    path: str,
+    epoch_len: Optional[int],
+    batch_size: Optional[int],
+    accumulation: int,
 ) -> Position:
     """Where to go on from a checkpoint's ``progress``: (epoch, iterations done in it). When the
     number of processes or the batch size changed, the iterations done are mapped by the samples
-    they consumed."""
+    they consumed (a stream's position is not mapped: its iterations are counted as they were)."""
     epoch, inner, saved_len = saved["epoch"], saved["inner_iter"], saved["epoch_len"]
+    if (saved_len is None) != (epoch_len is None):
+        lengths = [
+            f"{n} iterations per epoch" if n else "no length" for n in (saved_len, epoch_len)
+        ]
+        raise ValueError(
+            f"Checkpoint {path!r} was saved with a data loader of {lengths[0]}, this trainer's "
+            f"has {lengths[1]}; resume with the same kind of data loader."
+        )
+    if epoch_len is None:
+        if not isinstance(saved.get("iters_done"), int):
+            raise ValueError(f"Checkpoint {path!r} does not say how many iterations it did.")
+        return epoch, inner
     before = (saved.get("world_size", get_world_size()), saved.get("batch_size"))
     now = (get_world_size(), batch_size)
     if before == now or "world_size" not in saved:  # the latter: an older checkpoint
@@ -139,17 +181,28 @@ class DataStream:
     one log line says. A list or tuple of batches draws no random numbers, so its passes
     remember no state.
 
+    A data loader without a length (an ``IterableDataset`` without ``__len__``: a stream) has
+    passes that end when its iterator does, which :meth:`has_next` finds out. Resuming in
+    mid-pass goes on from the loader's own state where it has one; otherwise the stream starts
+    again, with a warning.
+
     Args:
-        data_loader: A data loader, or any iterable with a length.
+        data_loader: A data loader, or any iterable.
     """
 
     def __init__(self, data_loader: Any) -> None:
         self.data_loader = data_loader
         self.data_time = 0.0  # seconds spent waiting for batches, since the caller reset it
+        self.sized = _length(data_loader) is not None
+        self.pass_ended = False  # a stream's pass ended (has_next said so)
+        self._ahead: collections.deque = collections.deque()  # a stream's batches fetched early
+        self._drawn = 0  # batches drawn from the current pass (counted for streams)
+        self._group: Any = None  # streams under torchrun: a gloo group to agree on a pass's end
         self._iter: Optional[Any] = None
         self._pass_rng: Optional[dict[str, Any]] = None  # the RNG state the pass started with
         self._to_skip = 0
         self._restored = False  # the loader was given its state from a checkpoint
+        self._restored_pass = False  # the current pass went on from such a state
         # torchdata's StatefulDataLoader, say: checkpointed through its own state, not replayed
         self._stateful = all(
             callable(getattr(data_loader, name, None)) for name in ("state_dict", "load_state_dict")
@@ -157,12 +210,20 @@ class DataStream:
 
     def next_batch(self) -> Any:
         """The next batch of the current pass (a new pass starts when there is none)."""
+        if self._ahead:
+            return self._ahead.popleft()
         start = time.perf_counter()
         if self._iter is None:
             self._iter = self._start_pass()
         try:
             batch = next(self._iter)
         except StopIteration:
+            if not self.sized:
+                raise RuntimeError(
+                    "data_loader's pass ended inside an iteration: train_one_iter asked for more "
+                    "batches than accumulation_steps, which is what an iteration fetches ahead "
+                    "from a data loader without a length. Pass that many accumulation_steps."
+                ) from None
             raise RuntimeError(
                 f"data_loader ended after fewer batches than its len() of {len(self.data_loader)}; "
                 "make __len__ of the dataset or sampler match what it yields."
@@ -170,12 +231,53 @@ class DataStream:
         self.data_time += time.perf_counter() - start
         return batch
 
+    def has_next(self, n: int) -> bool:
+        """Whether the current pass has the ``n`` batches of another iteration: always, with a
+        length (epochs are then counted in iterations). A stream's batches are fetched now to
+        find out (:meth:`next_batch` returns them); a pass that ends with fewer drops them, as a
+        loader with a length drops what is left over. Under torchrun every rank ends the pass
+        when one rank's ends (a CPU flag over gloo, no device sync)."""
+        if self.sized:
+            return True
+        start = time.perf_counter()
+        if self._iter is None:
+            self._iter = self._start_pass()
+        while len(self._ahead) < n:
+            batch = next(self._iter, _END)
+            if batch is _END:
+                break
+            self._ahead.append(batch)
+            self._drawn += 1
+        self.data_time += time.perf_counter() - start
+        full = len(self._ahead) == n
+        if get_world_size() > 1:
+            full = self._on_every_rank(full)
+        if not full:
+            if self._drawn < n and not self._restored_pass:
+                raise RuntimeError(
+                    f"data_loader yielded {self._drawn} batches in a pass, fewer than the "
+                    f"{n} of one iteration (accumulation_steps). A generator yields once only: "
+                    "pass an iterable whose __iter__ starts a new pass (a DataLoader, say)."
+                )
+            self._ahead.clear()
+            self.pass_ended = True
+        return full
+
+    def _on_every_rank(self, flag: bool) -> bool:
+        if self._group is None:  # every rank gets here at its first iteration, in step
+            self._group = dist.new_group(backend="gloo")
+        everyone = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=self._group)
+        return bool(everyone.item())
+
     def end_pass(self) -> None:
         """Forget the current pass: the next batch starts a new one."""
-        self._iter = None
+        self._iter, self.pass_ended, self._drawn = None, False, 0
+        self._ahead.clear()
 
     def _start_pass(self) -> Any:
         generators = self.generators()
+        self._restored_pass = self._restored
         if self._to_skip or self._restored:
             # the interrupted pass again: what starting it drew (a shuffle, the worker seeds) is
             # drawn from the state it started with, then the checkpoint's state goes on
@@ -267,7 +369,29 @@ class DataStream:
                 f"after the {batches_to_skip} batches already trained on."
             )
             batches_to_skip, self._restored = 0, True
+        elif batches_to_skip and not self.sized:
+            logger.warning(
+                f"Resuming in mid-pass over a data loader without a length or a state_dict() "
+                f"(a {type(self.data_loader).__name__}): its stream starts again from the "
+                f"beginning, so the {batches_to_skip} batches of this pass already trained on "
+                "come again and the run is not bit for bit as an uninterrupted one. A loader "
+                "with state_dict() and load_state_dict(), such as torchdata's "
+                "StatefulDataLoader, resumes exactly."
+            )
+            batches_to_skip = 0
         self._to_skip = batches_to_skip
+
+
+_END = object()  # what next() returns at the end of a pass
+
+
+def _length(data_loader: Any) -> Optional[int]:
+    """``len(data_loader)``, or None when it has none (a DataLoader over an IterableDataset
+    without ``__len__`` has the method, which raises)."""
+    try:
+        return len(data_loader)
+    except TypeError:
+        return None
 
 
 # What a pass over a DataLoader depends on, besides its dataset and sampler

@@ -53,8 +53,9 @@ class Trainer(StepMethods, HookMethods):
         optimizer: The optimizer of ``model``'s parameters.
         lr_scheduler: A ``torch.optim.lr_scheduler`` scheduler (ReduceLROnPlateau included), an
             :class:`LRWarmupScheduler`, or None for a constant LR.
-        data_loader: A data loader, or any iterable with a length that yields batches (a list of
-            batches already on the GPU, say).
+        data_loader: A data loader, or any iterable that yields batches (a list of batches
+            already on the GPU, say). One without a length (a stream) needs ``max_iters``: its
+            epochs are passes that end when its iterator does.
         max_epochs: Train this many epochs (pass exactly one of ``max_epochs``, ``max_iters``).
         max_iters: Train this many iterations, crossing data-loader passes as needed.
         work_dir: Where checkpoints, ``log.txt`` and TensorBoard files go.
@@ -143,7 +144,8 @@ class Trainer(StepMethods, HookMethods):
         self.accumulation_steps = accumulation_steps
         self.log_period = log_period
         self.train_by_epoch = max_epochs > 0
-        self.max_epochs = max_epochs or math.ceil(max_iters / self.epoch_len)
+        # None: a data loader without a length has passes of unknown length
+        self.max_epochs = max_epochs or (self.epoch_len and math.ceil(max_iters / self.epoch_len))
         self.max_iters = max_iters or max_epochs * self.epoch_len
         self.lr_scheduler = args.warmup_scheduler(arguments, self.epoch_len)
         self.device = args.model_device(model)
@@ -177,6 +179,7 @@ class Trainer(StepMethods, HookMethods):
             batch_size=getattr(data_loader, "batch_size", None),  # per process
         )  # fmt: skip
         self._period_start = (0.0, -1)  # (time, iteration before it) of the log period running
+        self._stream_notice = None if self.epoch_len else args.stream_notice(arguments)
 
         args.make_writable_dir(self.ckpt_dir)
         self.register_hooks(args.default_hooks(arguments))
@@ -211,8 +214,9 @@ class Trainer(StepMethods, HookMethods):
 
     @property
     def epoch_iters(self) -> int:
-        """Iterations in the current epoch (the last one may be shorter in iteration mode)."""
-        return min(self.epoch_len, self.max_iters - self.cur_epoch * self.epoch_len)
+        """Iterations in the current epoch (the last one may be shorter in iteration mode). With
+        a data loader without a length, the most it can have: those left of ``max_iters``."""
+        return self.progress.epoch_iters
 
     @property
     def lr(self) -> float:
@@ -267,10 +271,8 @@ class Trainer(StepMethods, HookMethods):
                 self.call_hooks("before_train")
                 self._period_start = (time.perf_counter(), self.cur_iter)
                 with self._watch_skipped_steps():
-                    end = self.progress.position[0] if self.progress.stopped else self.max_epochs
-                    for epoch in range(self.progress.position[0], end):
-                        if not self._train_epoch(epoch):
-                            break
+                    while not self.progress.finished and self._train_epoch():
+                        pass
                 if self.progress.stopped and not self.progress.is_saved:
                     self.save_checkpoint(self.checkpoint_name())  # a rerun stays stopped
             except Exception:
@@ -283,15 +285,16 @@ class Trainer(StepMethods, HookMethods):
                 finally:
                     self.wait_for_checkpoint()  # the last checkpoint is on disk when train() ends
 
-    def _train_epoch(self, epoch: int) -> bool:
-        """Run ``epoch`` (what is left of it, when resuming); whether training goes on."""
-        progress = self.progress
-        start = progress.position[1] if progress.position[0] == epoch else 0
-        progress.epoch = epoch
+    def _train_epoch(self) -> bool:
+        """Run the epoch of the position (what is left of it, when resuming); whether training
+        goes on. A stream's epoch ends with its pass, which ``has_next`` finds out."""
+        progress, data, hooks = self.progress, self._data, self._hooks
+        start = progress.begin_epoch(progress.position[0])
         self.call_hooks("before_epoch")
         self.model.train()
-        hooks = self._hooks
-        for inner_iter in range(start, self.epoch_iters):
+        for inner_iter in range(start, progress.epoch_iters):
+            if not data.sized and not data.has_next(self.accumulation_steps):
+                break
             progress.begin_iter(inner_iter)
             hooks.call("before_iter")
             self.train_one_iter()
@@ -306,9 +309,9 @@ class Trainer(StepMethods, HookMethods):
                 path = self.save_checkpoint(self.checkpoint_name())
                 self.wait_for_checkpoint()
                 self._preemption.exit(signum, path, progress.iter + 1)
-        if progress.position[1] < self.epoch_iters:  # stop() in mid-epoch
-            return False
-        self._data.end_pass()
+        if progress.position[1] < progress.epoch_iters and not data.pass_ended:
+            return False  # stop() in mid-epoch
+        data.end_pass()
         progress.end_epoch()
         self.call_hooks("after_epoch")
         return not progress.stopped
@@ -317,6 +320,8 @@ class Trainer(StepMethods, HookMethods):
         logger.info(f"Environment:\n{collect_env()}")
         logger.info(f"Hooks: {self.hook_info}")
         args.warn_unoptimized(self.model_or_module, self._checkpointer.optimizers)
+        if self._stream_notice:
+            logger.warning(self._stream_notice)
         self._checkpointer.remove_temp_files()
         if path is not None or auto_resume:
             self.load_checkpoint(path, auto_resume=auto_resume)

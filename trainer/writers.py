@@ -59,9 +59,15 @@ class ConsoleWriter(MetricWriter):
         seconds_per_iter = elapsed / max(done - self._start_iter, 1)
         eta = datetime.timedelta(seconds=int(seconds_per_iter * (trainer.max_iters - done)))
         metrics = dict(metrics)
+        if trainer.max_epochs is None:  # a stream: its passes have no known length
+            epoch = f"epoch {trainer.cur_epoch + 1} [{trainer.inner_iter + 1}]"
+        else:
+            epoch = (
+                f"epoch {trainer.cur_epoch + 1}/{trainer.max_epochs}"
+                f" [{trainer.inner_iter + 1}/{trainer.epoch_iters}]"
+            )
         parts = [
-            f"epoch {trainer.cur_epoch + 1}/{trainer.max_epochs}"
-            f" [{trainer.inner_iter + 1}/{trainer.epoch_iters}]",
+            epoch,
             f"iter {done}/{trainer.max_iters}",
             f"ETA {eta}",
         ]

@@ -1,4 +1,4 @@
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler, IterableDataset
 
 from conftest import tiny_dataset
 
@@ -19,3 +19,24 @@ def test_distributed_sampler_gets_each_epoch_before_its_pass(make_trainer):
     trainer.train()
     assert [epoch for epoch, _ in orders] == [0, 1, 2]
     assert len({tuple(order) for _, order in orders}) == 3  # a new shuffle every pass
+
+
+class EpochStream(IterableDataset):
+    """A stream that shuffles by its epoch, as streaming datasets do with set_epoch."""
+
+    def __init__(self):
+        self.epoch, self.epochs_seen = 0, []
+
+    def set_epoch(self, epoch):
+        self.epoch = epoch
+
+    def __iter__(self):
+        self.epochs_seen.append(self.epoch)
+        yield from tiny_dataset(8)
+
+
+def test_a_stream_with_set_epoch_gets_each_epoch_before_its_pass(make_trainer):
+    stream = EpochStream()
+    trainer = make_trainer(loader=DataLoader(stream, batch_size=4), max_iters=5)
+    trainer.train()
+    assert stream.epochs_seen == [0, 1, 2]  # passes of 2 iterations

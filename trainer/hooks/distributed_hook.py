@@ -1,12 +1,15 @@
 """Gives distributed samplers their epoch."""
 
+from torch.utils.data import IterableDataset
+
 from .hookbase import HookBase, Priority
 
 
 class DistributedHook(HookBase):
     """Calls ``set_epoch(epoch)`` on the data loader's sampler and batch sampler (when they have
-    one, as ``DistributedSampler`` does) before each epoch's data iterator is created, so every
-    pass shuffles differently and every rank agrees on the order. Iteration-based training starts
+    one, as ``DistributedSampler`` does), and on an ``IterableDataset`` that has one (as streaming
+    datasets often do), before each epoch's data iterator is created, so every pass shuffles
+    differently and every rank agrees on the order. Iteration-based training starts
     a new pass at every epoch boundary, so it is covered too.
 
     Example::
@@ -19,6 +22,10 @@ class DistributedHook(HookBase):
     def before_epoch(self) -> None:
         """Set the sampler epoch of the pass about to start."""
         loader = self.trainer.data_loader
-        for sampler in (getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)):
-            if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(self.trainer.cur_epoch)
+        dataset = getattr(loader, "dataset", None)
+        owners = [getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None)]
+        if isinstance(dataset, IterableDataset):
+            owners.append(dataset)
+        for owner in owners:
+            if callable(getattr(owner, "set_epoch", None)):
+                owner.set_epoch(self.trainer.cur_epoch)

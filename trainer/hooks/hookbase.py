@@ -25,9 +25,9 @@ class HookBase:
     The trainer calls them like this (``train_one_iter`` is fetch, forward, backward, step)::
 
         hook.before_train()
-        for epoch in range(start_epoch, max_epochs):
+        for epoch in range(start_epoch, max_epochs):  # a stream: passes until max_iters
             hook.before_epoch()
-            for iter in range(start_iter, epoch_end):
+            for iter in range(start_iter, epoch_end):  # a stream: until its pass ends
                 hook.before_iter()
                 trainer.train_one_iter()
                 hook.after_iter()
@@ -109,7 +109,11 @@ class HookBase:
         return n > 0 and (self.trainer.inner_iter + 1) % n == 0
 
     def is_last_epoch(self) -> bool:
-        """Whether this is the final epoch of training."""
+        """Whether this is the final epoch of training. With a data loader without a length
+        (a stream), it is known only once the epoch reached ``max_iters``: from its last
+        iteration on."""
+        if self.trainer.max_epochs is None:
+            return self.trainer.cur_iter == self.trainer.max_iters - 1
         return self.trainer.cur_epoch == self.trainer.max_epochs - 1
 
     def is_last_iter(self) -> bool:
@@ -117,5 +121,6 @@ class HookBase:
         return self.trainer.cur_iter == self.trainer.max_iters - 1
 
     def is_last_inner_iter(self) -> bool:
-        """Whether this is the final iteration of the current epoch."""
+        """Whether this is the final iteration of the current epoch (for a stream: of training,
+        since when its pass ends is not known in advance)."""
         return self.trainer.inner_iter == self.trainer.epoch_iters - 1
