@@ -151,7 +151,7 @@ def _check_default_hook_options(args: dict[str, Any]) -> None:
         given = [
             name
             for name, value, default in (
-                ("max_num_checkpoints", args["max_num_checkpoints"], None),
+                ("max_num_checkpoints", args["max_num_checkpoints"], 3),
                 ("checkpoint_by_epoch", args["checkpoint_by_epoch"], True),
             )
             if value != default

@@ -60,7 +60,8 @@ class Trainer(StepMethods, HookMethods):
         max_iters: Train this many iterations, crossing data-loader passes as needed.
         work_dir: Where checkpoints, ``log.txt`` and TensorBoard files go.
         unpack_batch_dict: Call ``model(**batch)`` instead of ``model(batch)``.
-        max_num_checkpoints: Keep only the newest N periodic checkpoints; None keeps all.
+        max_num_checkpoints: Keep only the newest N periodic checkpoints (3 by default); None
+            keeps all.
         checkpoint_period: Save every N epochs (or iterations: see ``checkpoint_by_epoch``);
             0 saves no periodic checkpoint (no ``CheckpointHook``).
         log_period: Turn device metrics into numbers and log them every N iterations.
@@ -115,7 +116,7 @@ class Trainer(StepMethods, HookMethods):
         *,
         work_dir: Union[str, os.PathLike] = "work_dir",
         unpack_batch_dict: bool = False,
-        max_num_checkpoints: Optional[int] = None,
+        max_num_checkpoints: Optional[int] = 3,
         checkpoint_period: int = 1,
         log_period: int = 50,
         clip_grad_norm: float = 0.0,

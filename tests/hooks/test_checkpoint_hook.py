@@ -27,7 +27,9 @@ def test_epoch_checkpoints_with_period_and_final(make_trainer):
 
 def test_iteration_checkpoints_wait_for_the_epoch_end(make_trainer):
     progress = {}
-    trainer = make_trainer(max_iters=20, checkpoint_period=4, checkpoint_by_epoch=False)
+    trainer = make_trainer(
+        max_iters=20, checkpoint_period=4, checkpoint_by_epoch=False, max_num_checkpoints=None
+    )  # None keeps them all
     trainer.train()
     assert listing(trainer) == [
         "iter_12.pth", "iter_16.pth", "iter_20.pth", "iter_4.pth", "iter_8.pth", "latest.txt",
@@ -38,6 +40,12 @@ def test_iteration_checkpoints_wait_for_the_epoch_end(make_trainer):
     # iter_8 is the end of epoch 0 (8 iterations): saved after after_epoch, so it resumes at epoch 1
     assert progress == {"iter_4.pth": (0, 4), "iter_8.pth": (1, 0), "iter_12.pth": (1, 4)}
     assert latest(trainer) == "iter_20.pth"
+
+
+def test_the_newest_3_checkpoints_are_kept_by_default(make_trainer):
+    trainer = make_trainer(max_epochs=5)
+    trainer.train()
+    assert listing(trainer) == ["epoch_3.pth", "epoch_4.pth", "epoch_5.pth", "latest.txt"]
 
 
 def test_max_to_keep_deletes_oldest_and_survives_resume(make_trainer):

@@ -1,7 +1,7 @@
 """Keeps a checkpoint of the best evaluation result."""
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 from .hookbase import HookBase, Priority
 from .metric_watch import MetricWatch
@@ -19,17 +19,21 @@ class BestCheckpointHook(HookBase):
 
     Args:
         metric: A name that the ``EvalHook``'s function returns.
-        mode: ``"max"`` (higher is better) or ``"min"``.
+        mode: ``"max"`` (higher is better) or ``"min"``; by default inferred from the name
+            (``loss``, ``err``: min; ``acc``, ``ap``, ``f1``, ``iou``: max), and a name that does
+            not tell is refused.
         file_name: The file name in ``trainer.ckpt_dir``.
 
     Example::
 
-        >>> hook = BestCheckpointHook("val_acc", mode="max")
+        >>> hook = BestCheckpointHook("val_acc")  # mode="max", from the name
     """
 
     priority = Priority.CHECKPOINT + 5
 
-    def __init__(self, metric: str, mode: str = "max", file_name: str = "best.pth") -> None:
+    def __init__(
+        self, metric: str, mode: Optional[str] = None, file_name: str = "best.pth"
+    ) -> None:
         self._watch = MetricWatch(metric, mode)
         self._file_name = file_name
         self._due = False  # a new best, not saved yet

@@ -1,7 +1,7 @@
 """Ends training when an evaluation metric stops improving."""
 
 import logging
-from typing import Any
+from typing import Any, Optional
 
 from .hookbase import HookBase, Priority
 from .metric_watch import MetricWatch
@@ -19,18 +19,20 @@ class EarlyStoppingHook(HookBase):
     Args:
         metric: The evaluation metric to watch.
         patience: Evaluations without improvement to tolerate.
-        mode: ``"max"`` (higher is better) or ``"min"``.
+        mode: ``"max"`` (higher is better) or ``"min"``; by default inferred from the name
+            (``loss``, ``err``: min; ``acc``, ``ap``, ``f1``, ``iou``: max), and a name that does
+            not tell is refused.
         min_delta: How much better a value must be to count as an improvement.
 
     Example::
 
-        >>> hook = EarlyStoppingHook("val_loss", patience=3, mode="min")
+        >>> hook = EarlyStoppingHook("val_loss", patience=3)  # mode="min", from the name
     """
 
     priority = Priority.EVAL
 
     def __init__(
-        self, metric: str, patience: int = 5, mode: str = "max", min_delta: float = 0.0
+        self, metric: str, patience: int = 5, mode: Optional[str] = None, min_delta: float = 0.0
     ) -> None:
         if not isinstance(patience, int) or isinstance(patience, bool) or patience < 1:
             raise ValueError(f"patience must be an int >= 1, got {patience!r}.")

@@ -1,7 +1,35 @@
 """The best value so far of an evaluation metric, for hooks that act on it."""
 
 import math
+import re
 from typing import Any, Optional
+
+# Words in a metric's name that tell which way is better.
+_LOWER_IS_BETTER = {"loss", "err", "error", "errors", "mse", "mae", "rmse", "nll", "ppl",
+                    "perplexity", "cer", "wer", "fid", "distance", "dist"}  # fmt: skip
+_HIGHER_IS_BETTER = {"acc", "accuracy", "ap", "map", "f1", "iou", "miou", "auc", "auroc",
+                     "precision", "recall", "bleu", "rouge", "dice", "psnr", "ssim", "r2",
+                     "score", "reward"}  # fmt: skip
+
+
+def infer_mode(metric: str) -> Optional[str]:
+    """``"min"`` or ``"max"`` from the words of a metric's name (``val_loss``: min, ``top1_acc``:
+    max), None when they do not tell or disagree.
+
+    Example::
+
+        >>> infer_mode("val/loss"), infer_mode("mAP50"), infer_mode("step")
+        ('min', 'max', None)
+    """
+    words = set()
+    for part in re.split(r"[^A-Za-z0-9]+", metric):  # val_mIoU -> val, mIoU
+        for word in [part, *re.findall(r"[A-Z]?[a-z]+|[A-Z]+(?![a-z])", part)]:  # valError
+            word = word.lower()
+            words |= {word, word.rstrip("0123456789")}  # mAP50 -> map50, map
+    lower, higher = words & _LOWER_IS_BETTER, words & _HIGHER_IS_BETTER
+    if bool(lower) == bool(higher):
+        return None
+    return "min" if lower else "max"
 
 
 class MetricWatch:
@@ -9,19 +37,28 @@ class MetricWatch:
 
     Args:
         metric: A name that the ``EvalHook``'s function returns.
-        mode: ``"max"`` (higher is better, e.g. accuracy) or ``"min"`` (e.g. a loss).
+        mode: ``"max"`` (higher is better, e.g. accuracy) or ``"min"`` (e.g. a loss); None
+            infers it from the name (:func:`infer_mode`) and refuses a name that does not tell.
         min_delta: How much better a value must be to count as an improvement.
 
     Example::
 
-        >>> watch = MetricWatch("val_acc", mode="max")
+        >>> watch = MetricWatch("val_acc")  # mode="max", from the name
         >>> watch.improves(0.5), watch.improves(0.4)
         (True, False)
     """
 
-    def __init__(self, metric: str, mode: str = "max", min_delta: float = 0.0) -> None:
+    def __init__(self, metric: str, mode: Optional[str] = None, min_delta: float = 0.0) -> None:
+        if mode is None:
+            mode = infer_mode(metric)
+            if mode is None:
+                raise ValueError(
+                    f"mode: the name {metric!r} does not tell whether higher or lower is better. "
+                    "Pass mode='min' (a loss or an error) or mode='max' (an accuracy or a score)."
+                )
         if mode not in ("min", "max"):
-            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}.")
+            raise ValueError(f"mode must be 'min', 'max' or None (inferred from the name), "
+                             f"got {mode!r}.")  # fmt: skip
         if not min_delta >= 0:
             raise ValueError(f"min_delta must be >= 0, got {min_delta!r}.")
         self.metric = metric
