@@ -1,7 +1,7 @@
 from setuptools import find_packages, setup
 
 setup(
-    name="trainer",
+    name="hooktrainer",  # "trainer" on PyPI is another project; the package is still `trainer`
     version="0.1.0",
     description="A minimal, hook-based PyTorch training loop with no overhead.",
     long_description=open("README.md").read(),

@@ -1,7 +1,12 @@
 import logging
+import os
+import subprocess
+import sys
 
 from trainer import setup_logger
 from trainer.logger import log_file_path, log_to_file
+
+from conftest import cpu_env
 
 
 def test_setup_logger_is_idempotent_and_writes_files(tmp_path):
@@ -43,3 +48,36 @@ def test_ensure_console_logging_defers_to_configured_logging(monkeypatch):
     monkeypatch.setattr(root, "handlers", [logging.NullHandler()])
     ensure_console_logging("trainer_test_e", rank=0)  # the program configured logging itself
     assert logging.getLogger("trainer_test_e").handlers == []
+
+
+FAILING_RUN = """
+import sys, torch
+sys.path.insert(0, {tests!r})
+from conftest import build
+from trainer import HookBase
+
+class Fail(HookBase):
+    def after_iter(self):
+        if self.trainer.cur_iter == 5:
+            raise ValueError("injected failure")
+
+trainer = build({work!r}, max_epochs=1)
+trainer.register_hook(Fail())
+trainer.train()
+"""
+
+
+def test_a_training_error_prints_its_traceback_once_and_keeps_it_in_the_log_file(tmp_path):
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = tmp_path / "fail.py"
+    script.write_text(FAILING_RUN.format(tests=tests, work=str(tmp_path / "work")))
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=cpu_env(), timeout=120
+    )
+    assert proc.returncode == 1
+    assert proc.stderr.count("Traceback (most recent call last)") == 1, proc.stderr
+    assert proc.stderr.rstrip().endswith("ValueError: injected failure")
+    assert "Training failed in iteration 5: ValueError: injected failure" in proc.stderr
+    log = (tmp_path / "work" / "log.txt").read_text()
+    assert log.count("Traceback (most recent call last)") == 1
+    assert 'raise ValueError("injected failure")' in log

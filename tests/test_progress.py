@@ -105,6 +105,12 @@ class CountingDataset(Dataset):
         return self.data[i]
 
 
+def loaded_before_the_first_step(loads, workers):
+    """The step's batch of 4, and with workers at most the rest of the epoch's 2 batches, which
+    they may or may not have prefetched by then."""
+    return loads == 4 if workers == 0 else 4 <= loads <= 8
+
+
 class LoadsAtFirstStep(HookBase):
     def __init__(self, dataset):
         self.dataset, self.loads = dataset, None
@@ -180,13 +186,13 @@ def test_a_mid_epoch_resume_skips_the_consumed_batches_without_loading_them(
         assert torch.equal(value, resumed.model.state_dict()[name]), name
     if kind == "stateful":  # restored from the loader's own state, saved in the checkpoint
         assert "from the state of the StatefulDataLoader, after the 6 batches" in caplog.text
-        assert first_step.loads == (4 if workers == 0 else 8)
+        assert loaded_before_the_first_step(first_step.loads, workers)
         saved = load(os.path.join(part.ckpt_dir, "iter_14.pth"))["rng"][0]["loader"]
         assert isinstance(saved, dict) and saved
     elif kind == "plain":
         assert "skipped the 6 batches already trained on by index" in caplog.text
         # the step's batch of 4, and with workers the rest of the epoch that they prefetch
-        assert first_step.loads == (4 if workers == 0 else 8)
+        assert loaded_before_the_first_step(first_step.loads, workers)
     else:
         assert "its batch_sampler is a CustomBatches, not a BatchSampler, so the 6 batches" in (
             caplog.text

@@ -46,8 +46,10 @@ def test_tensorboard_events_are_handed_over_in_batches_with_their_own_wall_time(
 
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(s, float(s)) for s in range(5)]
-    assert [e.wall_time for e in acc.Scalars("lr")] == [w for _, w in handed]
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [
+        (s, float(s)) for s in range(5)
+    ]
+    assert [e.wall_time for e in acc.Scalars("train/lr")] == [w for _, w in handed]
 
 
 def test_a_new_run_in_the_same_second_sorts_after_the_old_one_and_purges_it(tmp_path):
@@ -67,4 +69,4 @@ def test_a_new_run_in_the_same_second_sorts_after_the_old_one_and_purges_it(tmp_
     assert sorted(os.listdir(tmp_path))[0] == old_name
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(0, 2.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(0, 2.0)]

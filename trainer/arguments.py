@@ -12,9 +12,18 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
+from .distributed import get_world_size
 from .fsdp import is_sharded
-from .hooks import CheckpointHook, DistributedHook, HookBase, LoggerHook, LRUpdateHook
+from .hooks import (
+    CheckpointHook,
+    DistributedHook,
+    HookBase,
+    LoggerHook,
+    LRUpdateHook,
+    ProgressBarHook,
+)
 from .lr_scheduler import LRWarmupScheduler
+from .step import unwrapped
 from .writers import MetricWriter
 
 logger = logging.getLogger(__name__)
@@ -39,7 +48,7 @@ _SIMPLE_TYPES = {
     "unpack_batch_dict": _FLAG, "clip_grad_norm": _NUMBER, "enable_amp": _FLAG,
     "by_epoch": _FLAG, "warmup_by_epoch": _FLAG, "warmup_mode": ((str,), "a str"),
     "warmup_init_lr": _NUMBER, "warmup_factor": _NUMBER, "checkpoint_by_epoch": _FLAG,
-    "cuda_graph": _FLAG, "tensorboard": _FLAG, "metrics_jsonl": _FLAG,
+    "cuda_graph": _FLAG, "tensorboard": _FLAG, "metrics_jsonl": _FLAG, "progress_bar": _FLAG,
     "plateau_metric": ((str, type(None)), "a str or None"),
     "amp_dtype": ((torch.dtype, type(None)), "torch.float16, torch.bfloat16 or None"),
 }  # fmt: skip
@@ -93,6 +102,33 @@ def check_arguments(args: dict[str, Any]) -> Optional[int]:
     return epoch_len
 
 
+def run_config(args: dict[str, Any], trainer: Any) -> dict[str, Any]:
+    """The run's settings as JSON-ready data: the Trainer's plain arguments, then what its
+    objects are (model, optimizer and its base LRs, scheduler, data), the batch size, world
+    size, AMP dtype and torch version."""
+    optimizer, loader = args["optimizer"], args["data_loader"]
+    plain = {
+        name: value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
+        for name, value in args.items()
+        if name in _SIMPLE_TYPES or isinstance(value, (int, float)) and name != "self"
+    }
+    return {
+        **plain,
+        "work_dir": os.path.abspath(trainer.work_dir),
+        "compile": args["compile"] if isinstance(args["compile"], bool) else str(args["compile"]),
+        "model": type(unwrapped(args["model"])).__name__,
+        "optimizer": type(optimizer).__name__,
+        "base_lrs": [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups],
+        "lr_scheduler": type(args["lr_scheduler"]).__name__,
+        "data_loader": type(loader).__name__,
+        "batch_size": getattr(loader, "batch_size", None),
+        "iters_per_epoch": trainer.epoch_len,
+        "world_size": get_world_size(),
+        "amp_dtype": str(trainer.amp_dtype).replace("torch.", "") if args["enable_amp"] else None,
+        "torch": torch.__version__,
+    }
+
+
 def default_hooks(args: dict[str, Any]) -> list[HookBase]:
     """The hooks every trainer has unless told otherwise, configured by its arguments."""
     return [
@@ -115,6 +151,8 @@ def default_hooks(args: dict[str, Any]) -> list[HookBase]:
             args["tensorboard"],
             args["metrics_jsonl"],
         ),  # fmt: skip
+        # only where it would draw: elsewhere it would cost a call per iteration for nothing
+        *([ProgressBarHook()] if args["progress_bar"] and ProgressBarHook.wanted() else []),
     ]
 
 

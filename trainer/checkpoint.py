@@ -83,6 +83,7 @@ class Checkpointer:
         self._config = config
         self._batch_size = batch_size
         self._extra: dict[str, Any] = {}
+        self.last_path: Optional[str] = None  # the checkpoint saved (rank 0) or loaded last
         self._sharded = is_sharded(model)  # by FSDP2's fully_shard
         self.writer = BackgroundWriter()  # its ``failed`` flag is read every iteration
 
@@ -134,6 +135,7 @@ class Checkpointer:
             return None
         path = os.path.join(self.ckpt_dir, file_name)
         save_in_background(self.writer, lambda: self._state_dict(rng, weights), path, then)
+        self.last_path = path
         return path
 
     def _refuse_non_finite(self, file_name: str) -> None:
@@ -226,7 +228,7 @@ class Checkpointer:
                 raise ValueError("Pass a checkpoint path, or auto_resume=True to use the latest.")
             found = load_newest(self.ckpt_dir)
             if found is None:
-                logger.info(f"No checkpoint in {self.ckpt_dir}: training from scratch.")
+                logger.debug(f"No checkpoint in {self.ckpt_dir}: training from scratch.")
                 return False
             path, data = found
         else:
@@ -240,6 +242,7 @@ class Checkpointer:
             logger.info(f"Loaded model weights from {path}; the training state is not restored.")
             return True
         self._load_state_dict(data, path)
+        self.last_path = path
         logger.info(f"Resumed from checkpoint {path} at iteration {self._progress.start_iter}.")
         return True
 
@@ -339,9 +342,10 @@ def load_model_state(
     )
     if problems and strict:
         raise RuntimeError(
-            f"Checkpoint {path!r} does not match the model:{problems}\nTo load only the "
-            "weights that match (fine-tuning), call load_checkpoint(path, resume=False, "
-            "strict=False)."
+            f"Checkpoint {path!r} does not match the model:{problems}\nIf the model changed on "
+            "purpose, train it in a new work_dir, or pass train(auto_resume=False) to start "
+            "afresh in this one. To fine-tune from these weights instead, loading those that "
+            "match: load_checkpoint(path, resume=False, strict=False)."
         )
     if problems:
         logger.warning(f"Loading {path} with strict=False skipped:{problems}")

@@ -37,7 +37,7 @@ def save_in_background(
     def write() -> None:
         atomic_save(copied, path, mode)
         update_latest_pointer(ckpt_dir, file_name, mode)
-        logger.info(f"Saved checkpoint {path}")
+        logger.debug(f"Saved checkpoint {path}")  # the next log line names it
         if then is not None:
             then()
 

@@ -5,7 +5,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
-from typing import Optional
+from typing import Any, Optional
 
 _FORMAT = "[%(asctime)s %(name)s %(levelname)s]: %(message)s"
 _DATE_FORMAT = "%m/%d %H:%M:%S"
@@ -60,10 +60,82 @@ def setup_logger(
     return log
 
 
+# A record logged with ``extra={TRACEBACK_FOLLOWS: True}`` shows its traceback in log files only:
+# on the console, Python prints it once, as the exception leaves the program.
+TRACEBACK_FOLLOWS = "trainer_traceback_follows"
+
+
+class _ConsoleFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        if record.exc_info and getattr(record, TRACEBACK_FOLLOWS, False):
+            record = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None})
+        return super().format(record)
+
+
+class LiveLine:
+    """The console's last line, redrawn in place (the progress bar), which log records printed
+    by this package's console handler clear and draw again below them."""
+
+    def __init__(self) -> None:
+        self.stream: Optional[Any] = None
+        self._text = ""
+
+    def attach(self, stream: Any) -> None:
+        self.stream, self._text = stream, ""
+
+    def detach(self) -> None:
+        self.stream, self._text = None, ""
+
+    def show(self, text: str) -> None:
+        """Draw ``text`` over the line."""
+        if self.stream is not None:
+            self._text = text
+            self.stream.write("\r" + text + "\x1b[K")
+            self.stream.flush()
+
+    def finish(self) -> None:
+        """End the line where it is: the next one starts below it."""
+        if self.stream is not None and self._text:
+            self.stream.write("\n")
+            self.stream.flush()
+            self._text = ""
+
+    def clear(self) -> None:
+        if self.stream is not None and self._text:
+            self.stream.write("\r\x1b[K")
+
+    def redraw(self) -> None:
+        if self.stream is not None and self._text:
+            self.show(self._text)
+
+
+#: The one live line, drawn on ``sys.stderr`` by a ``ProgressBarHook``.
+live_line = LiveLine()
+
+
+def draws_safely_on(stream: Any) -> bool:
+    """Whether every handler that prints the trainer's records on ``stream`` is this package's
+    console handler, which clears a live line and draws it again below each record."""
+    log = logging.getLogger("trainer")
+    handlers = log.handlers + (logging.getLogger().handlers if log.propagate else [])
+    return all(isinstance(h, _ConsoleHandler) or getattr(h, "stream", None) is not stream
+               for h in handlers)  # fmt: skip
+
+
+class _ConsoleHandler(logging.StreamHandler):
+    def emit(self, record: logging.LogRecord) -> None:
+        drawn = live_line.stream is self.stream
+        if drawn:
+            live_line.clear()
+        super().emit(record)
+        if drawn:
+            live_line.redraw()
+
+
 def _console_handler() -> logging.Handler:
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _ConsoleHandler(sys.stderr)
     handler._trainer_console = True  # marks ours, so a second setup adds no duplicate
-    handler.setFormatter(logging.Formatter(_FORMAT, datefmt=_DATE_FORMAT))
+    handler.setFormatter(_ConsoleFormatter(_FORMAT, datefmt=_DATE_FORMAT))
     return handler
 
 

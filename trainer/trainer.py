@@ -23,7 +23,7 @@ from .cuda_graph import GraphedStep, check_graphable
 from .distributed import get_rank
 from .env import collect_env
 from .hooks.registry import HookMethods, HookRegistry
-from .logger import ensure_console_logging, log_file_path, log_to_file
+from .logger import TRACEBACK_FOLLOWS, ensure_console_logging, log_file_path, log_to_file
 from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import MetricStorage, PendingMetrics, scalars
 from .preemption import WRITE_FAILED, Preemption
@@ -86,6 +86,8 @@ class Trainer(StepMethods, HookMethods):
         metrics_jsonl: Write every log point's metrics to ``work_dir/metrics.jsonl``.
         preempt_check_period: Under torchrun, the ranks share caught preemption signals every N
             iterations, and stop within 2N iterations of one (see :class:`Preemption`).
+        progress_bar: Draw a live progress bar when the console is a terminal (rank 0 only;
+            see :class:`~trainer.hooks.ProgressBarHook`).
 
     Example::
 
@@ -137,6 +139,7 @@ class Trainer(StepMethods, HookMethods):
         tensorboard: bool = True,
         metrics_jsonl: bool = True,
         preempt_check_period: int = 10,
+        progress_bar: bool = True,
     ) -> None:
         arguments = dict(locals())  # every argument, by name
         self.epoch_len = args.check_arguments(arguments)
@@ -181,6 +184,10 @@ class Trainer(StepMethods, HookMethods):
         )  # fmt: skip
         self._period_start = (0.0, -1)  # (time, iteration before it) of the log period running
         self._stream_notice = None if self.epoch_len else args.stream_notice(arguments)
+        self._data_seconds = 0.0  # waiting for batches, up to the last log point
+        #: The run's settings, as plain data: the arguments and what they hold (written to
+        #: ``work_dir/run.json`` and TensorBoard when training starts).
+        self.run_config = args.run_config(arguments, self)
 
         args.make_writable_dir(self.ckpt_dir)
         self.register_hooks(args.default_hooks(arguments))
@@ -218,6 +225,11 @@ class Trainer(StepMethods, HookMethods):
         """Iterations in the current epoch (the last one may be shorter in iteration mode). With
         a data loader without a length, the most it can have: those left of ``max_iters``."""
         return self.progress.epoch_iters
+
+    @property
+    def data_seconds(self) -> float:
+        """Seconds spent waiting for batches in this :meth:`train`, up to the last log point."""
+        return self._data_seconds
 
     @property
     def lr(self) -> float:
@@ -265,6 +277,7 @@ class Trainer(StepMethods, HookMethods):
         """
         ensure_console_logging("trainer", get_rank())
         self._hooks.seconds = [0.0] * len(self._hooks.hooks)
+        self._data_seconds = 0.0
         # Signals are caught from the start: one during start-up exits after the first iteration.
         with log_to_file("trainer", self.log_file), self._preemption.catching():
             self._start(resume_from_checkpoint, auto_resume, continue_after_stop)
@@ -276,9 +289,12 @@ class Trainer(StepMethods, HookMethods):
                         pass
                 if self.progress.stopped and not self.progress.is_saved:
                     self.save_checkpoint(self.checkpoint_name())  # a rerun stays stopped
-            except Exception:
-                # in this rank's log file too, tagged with the iteration
-                logger.exception(f"Training failed in iteration {self.cur_iter}:")
+            except Exception as e:
+                # the traceback in this rank's log file; on the console Python prints it, once
+                logger.exception(
+                    f"Training failed in iteration {self.cur_iter}: {type(e).__name__}: {e}",
+                    extra={TRACEBACK_FOLLOWS: True},
+                )
                 raise
             finally:
                 try:
@@ -324,14 +340,22 @@ class Trainer(StepMethods, HookMethods):
         if self._stream_notice:
             logger.warning(self._stream_notice)
         self._checkpointer.remove_temp_files()
-        if path is not None or auto_resume:
-            self.load_checkpoint(path, auto_resume=auto_resume)
+        resumed = (path is not None or auto_resume) and self.load_checkpoint(path, auto_resume)
+        work_dir, done = os.path.abspath(self.work_dir), f"{self.start_iter} of {self.max_iters}"
         if self.progress.stay_stopped(continue_after_stop):
             logger.info(
                 f"The run was ended by stop() at iteration {self.start_iter}: not training "
                 "on. Pass train(continue_after_stop=True) to go on."
             )
-        logger.info(f"Start training from iteration {self.start_iter} of {self.max_iters}.")
+        elif self.progress.finished:
+            logger.info(
+                f"Nothing to train: the run in {work_dir} is finished ({self.last_checkpoint}, "
+                f"iteration {done}). To train again from scratch, pass train(auto_resume=False) "
+                "or another work_dir; to train longer, raise max_epochs or max_iters."
+            )
+        else:
+            origin = f"resuming {self.last_checkpoint}" if resumed else "afresh"
+            logger.info(f"Start training from iteration {done} in {work_dir}, {origin}.")
 
     def _end_iter(self) -> None:
         self.progress.end_iter()
@@ -343,6 +367,7 @@ class Trainer(StepMethods, HookMethods):
             start, before = self._period_start
             now, n = time.perf_counter(), it - before
             times = {"data_time": self._data.data_time / n, "iter_time": (now - start) / n}
+            self._data_seconds += self._data.data_time
             self._data.data_time, self._period_start = 0.0, (now, it)
             self._pending.add(it, times, reduce=True)
             # The LR this iteration used (LRUpdateHook changes it after the iteration); only the
@@ -420,6 +445,11 @@ class Trainer(StepMethods, HookMethods):
         """The file name of a checkpoint taken now: ``epoch_{N}.pth`` at an epoch's end in
         epoch-based training, ``iter_{N}.pth`` otherwise (N epochs or iterations done)."""
         return checkpoint_name(self.train_by_epoch, self.progress.position, self.cur_iter + 1)
+
+    @property
+    def last_checkpoint(self) -> Optional[str]:
+        """The path of the checkpoint saved (on rank 0) or resumed from last; None before."""
+        return self._checkpointer.last_path
 
     def register_checkpointable(self, name: str, obj: Any) -> None:
         """Save ``obj.state_dict()`` in every checkpoint under ``name`` and restore it with

@@ -6,7 +6,8 @@ import json
 import logging
 import os
 import time
-from typing import Any
+from collections.abc import Collection
+from typing import Any, Optional
 
 import torch
 
@@ -41,15 +42,25 @@ class MetricWriter:
 
 
 class ConsoleWriter(MetricWriter):
-    """The log line: progress, ETA, LR, metrics and peak CUDA memory, to the console and
-    ``log.txt``. The ETA spreads the time of everything since training started (evaluation and
-    checkpoints included) over the iterations done."""
+    """The log line: progress, ETA, LR, metrics (times with their units), peak CUDA memory and
+    the checkpoint saved since the previous line, if any, to the console and ``log.txt``. The
+    ETA spreads the time of everything since training started (evaluation and checkpoints
+    included) over the iterations done.
+
+    Args:
+        start_time: ``time.perf_counter()`` when training started.
+        start_iter: The iteration it started from.
+        last_checkpoint: The checkpoint it resumed from (not to be named as saved).
+    """
 
     log_points_only = True
 
-    def __init__(self, start_time: float, start_iter: int) -> None:
+    def __init__(
+        self, start_time: float, start_iter: int, last_checkpoint: Optional[str] = None
+    ) -> None:
         self._start_time = start_time
         self._start_iter = start_iter
+        self._shown_checkpoint = last_checkpoint
 
     def write(self, trainer: Any, iter: int, metrics: dict[str, float]) -> None:
         if not logger.isEnabledFor(logging.INFO):
@@ -73,16 +84,31 @@ class ConsoleWriter(MetricWriter):
         ]
         if "lr" in metrics:
             parts.append(f"lr {metrics.pop('lr'):.4g}")
-        parts += [f"{name} {value:.4g}" for name, value in metrics.items()]
+        parts += [
+            f"{name} {format_seconds(value) if name.endswith('_time') else f'{value:.4g}'}"
+            for name, value in metrics.items()
+        ]
         if trainer.device.type == "cuda":
             # reads the allocator's counters: no device sync
             peak = torch.cuda.max_memory_allocated(trainer.device) / 2**20
             parts.append(f"max_mem {peak:.0f}M")
+        checkpoint = trainer.last_checkpoint
+        if checkpoint != self._shown_checkpoint:  # saved since the previous line
+            parts.append(f"saved {os.path.basename(checkpoint)}")
+            self._shown_checkpoint = checkpoint
         logger.info("  ".join(parts))
 
 
+def format_seconds(seconds: float) -> str:
+    """A duration with its unit: ``"12.3 ms"``, ``"4.56 s"``."""
+    return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
+
+
 class TensorBoardWriter(MetricWriter):
-    """Scalars in TensorBoard event files under ``log_dir``.
+    """Scalars in TensorBoard event files under ``log_dir``, grouped by their tag's prefix:
+    ``eval/`` for evaluation results (the names in ``eval_names``), ``time/`` for times
+    (``data_time``, ``iter_time``), ``train/`` for the rest (losses, ``lr``); a name that has a
+    ``/`` already keeps it.
 
     Each log point becomes one event holding all its scalars, and the events go to
     ``SummaryWriter`` in batches, at most every ``handoff_secs`` seconds (and at :meth:`close`).
@@ -97,9 +123,16 @@ class TensorBoardWriter(MetricWriter):
             runs from it on (``purge_step``), which a resumed run repeats or a fresh one
             replaces, so no step shows twice and two runs' curves never mix.
         handoff_secs: Seconds between hand-overs to ``SummaryWriter``.
+        eval_names: The names of evaluation results (a set or dict, read at each write).
     """
 
-    def __init__(self, log_dir: str, start_iter: int = 0, handoff_secs: float = 5.0) -> None:
+    def __init__(
+        self,
+        log_dir: str,
+        start_iter: int = 0,
+        handoff_secs: float = 5.0,
+        eval_names: Collection[str] = (),
+    ) -> None:
         from tensorboard.compat.proto.summary_pb2 import Summary
         from torch.utils.tensorboard import SummaryWriter
 
@@ -109,9 +142,19 @@ class TensorBoardWriter(MetricWriter):
         self._handoff_secs = handoff_secs
         self._next_handoff = time.monotonic() + handoff_secs
         self._events: list[tuple[Any, int, float]] = []  # (summary, step, wall time)
+        self._eval_names = eval_names
+
+    def tag(self, name: str) -> str:
+        """The TensorBoard tag of metric ``name``."""
+        if "/" in name:
+            return name
+        if name in self._eval_names:
+            return f"eval/{name}"
+        return f"time/{name}" if name.endswith("_time") else f"train/{name}"
 
     def write(self, trainer: Any, iter: int, metrics: dict[str, float]) -> None:
-        values = [self._summary.Value(tag=name, simple_value=v) for name, v in metrics.items()]
+        summary_value = self._summary.Value
+        values = [summary_value(tag=self.tag(name), simple_value=v) for name, v in metrics.items()]
         self._events.append((self._summary(value=values), iter, time.time()))
         if time.monotonic() >= self._next_handoff:
             self._hand_over()
@@ -121,6 +164,10 @@ class TensorBoardWriter(MetricWriter):
             self._writer.file_writer.add_summary(summary, step, wall_time)
         self._events = []
         self._next_handoff = time.monotonic() + self._handoff_secs
+
+    def write_text(self, tag: str, text: str, step: int) -> None:
+        """Text (Markdown) under ``tag`` in TensorBoard's text tab."""
+        self._writer.add_text(tag, text, step)
 
     def close(self) -> None:
         self._hand_over()

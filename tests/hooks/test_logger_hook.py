@@ -4,6 +4,7 @@ import os
 import re
 
 import pytest
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from trainer import HookBase
@@ -22,12 +23,14 @@ def test_tensorboard_scalars_are_written_at_log_points(make_trainer):
     trainer.register_hook(EvalHook(1, lambda: {"val_acc": 0.25 * (trainer.cur_epoch + 1)}))
     trainer.train()
     scalars = read_scalars(trainer.tb_log_dir)
-    assert {"lr", "total_loss", "data_time", "iter_time", "val_acc"} <= set(scalars)
-    assert [step for step, _ in scalars["total_loss"]] == [3, 7, 11, 15]
-    assert scalars["val_acc"] == [(7, 0.25), (15, 0.5)]
-    assert scalars["lr"][-1] == (15, pytest.approx(0.05))  # StepLR halves after epoch 1
+    # grouped: training, evaluation and times apart
+    assert set(scalars) == {"train/lr", "train/total_loss", "time/data_time", "time/iter_time",
+                            "eval/val_acc"}  # fmt: skip
+    assert [step for step, _ in scalars["train/total_loss"]] == [3, 7, 11, 15]
+    assert scalars["eval/val_acc"] == [(7, 0.25), (15, 0.5)]
+    assert scalars["train/lr"][-1] == (15, pytest.approx(0.05))  # StepLR halves after epoch 1
     last = trainer.metric_storage["total_loss"].avg
-    assert scalars["total_loss"][-1][1] == pytest.approx(last, rel=1e-6)
+    assert scalars["train/total_loss"][-1][1] == pytest.approx(last, rel=1e-6)
 
 
 def test_console_and_log_file_lines(make_trainer, caplog, tmp_path):
@@ -37,14 +40,19 @@ def test_console_and_log_file_lines(make_trainer, caplog, tmp_path):
     lines = [r.getMessage() for r in caplog.records if r.name == "trainer.hooks.logger_hook"]
     progress = [line for line in lines if line.startswith("epoch")]
     assert len(progress) == 4
+    # times with their units; the checkpoint saved at epoch 1's end named in the next line
+    number, ms = r"[\d.e-]+", r"[\d.e-]+ m?s"
     pattern = (
-        r"epoch 2/2 \[8/8\]  iter 16/16  ETA 0:00:00  lr 0\.05  total_loss [\d.e-]+  "
-        r"data_time [\d.e-]+  iter_time [\d.e-]+"
+        rf"epoch 2/2 \[4/8\]  iter 12/16  ETA 0:00:00  lr 0\.05  total_loss {number}  "
+        rf"data_time {ms}  iter_time {ms}  saved epoch_1\.pth"
     )
-    assert re.fullmatch(pattern, progress[-1]), progress[-1]
+    assert re.fullmatch(pattern, progress[2]), progress[2]
+    assert "saved" not in progress[3]  # nothing saved since
     log_text = (tmp_path / "work" / "log.txt").read_text()
     assert progress[-1] in log_text
-    assert "Training ran for" in log_text
+    assert "Run summary" in log_text
+    # no line of its own for a save or a deletion
+    assert "Saved checkpoint" not in log_text and "Deleted" not in log_text
 
 
 class Recorder(MetricWriter):
@@ -68,6 +76,7 @@ def test_metrics_go_to_metrics_jsonl_and_to_your_writers(make_trainer):
     assert pairs == [(3, 1), (7, 1), (7, 1), (11, 2), (15, 2), (15, 2)]
     assert lines[1].keys() == {"iter", "epoch", "lr", "total_loss", "data_time", "iter_time"}
     assert lines[2] == {"iter": 7, "epoch": 1, "val_acc": 0.25}  # the epoch-end evaluation
+    assert all("lr" in line for line in lines if "val_acc" not in line)  # log points, whole
     assert lines[-2]["total_loss"] == pytest.approx(trainer.metric_storage["total_loss"].avg)
     assert [(it, names) for it, names in recorder.calls] == [
         (r["iter"], sorted(set(r) - {"iter", "epoch"})) for r in lines
@@ -118,7 +127,9 @@ def test_the_eta_spreads_evaluation_time_over_the_iterations(make_trainer, caplo
     assert etas == [("4", "0:00:12"), ("8", "0:00:08"), ("12", "0:00:06"), ("16", "0:00:00")]
 
 
-def test_time_in_hooks_is_reported(make_trainer, caplog, monkeypatch):
+def test_the_summary_table_gives_the_time_by_hook_and_the_evaluated_metrics(
+    make_trainer, caplog, monkeypatch, tmp_path
+):
     clock = FakeClock()
     for module in ("trainer.hooks.registry", "trainer.writers", "trainer.hooks.logger_hook"):
         monkeypatch.setattr(f"{module}.time", clock)
@@ -131,13 +142,32 @@ def test_time_in_hooks_is_reported(make_trainer, caplog, monkeypatch):
         def after_iter(self):
             clock.now += 0.25
 
-    trainer = make_trainer(max_epochs=2, log_period=1)  # a report every 10 iterations
+    trainer = make_trainer(max_epochs=2, log_period=4)
+    values = {0: (0.5, 0.9), 1: (0.75, 0.8)}  # (val_loss, val_acc): the best acc is the first
+    trainer.register_hook(
+        EvalHook(1, lambda: dict(zip(("val_loss", "val_acc"), values[trainer.cur_epoch])))
+    )
     trainer.register_hooks([Slow(), Tick()])
     trainer.train()
     assert trainer.hook_seconds["Slow"] == 1.0 and trainer.hook_seconds["Tick"] == 4.0
-    reports = re.findall(r"Time in hooks, of (\S+) s of training: (.*)\.", caplog.text)
-    assert reports[0][0] == "3" and reports[0][1].startswith("Tick 2.5 s, Slow 0.5 s")
-    assert reports[-1][0] == "5" and reports[-1][1].startswith("Tick 4 s, Slow 1 s")
+    (summary,) = [r.getMessage() for r in caplog.records if "Run summary" in r.getMessage()]
+    rows = dict(re.split(r"  +", line.strip(), maxsplit=1) for line in summary.splitlines()[3:])
+    work = str(tmp_path / "work")
+    assert rows["wall time"] == "5 s for 16 iterations (3.2 it/s), iteration 16 of 16"
+    assert rows["hook Tick"] == "4 s (80.0%)" and rows["hook Slow"] == "1 s (20.0%)"
+    assert rows["val_loss"] == "final 0.75, best 0.5 (after iteration 8)"
+    assert rows["val_acc"] == "final 0.8, best 0.9 (after iteration 8)"
+    assert rows["last checkpoint"] == os.path.join(work, "checkpoints", "epoch_2.pth")
+    assert rows["logs"] == f"log.txt, metrics.jsonl, tb_logs in {work}"
+
+    caplog.clear()  # a rerun: nothing to train, the same metrics from the checkpoint
+    rerun = make_trainer(max_epochs=2, log_period=4)
+    rerun.train()
+    assert "Nothing to train: the run in " + work + " is finished" in caplog.text
+    assert "train(auto_resume=False) or another work_dir" in caplog.text
+    (summary,) = [r.getMessage() for r in caplog.records if "Run summary" in r.getMessage()]
+    assert "no iteration to train: iteration 16 of 16" in summary
+    assert "final 0.8, best 0.9 (after iteration 8)" in summary
 
 
 def jsonl_iters(trainer):
@@ -169,8 +199,8 @@ def test_a_resumed_run_replaces_the_steps_it_repeats(make_trainer, tmp_path):
     assert resumed.start_iter == 8
     assert jsonl_iters(resumed) == [3, 7, 11, 15]
     scalars = read_scalars(resumed.tb_log_dir)
-    assert [step for step, _ in scalars["total_loss"]] == [3, 7, 11, 15]
-    assert scalars["total_loss"] == read_scalars(whole.tb_log_dir)["total_loss"]
+    assert [step for step, _ in scalars["train/total_loss"]] == [3, 7, 11, 15]
+    assert scalars["train/total_loss"] == read_scalars(whole.tb_log_dir)["train/total_loss"]
 
 
 def test_a_fresh_run_in_the_same_work_dir_does_not_mix_with_the_old_curves(make_trainer):
@@ -178,6 +208,26 @@ def test_a_fresh_run_in_the_same_work_dir_does_not_mix_with_the_old_curves(make_
     fresh = make_trainer(max_epochs=1, log_period=4, lr=0.01)
     fresh.train(auto_resume=False)
     scalars = read_scalars(fresh.tb_log_dir)
-    assert [step for step, _ in scalars["total_loss"]] == [3, 7]
-    assert scalars["lr"] == [(3, pytest.approx(0.01)), (7, pytest.approx(0.01))]
+    assert [step for step, _ in scalars["train/total_loss"]] == [3, 7]
+    assert scalars["train/lr"] == [(3, pytest.approx(0.01)), (7, pytest.approx(0.01))]
     assert jsonl_iters(fresh) == [3, 7]
+
+
+def test_the_run_settings_go_to_run_json_and_tensorboard(make_trainer, tmp_path):
+    trainer = make_trainer(max_epochs=1, enable_amp=True, clip_grad_norm=1.0)
+    trainer.train()
+    config = json.loads((tmp_path / "work" / "run.json").read_text())
+    assert config["max_epochs"] == 1 and config["clip_grad_norm"] == 1.0
+    assert config["work_dir"] == str(tmp_path / "work")
+    assert (config["optimizer"], config["base_lrs"], config["lr_scheduler"]) == (
+        "SGD",
+        [0.1],
+        "StepLR",
+    )
+    assert (config["batch_size"], config["world_size"], config["amp_dtype"]) == (4, 1, "bfloat16")
+    assert config["torch"] == torch.__version__ and config["model"] == "TinyModel"
+    acc = EventAccumulator(trainer.tb_log_dir)
+    acc.Reload()
+    (event,) = acc.Tensors("run/text_summary")
+    text = event.tensor_proto.string_val[0].decode()
+    assert '| optimizer | "SGD" |' in text and "| accumulation_steps | 1 |" in text

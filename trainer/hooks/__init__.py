@@ -10,6 +10,7 @@ from .hookbase import HookBase, Priority
 from .logger_hook import LoggerHook
 from .lr_update_hook import LRUpdateHook
 from .profiler_hook import ProfilerHook
+from .progress_bar_hook import ProgressBarHook
 from .watchdog_hook import WatchdogHook
 
 __all__ = [
@@ -24,5 +25,6 @@ __all__ = [
     "LRUpdateHook",
     "Priority",
     "ProfilerHook",
+    "ProgressBarHook",
     "WatchdogHook",
 ]

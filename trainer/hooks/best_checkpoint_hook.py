@@ -1,6 +1,7 @@
 """Keeps a checkpoint of the best evaluation result."""
 
 import logging
+import os
 from typing import Any, Optional
 
 from .hookbase import HookBase, Priority
@@ -55,6 +56,11 @@ class BestCheckpointHook(HookBase):
         """Save a best found in this epoch's evaluation."""
         if self._due:
             self._save()
+
+    @property
+    def best_checkpoint(self) -> str:
+        """The path of the best checkpoint (written once a best was found)."""
+        return os.path.join(self.trainer.ckpt_dir, self._file_name)
 
     def _save(self) -> None:
         self._due = False

@@ -95,4 +95,4 @@ def _delete(ckpt_dir: str, names: list[str]) -> None:
         path = os.path.join(ckpt_dir, name)
         if os.path.exists(path):
             os.remove(path)
-            logger.info(f"Deleted old checkpoint {path}")
+            logger.debug(f"Deleted old checkpoint {path}")

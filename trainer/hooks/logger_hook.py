@@ -1,25 +1,28 @@
 """Sends metrics to the console, TensorBoard, a JSON Lines file and any other writers."""
 
-import datetime
+import json
 import logging
 import os
 import time
-from typing import Optional
+from typing import Any, Optional
 
 from ..distributed import is_main_process
 from ..writers import ConsoleWriter, JSONLinesWriter, MetricWriter, TensorBoardWriter
 from .hookbase import HookBase, Priority
+from .summary import EvalRecord, summary_table
 
 logger = logging.getLogger(__name__)
 
 
 class LoggerHook(HookBase):
     """Every ``period`` iterations, writes the new metrics to its writers: the console line
-    (progress, ETA, LR, losses, data and iteration time, peak CUDA memory; every rank, to its
-    console and log file), and on rank 0 TensorBoard (``trainer.tb_log_dir``), the JSON Lines
-    file ``work_dir/metrics.jsonl`` and the ``writers`` you pass. Every ``10 * period``
-    iterations and at the end it also logs the time spent in each hook (see
-    ``trainer.hook_seconds``).
+    (progress, ETA, LR, losses, data and iteration time, peak CUDA memory, the checkpoint saved
+    since the last line; every rank, to its console and log file), and on rank 0 TensorBoard
+    (``trainer.tb_log_dir``), the JSON Lines file ``work_dir/metrics.jsonl`` and the ``writers``
+    you pass. Each evaluation's results are written as they come, in a row of their own. At the
+    start, rank 0 writes the run's settings (``trainer.run_config``) to ``work_dir/run.json``
+    and TensorBoard; at the end every rank logs a summary table: time, speed, time per hook and
+    in data loading, the evaluated metrics' final and best values, checkpoints and logs.
 
     Args:
         period: Iterations between log points.
@@ -48,18 +51,29 @@ class LoggerHook(HookBase):
         self._writers: list[MetricWriter] = []
         self._written: dict[str, int] = {}  # metric -> values already written
         self._train_start = 0.0
+        self._evals = EvalRecord()
 
     def before_train(self) -> None:
-        """Open the writers and start the clock. What a resumed run's metrics already hold was
-        written by the run that saved them; what that run wrote after its checkpoint (steps this
-        run repeats) is dropped from TensorBoard and ``metrics.jsonl``."""
+        """Open the writers, write the run's settings and start the clock. What a resumed run's
+        metrics already hold was written by the run that saved them; what that run wrote after
+        its checkpoint (steps this run repeats) is dropped from TensorBoard and
+        ``metrics.jsonl``."""
         trainer = self.trainer
         self._train_start = time.perf_counter()
         self._written = {name: buffer.count for name, buffer in trainer.metric_storage.items()}
-        self._writers = [ConsoleWriter(self._train_start, trainer.start_iter)]
+        self._writers = [
+            ConsoleWriter(self._train_start, trainer.start_iter, trainer.last_checkpoint)
+        ]
         if is_main_process():
+            config = trainer.run_config
+            with open(os.path.join(trainer.work_dir, "run.json"), "w", encoding="utf-8") as f:
+                json.dump(config, f, indent=2)
             if self._tensorboard:
-                self._writers.append(TensorBoardWriter(trainer.tb_log_dir, trainer.start_iter))
+                writer = TensorBoardWriter(
+                    trainer.tb_log_dir, trainer.start_iter, eval_names=self._evals.metrics
+                )
+                writer.write_text("run", _markdown_table(config), trainer.start_iter)
+                self._writers.append(writer)
             if self._metrics_jsonl:
                 path = os.path.join(trainer.work_dir, "metrics.jsonl")
                 self._writers.append(JSONLinesWriter(path, trainer.start_iter))
@@ -70,36 +84,44 @@ class LoggerHook(HookBase):
         done = self.trainer.progress.iter + 1  # read once: this runs every iteration
         if done % self._period == 0 or done == self.trainer.max_iters:
             self._write(log_point=True)
-            if done % (10 * self._period) == 0:
-                self._log_hook_times()
 
-    def after_epoch(self) -> None:
-        """Write what other hooks logged at the epoch's end (e.g. evaluation)."""
-        self._write(log_point=False)
+    def after_eval(self, results: dict[str, float]) -> None:
+        """Write an evaluation's results, in a row of their own (not the console line: the
+        ``EvalHook`` logs its own), and keep their final and best values for the summary."""
+        self._evals.add(results, self.trainer.cur_iter + 1)
+        self._write(log_point=False, names=set(results))
 
     def after_train(self) -> None:
-        """Write what is left, close the writers and log the total time."""
+        """Write what is left, close the writers and log the summary table."""
         try:
             self._write(log_point=False)
         finally:
             for writer in self._writers:
                 writer.close()
             self._writers = []
-        self._log_hook_times()
-        total = datetime.timedelta(seconds=int(time.perf_counter() - self._train_start))
-        logger.info(f"Training ran for {total} (up to iteration {self.trainer.cur_iter + 1}).")
+        trainer = self.trainer
+        logs = [trainer.log_file]
+        if is_main_process():
+            work_dir = trainer.work_dir
+            logs += [os.path.join(work_dir, "metrics.jsonl")] if self._metrics_jsonl else []
+            logs += [trainer.tb_log_dir] if self._tensorboard else []
+        seconds = time.perf_counter() - self._train_start
+        iters = trainer.cur_iter + 1 - trainer.start_iter
+        logger.info("\n" + summary_table(trainer, seconds, iters, self._evals, logs))
 
-    def _log_hook_times(self) -> None:
-        elapsed = time.perf_counter() - self._train_start
-        times = sorted(self.trainer.hook_seconds.items(), key=lambda item: -item[1])
-        parts = ", ".join(f"{name} {seconds:.3g} s" for name, seconds in times)
-        logger.info(f"Time in hooks, of {elapsed:.3g} s of training: {parts}.")
+    def state_dict(self) -> dict[str, Any]:
+        """The evaluated metrics' final and best values (for the summary of a resumed run)."""
+        return {"evals": self._evals.state_dict()}
 
-    def _write(self, log_point: bool) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self._evals.load_state_dict(state["evals"])
+
+    def _write(self, log_point: bool, names: Optional[set[str]] = None) -> None:
         storage = self.trainer.metric_storage
         fresh = {}
         for name, buffer in storage.items():
-            if buffer.count > self._written.get(name, 0):
+            if (names is None or name in names) and buffer.count > self._written.get(name, 0):
                 self._written[name] = buffer.count
                 fresh[name] = storage.value_maybe_smooth(name)
         if not fresh:
@@ -107,3 +129,9 @@ class LoggerHook(HookBase):
         for writer in self._writers:
             if log_point or not writer.log_points_only:
                 writer.write(self.trainer, self.trainer.cur_iter, fresh)
+
+
+def _markdown_table(config: dict[str, Any]) -> str:
+    """``config`` as a two-column Markdown table, which TensorBoard's text tab renders."""
+    rows = "\n".join(f"| {key} | {json.dumps(value)} |" for key, value in config.items())
+    return f"| setting | value |\n|---|---|\n{rows}"

@@ -153,6 +153,12 @@ class HookMethods:
         self._hooks.call(event, *args)
 
     @property
+    def hooks(self) -> list[HookBase]:
+        """The registered hooks in the order they run (a copy: register and unregister them
+        with the methods)."""
+        return list(self._hooks.hooks)
+
+    @property
     def hook_info(self) -> list[str]:
         """The registered hooks in the order they run, with their priorities."""
         return [f"{h.class_name} (priority {h.priority})" for h in self._hooks.hooks]

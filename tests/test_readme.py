@@ -1,0 +1,46 @@
+"""README's Usage snippet runs as it stands, and reruns as README says."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+from conftest import communicate, cpu_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def usage_snippet():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    usage = readme[readme.index("\n## Usage\n") :]
+    return re.search(r"```python\n(.*?)```", usage, re.DOTALL).group(1)
+
+
+def run(script, cwd):
+    proc = subprocess.Popen(
+        [sys.executable, str(script)], cwd=cwd, env=cpu_env(), stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    _, stderr = communicate(proc, timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    return stderr
+
+
+def test_the_usage_snippet_trains_in_work_dir_and_a_rerun_says_it_is_finished(tmp_path):
+    script = tmp_path / "usage.py"
+    script.write_text(usage_snippet())
+    log = run(script, cwd=tmp_path)
+    work = tmp_path / "work_dir"  # the default, in the current directory
+    assert sorted(os.listdir(work / "checkpoints")) == [
+        "epoch_10.pth", "epoch_8.pth", "epoch_9.pth", "latest.txt",
+    ]  # fmt: skip
+    rows = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
+    accuracies = [row["val_acc"] for row in rows if "val_acc" in row]
+    assert len(accuracies) == 10 and accuracies[-1] > 0.9
+    assert f"Start training from iteration 0 of 480 in {work}, afresh." in log
+    assert "Run summary" in log
+    again = run(script, cwd=tmp_path)
+    assert f"Nothing to train: the run in {work} is finished" in again
+    assert "pass train(auto_resume=False) or another work_dir" in again

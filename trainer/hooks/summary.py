@@ -1,0 +1,94 @@
+"""The end-of-run summary table, and the evaluated metrics' final and best values behind it."""
+
+import datetime
+import os
+from typing import Any, Optional
+
+from tabulate import tabulate
+
+from ..writers import format_seconds
+from .metric_watch import infer_mode
+
+
+class EvalRecord:
+    """The final and best value of every evaluated metric, with the iteration of the best (the
+    best judged by the name, see :func:`~trainer.hooks.metric_watch.infer_mode`; none for a
+    name that does not tell)."""
+
+    def __init__(self) -> None:
+        self.metrics: dict[str, dict[str, Any]] = {}
+
+    def add(self, results: dict[str, float], iters_done: int) -> None:
+        """Record the results of an evaluation after ``iters_done`` iterations."""
+        for name, value in results.items():
+            entry = self.metrics.setdefault(name, {"best": None, "best_iter": None})
+            entry["final"] = value
+            mode = infer_mode(name)
+            best = entry["best"]
+            if mode and (best is None or (value > best if mode == "max" else value < best)):
+                entry["best"], entry["best_iter"] = value, iters_done
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"metrics": {name: dict(entry) for name, entry in self.metrics.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.metrics = {name: dict(entry) for name, entry in state["metrics"].items()}
+
+
+def summary_table(
+    trainer: Any,
+    seconds: float,
+    iters: int,
+    evals: EvalRecord,
+    logs: list[str],
+) -> str:
+    """The table printed when training ends: time, speed, where it went, the evaluated metrics,
+    the checkpoints and the logs.
+
+    Args:
+        trainer: The trainer, for its hooks, data time and checkpoints.
+        seconds: Wall time of this run of ``train()``.
+        iters: Iterations this run trained.
+        evals: The evaluated metrics.
+        logs: The paths of the logs written.
+    """
+    wall = format_seconds(seconds)
+    if seconds >= 60:
+        wall = str(datetime.timedelta(seconds=round(seconds)))
+    done = f"iteration {trainer.cur_iter + 1} of {trainer.max_iters}"
+    if iters:
+        speed = f"{wall} for {iters} iterations ({iters / max(seconds, 1e-9):.3g} it/s), {done}"
+    else:
+        speed = f"{wall}, no iteration to train: {done}"
+    rows = [["wall time", speed]]
+    if iters:
+        rows.append(["data loading", _share(trainer.data_seconds, seconds)])
+        hooks = sorted(trainer.hook_seconds.items(), key=lambda item: -item[1])
+        rows += [[f"hook {name}", _share(s, seconds)] for name, s in hooks]
+    for name, entry in evals.metrics.items():
+        value = f"final {entry['final']:.5g}"
+        if entry["best"] is not None:
+            value += f", best {entry['best']:.5g} (after iteration {entry['best_iter']})"
+        rows.append([name, value])
+    rows.append(["last checkpoint", trainer.last_checkpoint or "none"])
+    best = _best_checkpoint(trainer)
+    if best is not None:
+        rows.append(["best checkpoint", best])
+    folders = {os.path.dirname(path) for path in logs}
+    if len(folders) == 1:  # the usual: all in work_dir
+        rows.append(["logs", f"{', '.join(map(os.path.basename, logs))} in {folders.pop()}"])
+    else:
+        rows.append(["logs", ", ".join(logs)])
+    return tabulate(rows, headers=["Run summary", ""], tablefmt="simple")
+
+
+def _share(part: float, whole: float) -> str:
+    return f"{format_seconds(part)} ({100 * part / max(whole, 1e-9):.1f}%)"
+
+
+def _best_checkpoint(trainer: Any) -> Optional[str]:
+    for hook in trainer.hooks:
+        path = getattr(hook, "best_checkpoint", None)
+        if isinstance(path, str) and os.path.exists(path):
+            return path
+    return None
