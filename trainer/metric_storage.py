@@ -5,7 +5,7 @@ import math
 import statistics
 from collections import deque
 from collections.abc import Iterator, Mapping
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
@@ -362,3 +362,41 @@ def _to_tensor(values: list[Any], device: torch.device) -> torch.Tensor:
         as_tensors = [v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in values]
         return torch.stack([t.to(device, torch.float64) for t in as_tensors])
     return torch.tensor([float(v) for v in values], dtype=torch.float64).to(device)
+
+
+class MetricMethods:
+    """The Trainer's metric methods, over its :class:`PendingMetrics` (``self._pending``) and
+    :class:`MetricStorage` (``self._storage``)."""
+
+    _pending: PendingMetrics
+    _storage: MetricStorage
+    progress: Any
+
+    def log(
+        self,
+        iter: int,
+        smooth: bool = True,
+        *,
+        reduce: bool = False,
+        check_finite: bool = False,
+        **metrics: Union[float, torch.Tensor],
+    ) -> None:
+        """Record ``metrics`` (numbers or scalar tensors, which stay on their device until the
+        next log point: no sync) of iteration ``iter``. The logger shows their window mean
+        (``smooth``) or latest value. ``reduce``: average them over ranks under torchrun (log
+        them on every rank at the same iterations); otherwise they stay this rank's own.
+        ``check_finite``: a NaN or infinite value raises at the next log point, as losses do."""
+        self._pending.add(iter, scalars(metrics), smooth, check_finite, reduce)
+
+    def log_losses(self, **losses: torch.Tensor) -> None:
+        """Record losses of the current iteration as the built-in step does: checked at the next
+        log point (a NaN or infinite one raises ``FloatingPointError`` naming the iteration,
+        before any checkpoint can hold it) and averaged over ranks under torchrun."""
+        self._pending.add(self.progress.iter, scalars(losses), check_finite=True, reduce=True)
+
+    @property
+    def metric_storage(self) -> MetricStorage:
+        """The smoothed metrics, up to date: reading it turns the pending device values into
+        numbers, a CPU-GPU sync point, so hooks read it on log iterations only."""
+        self._pending.flush()
+        return self._storage

@@ -25,7 +25,7 @@ from .env import collect_env
 from .hooks.registry import HookMethods, HookRegistry
 from .logger import TRACEBACK_FOLLOWS, ensure_console_logging, log_file_path, log_to_file
 from .lr_scheduler import LRWarmupScheduler
-from .metric_storage import MetricStorage, PendingMetrics, scalars
+from .metric_storage import MetricMethods, MetricStorage, PendingMetrics
 from .preemption import WRITE_FAILED, Preemption
 from .progress import DataStream, Progress
 from .step import StepMethods, unwrapped
@@ -34,7 +34,7 @@ from .writers import MetricWriter
 logger = logging.getLogger(__name__)
 
 
-class Trainer(StepMethods, HookMethods):
+class Trainer(StepMethods, HookMethods, MetricMethods):
     """Trains a model that returns its loss; hooks do everything around the loop.
 
     Each iteration fetches ``accumulation_steps`` batches, runs ``model(batch)`` (or
@@ -340,22 +340,13 @@ class Trainer(StepMethods, HookMethods):
         if self._stream_notice:
             logger.warning(self._stream_notice)
         self._checkpointer.remove_temp_files()
-        resumed = (path is not None or auto_resume) and self.load_checkpoint(path, auto_resume)
-        work_dir, done = os.path.abspath(self.work_dir), f"{self.start_iter} of {self.max_iters}"
-        if self.progress.stay_stopped(continue_after_stop):
+        if path is not None or auto_resume:
+            self.load_checkpoint(path, auto_resume)
+        if self.progress.stay_stopped(continue_after_stop):  # (LoggerHook tells other starts)
             logger.info(
                 f"The run was ended by stop() at iteration {self.start_iter}: not training "
                 "on. Pass train(continue_after_stop=True) to go on."
             )
-        elif self.progress.finished:
-            logger.info(
-                f"Nothing to train: the run in {work_dir} is finished ({self.last_checkpoint}, "
-                f"iteration {done}). To train again from scratch, pass train(auto_resume=False) "
-                "or another work_dir; to train longer, raise max_epochs or max_iters."
-            )
-        else:
-            origin = f"resuming {self.last_checkpoint}" if resumed else "afresh"
-            logger.info(f"Start training from iteration {done} in {work_dir}, {origin}.")
 
     def _end_iter(self) -> None:
         self.progress.end_iter()
@@ -405,38 +396,6 @@ class Trainer(StepMethods, HookMethods):
         """The next batch of the current epoch's pass over the data loader (time counted as
         ``data_time``)."""
         return self._data.next_batch()
-
-    # ----------------------------------------------------------------------------------------
-    # Metrics
-
-    def log(
-        self,
-        iter: int,
-        smooth: bool = True,
-        *,
-        reduce: bool = False,
-        check_finite: bool = False,
-        **metrics: Union[float, torch.Tensor],
-    ) -> None:
-        """Record ``metrics`` (numbers or scalar tensors, which stay on their device until the
-        next log point: no sync) of iteration ``iter``. The logger shows their window mean
-        (``smooth``) or latest value. ``reduce``: average them over ranks under torchrun (log
-        them on every rank at the same iterations); otherwise they stay this rank's own.
-        ``check_finite``: a NaN or infinite value raises at the next log point, as losses do."""
-        self._pending.add(iter, scalars(metrics), smooth, check_finite, reduce)
-
-    def log_losses(self, **losses: torch.Tensor) -> None:
-        """Record losses of the current iteration as the built-in step does: checked at the next
-        log point (a NaN or infinite one raises ``FloatingPointError`` naming the iteration,
-        before any checkpoint can hold it) and averaged over ranks under torchrun."""
-        self._pending.add(self.progress.iter, scalars(losses), check_finite=True, reduce=True)
-
-    @property
-    def metric_storage(self) -> MetricStorage:
-        """The smoothed metrics, up to date: reading it turns the pending device values into
-        numbers, a CPU-GPU sync point, so hooks read it on log iterations only."""
-        self._pending.flush()
-        return self._storage
 
     # ----------------------------------------------------------------------------------------
     # Checkpoints (see checkpoint.py for what they hold)

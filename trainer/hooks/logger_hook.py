@@ -59,6 +59,7 @@ class LoggerHook(HookBase):
         its checkpoint (steps this run repeats) is dropped from TensorBoard and
         ``metrics.jsonl``."""
         trainer = self.trainer
+        self._log_start()
         self._train_start = time.perf_counter()
         self._written = {name: buffer.count for name, buffer in trainer.metric_storage.items()}
         self._writers = [
@@ -78,6 +79,25 @@ class LoggerHook(HookBase):
                 path = os.path.join(trainer.work_dir, "metrics.jsonl")
                 self._writers.append(JSONLinesWriter(path, trainer.start_iter))
             self._writers += self._extra
+
+    def _log_start(self) -> None:
+        """Say where training starts: afresh or from which checkpoint, in which ``work_dir``;
+        or that the run is finished, and how to start afresh."""
+        trainer, progress = self.trainer, self.trainer.progress
+        work_dir, done = os.path.abspath(trainer.work_dir), f"{trainer.start_iter} of "
+        done += str(trainer.max_iters)
+        if progress.stopped:  # stop() ended the run; the trainer says so
+            return
+        if progress.finished:
+            logger.info(
+                f"Nothing to train: the run in {work_dir} is finished ({trainer.last_checkpoint}, "
+                f"iteration {done}). To train again from scratch, pass train(auto_resume=False) "
+                "or another work_dir; to train longer, raise max_epochs or max_iters."
+            )
+            return
+        resumed = trainer.start_iter > 0 and trainer.last_checkpoint is not None
+        origin = f"resuming {trainer.last_checkpoint}" if resumed else "afresh"
+        logger.info(f"Start training from iteration {done} in {work_dir}, {origin}.")
 
     def after_iter(self) -> None:
         """Write at every ``period``-th and at the last iteration."""
