@@ -93,11 +93,14 @@ def check_arguments(args: dict[str, Any]) -> Optional[int]:
     _check_default_hook_options(args)
     epoch_len = _check_epoch_len(args["data_loader"], args["accumulation_steps"])
     if epoch_len is None and args["max_epochs"]:
+        loader = args["data_loader"]
+        what = type(loader).__name__
+        if getattr(loader, "dataset", None) is not None:
+            what += f" over {type(loader.dataset).__name__}"
         raise ValueError(
             f"max_epochs={args['max_epochs']} needs a data_loader with a length, and this one "
-            f"(a {type(args['data_loader']).__name__} over "
-            f"{type(getattr(args['data_loader'], 'dataset', None)).__name__}) has none: it is a "
-            "stream. Pass max_iters=N instead; an epoch is then one pass until the stream ends."
+            f"(a {what}) has none: it is a stream. Pass max_iters=N instead; an epoch is then "
+            "one pass until the stream ends."
         )
     return epoch_len
 
@@ -110,7 +113,7 @@ def run_config(args: dict[str, Any], trainer: Any) -> dict[str, Any]:
     plain = {
         name: value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
         for name, value in args.items()
-        if name in _SIMPLE_TYPES or isinstance(value, (int, float)) and name != "self"
+        if name in _SIMPLE_TYPES or isinstance(value, (int, float))
     }
     return {
         **plain,

@@ -7,7 +7,7 @@ from typing import Any, Optional
 from tabulate import tabulate
 
 from ..writers import format_seconds
-from .metric_watch import infer_mode
+from .metric_watch import MetricWatch, infer_mode
 
 
 class EvalRecord:
@@ -24,9 +24,11 @@ class EvalRecord:
             entry = self.metrics.setdefault(name, {"best": None, "best_iter": None})
             entry["final"] = value
             mode = infer_mode(name)
-            best = entry["best"]
-            if mode and (best is None or (value > best if mode == "max" else value < best)):
-                entry["best"], entry["best_iter"] = value, iters_done
+            if mode is not None:
+                watch = MetricWatch(name, mode)
+                watch.best = entry["best"]
+                if watch.improves(value):
+                    entry["best"], entry["best_iter"] = value, iters_done
 
     def state_dict(self) -> dict[str, Any]:
         return {"metrics": {name: dict(entry) for name, entry in self.metrics.items()}}
