@@ -84,8 +84,8 @@ class LoggerHook(HookBase):
         """Say where training starts: afresh or from which checkpoint, in which ``work_dir``;
         or that the run is finished, and how to start afresh."""
         trainer, progress = self.trainer, self.trainer.progress
-        work_dir, done = os.path.abspath(trainer.work_dir), f"{trainer.start_iter} of "
-        done += str(trainer.max_iters)
+        work_dir = os.path.abspath(trainer.work_dir)
+        done = f"{trainer.start_iter} of {trainer.max_iters}"
         if progress.stopped:  # stop() ended the run; the trainer says so
             return
         if progress.finished:
