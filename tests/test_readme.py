@@ -40,7 +40,9 @@ def test_the_usage_snippet_trains_in_work_dir_and_a_rerun_says_it_is_finished(tm
     accuracies = [row["val_acc"] for row in rows if "val_acc" in row]
     assert len(accuracies) == 10 and accuracies[-1] > 0.9
     assert f"Start training from iteration 0 of 480 in {work}, afresh." in log
-    assert "Run summary" in log
+    # the summary's paths are absolute, though work_dir was relative
+    assert re.search(rf"last checkpoint +{re.escape(str(work))}/checkpoints/epoch_10\.pth\n", log)
+    assert re.search(rf"logs +log\.txt, metrics\.jsonl, tb_logs in {re.escape(str(work))}\n", log)
     again = run(script, cwd=tmp_path)
     assert f"Nothing to train: the run in {work} is finished" in again
     assert "pass train(auto_resume=False) or another work_dir" in again

@@ -122,9 +122,9 @@ class LoggerHook(HookBase):
         trainer = self.trainer
         logs = [trainer.log_file]
         if is_main_process():
-            work_dir = trainer.work_dir
+            work_dir = os.path.abspath(trainer.work_dir)
             logs += [os.path.join(work_dir, "metrics.jsonl")] if self._metrics_jsonl else []
-            logs += [trainer.tb_log_dir] if self._tensorboard else []
+            logs += [os.path.join(work_dir, "tb_logs")] if self._tensorboard else []
         seconds = time.perf_counter() - self._train_start
         iters = trainer.cur_iter + 1 - trainer.start_iter
         logger.info("\n" + summary_table(trainer, seconds, iters, self._evals, logs))

@@ -72,10 +72,10 @@ def summary_table(
         if entry["best"] is not None:
             value += f", best {entry['best']:.5g} (after iteration {entry['best_iter']})"
         rows.append([name, value])
-    rows.append(["last checkpoint", trainer.last_checkpoint or "none"])
-    best = _best_checkpoint(trainer)
+    last, best = trainer.last_checkpoint, _best_checkpoint(trainer)
+    rows.append(["last checkpoint", os.path.abspath(last) if last else "none"])
     if best is not None:
-        rows.append(["best checkpoint", best])
+        rows.append(["best checkpoint", os.path.abspath(best)])
     folders = {os.path.dirname(path) for path in logs}
     if len(folders) == 1:  # the usual: all in work_dir
         rows.append(["logs", f"{', '.join(map(os.path.basename, logs))} in {folders.pop()}"])
