@@ -276,8 +276,6 @@ class Trainer(StepMethods, HookMethods, MetricMethods):
                 such a run stays stopped.
         """
         ensure_console_logging("trainer", get_rank())
-        self._hooks.seconds = [0.0] * len(self._hooks.hooks)
-        self._data_seconds = 0.0
         # Signals are caught from the start: one during start-up exits after the first iteration.
         with log_to_file("trainer", self.log_file), self._preemption.catching():
             self._start(resume_from_checkpoint, auto_resume, continue_after_stop)
@@ -334,6 +332,8 @@ class Trainer(StepMethods, HookMethods, MetricMethods):
         return not progress.stopped
 
     def _start(self, path: Optional[str], auto_resume: bool, continue_after_stop: bool) -> None:
+        self._hooks.seconds = [0.0] * len(self._hooks.hooks)  # this run's times
+        self._data_seconds = 0.0
         logger.info(f"Environment:\n{collect_env()}")
         logger.info(f"Hooks: {self.hook_info}")
         args.warn_unoptimized(self.model_or_module, self._checkpointer.optimizers)
