@@ -23,6 +23,7 @@ from .hooks import (
     ProgressBarHook,
 )
 from .lr_scheduler import LRWarmupScheduler
+from .progress import loader_length
 from .step import unwrapped
 from .writers import MetricWriter
 
@@ -294,9 +295,8 @@ def _check_compile(compile: Any, cuda_graph: bool) -> None:
 
 
 def _check_epoch_len(data_loader: Any, accumulation_steps: int) -> Optional[int]:
-    try:
-        num_batches = len(data_loader)
-    except TypeError:
+    num_batches = loader_length(data_loader)
+    if num_batches is None:
         return None  # a stream: its epochs end with its passes
     if num_batches == 0:
         raise ValueError(

@@ -193,7 +193,7 @@ class DataStream:
     def __init__(self, data_loader: Any) -> None:
         self.data_loader = data_loader
         self.data_time = 0.0  # seconds spent waiting for batches, since the caller reset it
-        self.sized = _length(data_loader) is not None
+        self.sized = loader_length(data_loader) is not None
         self.pass_ended = False  # a stream's pass ended (has_next said so)
         self._ahead: collections.deque = collections.deque()  # a stream's batches fetched early
         self._drawn = 0  # batches drawn from the current pass (counted for streams)
@@ -385,7 +385,7 @@ class DataStream:
 _END = object()  # what next() returns at the end of a pass
 
 
-def _length(data_loader: Any) -> Optional[int]:
+def loader_length(data_loader: Any) -> Optional[int]:
     """``len(data_loader)``, or None when it has none (a DataLoader over an IterableDataset
     without ``__len__`` has the method, which raises)."""
     try:
