@@ -71,6 +71,28 @@ def build(
     )
 
 
+class FakeClock:
+    """Stands in for the ``time`` module where a test patches it: time moves only when told."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+    monotonic = time = perf_counter
+
+
+class Tick(HookBase):
+    """Every iteration takes ``seconds`` on ``clock``."""
+
+    def __init__(self, clock, seconds):
+        self.clock, self.seconds = clock, seconds
+
+    def after_iter(self):
+        self.clock.now += self.seconds
+
+
 class RecordLR(HookBase):
     """Records the LR each iteration starts with."""
 

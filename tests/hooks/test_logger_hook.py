@@ -11,6 +11,8 @@ from trainer import HookBase
 from trainer.hooks import EvalHook
 from trainer.writers import MetricWriter
 
+from conftest import FakeClock, Tick
+
 
 def read_scalars(log_dir):
     acc = EventAccumulator(str(log_dir))
@@ -96,31 +98,17 @@ def test_resuming_drops_the_metrics_lines_of_repeated_iterations(make_trainer):
     assert all(r.get("total_loss") != 123.0 for r in lines)
 
 
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def perf_counter(self):
-        return self.now
-
-    monotonic = time = perf_counter
-
-
 def test_the_eta_spreads_evaluation_time_over_the_iterations(make_trainer, caplog, monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr("trainer.writers.time", clock)
     monkeypatch.setattr("trainer.hooks.logger_hook.time", clock)
-
-    class Tick(HookBase):  # every iteration takes 1 s
-        def after_iter(self):
-            clock.now += 1.0
 
     def evaluate():  # and every evaluation 8 s
         clock.now += 8.0
         return {"acc": 1.0}
 
     trainer = make_trainer(max_epochs=2, log_period=4)
-    trainer.register_hooks([Tick(), EvalHook(1, evaluate)])
+    trainer.register_hooks([Tick(clock, 1.0), EvalHook(1, evaluate)])  # 1 s per iteration
     trainer.train()
     etas = re.findall(r"iter (\d+)/16  ETA (\S+)", caplog.text)
     # after 12 iterations: 12 s of steps + 8 s of evaluation = 20 s, so 4 more take 6.7 s
@@ -138,16 +126,12 @@ def test_the_summary_table_gives_the_time_by_hook_and_the_evaluated_metrics(
         def after_epoch(self):
             clock.now += 0.5
 
-    class Tick(HookBase):  # 0.25 s per iteration
-        def after_iter(self):
-            clock.now += 0.25
-
     trainer = make_trainer(max_epochs=2, log_period=4)
     values = {0: (0.5, 0.9), 1: (0.75, 0.8)}  # (val_loss, val_acc): the best acc is the first
     trainer.register_hook(
         EvalHook(1, lambda: dict(zip(("val_loss", "val_acc"), values[trainer.cur_epoch])))
     )
-    trainer.register_hooks([Slow(), Tick()])
+    trainer.register_hooks([Slow(), Tick(clock, 0.25)])  # 0.25 s per iteration
     trainer.train()
     assert trainer.hook_seconds["Slow"] == 1.0 and trainer.hook_seconds["Tick"] == 4.0
     (summary,) = [r.getMessage() for r in caplog.records if "Run summary" in r.getMessage()]

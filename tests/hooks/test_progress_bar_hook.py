@@ -5,32 +5,15 @@ import re
 
 import pytest
 
-from trainer import HookBase
 from trainer.hooks import ProgressBarHook
 from trainer.logger import _console_handler, live_line
+
+from conftest import FakeClock, Tick
 
 
 class Terminal(io.StringIO):
     def isatty(self):
         return True
-
-
-class FakeClock:
-    def __init__(self):
-        self.now = 0.0
-
-    def perf_counter(self):
-        return self.now
-
-
-class Tick(HookBase):
-    """Every iteration takes ``seconds`` (0.05)."""
-
-    def __init__(self, clock, seconds=0.05):
-        self.clock, self.seconds = clock, seconds
-
-    def after_iter(self):
-        self.clock.now += self.seconds
 
 
 def drawn_lines(output):
@@ -44,7 +27,7 @@ def test_the_bar_draws_each_epoch_on_a_terminal_a_few_times_a_second(make_traine
     monkeypatch.setattr("shutil.get_terminal_size", lambda fallback: os.terminal_size((80, 24)))
     terminal = Terminal()
     trainer = make_trainer(max_epochs=2, log_period=4)
-    trainer.register_hooks([Tick(clock), ProgressBarHook(interval=0.2, stream=terminal)])
+    trainer.register_hooks([Tick(clock, 0.05), ProgressBarHook(interval=0.2, stream=terminal)])
     trainer.train()
     output = terminal.getvalue()
     # at most one redraw per 0.2 s (4 iterations of 0.05 s), plus each epoch's last one
