@@ -94,6 +94,12 @@ class LRWarmupScheduler:
         """Whether the wrapped scheduler is ``ReduceLROnPlateau`` (needs a metric per step)."""
         return isinstance(self.torch_scheduler, ReduceLROnPlateau)
 
+    @property
+    def changes_per_iter(self) -> bool:
+        """Whether :meth:`iter_update` can change the LR: the schedule steps per iteration, or
+        a warmup is counted in iterations. When not, calling it only counts ``last_iter``."""
+        return not self.by_epoch or (self.warmup_t > 0 and not self.warmup_by_epoch)
+
     def iter_update(self) -> None:
         """Set the LR for the next iteration; call after every iteration."""
         self.last_iter += 1

@@ -55,3 +55,25 @@ def test_iteration_schedule_steps_every_iteration(make_trainer):
     trainer = make_trainer(max_iters=7, scheduler=step, by_epoch=False)
     trainer.train()
     assert trainer.lr == pytest.approx(0.1 * 0.1**2)  # 7 steps: two decays
+
+
+def test_an_epoch_schedule_is_not_called_after_iterations_but_counts_them(make_trainer):
+    def step(optimizer):
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+    calls = []
+    trainer = make_trainer(max_epochs=2, scheduler=step)
+    scheduler = trainer.lr_scheduler
+    original = scheduler.iter_update
+    scheduler.iter_update = lambda: (calls.append(1), original())
+    assert not scheduler.changes_per_iter
+    trainer.train()
+    assert calls == []  # nothing to do after an iteration
+    assert scheduler.last_iter == 16  # counted at the epoch ends all the same
+    assert trainer.lr == pytest.approx(0.1 * 0.5**2)
+
+    warm = make_trainer(max_epochs=1, scheduler=step, warmup_t=4, work_dir=trainer.work_dir + "w")
+    assert warm.lr_scheduler.changes_per_iter  # a warmup counted in iterations needs each one
+    per_iter = make_trainer(max_iters=3, scheduler=step, by_epoch=False,
+                            work_dir=trainer.work_dir + "i")  # fmt: skip
+    assert per_iter.lr_scheduler.changes_per_iter

@@ -71,3 +71,66 @@ def test_a_hook_is_registered_once_and_on_one_trainer(make_trainer, tmp_path):
     del trainer, other
     gc.collect()
     make_trainer(work_dir=tmp_path / "third").register_hook(hook)  # its trainer is gone
+
+
+def test_a_handler_a_hook_declines_is_never_called(make_trainer):
+    calls = []
+
+    class EpochsOnly(HookBase):
+        def handles(self, event):
+            return event != "after_iter"
+
+        def after_iter(self):
+            calls.append("after_iter")
+
+        def after_epoch(self):
+            calls.append("after_epoch")
+
+    trainer = make_trainer(max_epochs=2)
+    trainer.register_hook(EpochsOnly())
+    trainer.train()
+    assert calls == ["after_epoch", "after_epoch"]
+
+
+def test_checkpoints_counted_in_epochs_are_not_called_after_iterations(make_trainer):
+    calls = []
+
+    class Recording(CheckpointHook):
+        def after_iter(self):
+            calls.append(self.trainer.cur_iter)
+            super().after_iter()
+
+    trainer = make_trainer(max_epochs=1)
+    trainer.unregister_hook(CheckpointHook)
+    trainer.register_hook(Recording(period=1, by_epoch=True))
+    trainer.train()
+    assert calls == []
+    assert sorted(os.listdir(trainer.ckpt_dir)) == ["epoch_1.pth", "latest.txt"]
+
+    calls.clear()
+    by_iter = make_trainer(max_epochs=1, work_dir=trainer.work_dir + "_iter")
+    by_iter.unregister_hook(CheckpointHook)
+    by_iter.register_hook(Recording(period=4, by_epoch=False))
+    by_iter.train()
+    assert calls == list(range(8))
+    assert sorted(os.listdir(by_iter.ckpt_dir)) == ["epoch_1.pth", "iter_4.pth", "latest.txt"]
+
+
+def test_which_events_a_hook_handles_is_asked_again_when_training_starts(make_trainer):
+    calls = []
+
+    class Switchable(HookBase):
+        active = True
+
+        def handles(self, event):
+            return self.active
+
+        def after_epoch(self):
+            calls.append(self.trainer.cur_epoch)
+
+    hook = Switchable()
+    trainer = make_trainer(max_epochs=2)
+    trainer.register_hook(hook)
+    hook.active = False  # after registration: train() asks again
+    trainer.train()
+    assert calls == []

@@ -51,13 +51,13 @@ class CheckpointHook(HookBase):
                 _delete(self.trainer.ckpt_dir, old)  # the resumed checkpoint is durable
                 self._saved = self._saved[len(old) :]
 
+    def handles(self, event: str) -> bool:
+        """Counting in epochs, it has nothing to do after an iteration."""
+        return event != "after_iter" or not self._by_epoch
+
     def after_iter(self) -> None:
         """Save mid-epoch checkpoints in iteration mode."""
-        if (
-            not self._by_epoch
-            and self.every_n_iters(self._period)
-            and not self.is_last_inner_iter()
-        ):
+        if self.every_n_iters(self._period) and not self.is_last_inner_iter():
             self._save(self.trainer.checkpoint_name())
 
     def after_epoch(self) -> None:

@@ -70,6 +70,13 @@ class HookBase:
     def after_eval(self, results: dict[str, float]) -> None:
         """Called with the numbers an ``EvalHook`` just logged (the same on every rank)."""
 
+    def handles(self, event: str) -> bool:
+        """Whether the trainer calls this hook's ``event`` handler; asked when the hook is
+        registered and when :meth:`Trainer.train` starts. Every event the hook overrides by
+        default: return False for one that has nothing to do in the hook's configuration, so
+        that the loop skips it (a call per iteration is what ``after_iter`` costs)."""
+        return True
+
     def state_dict(self) -> dict[str, Any]:
         """The hook's state as plain data, saved in checkpoints; empty for stateless hooks."""
         return {}

@@ -9,10 +9,10 @@ DEFAULT_PLATEAU_METRIC = "Eval Metric"
 
 
 class LRUpdateHook(HookBase):
-    """Calls ``trainer.lr_scheduler.iter_update()`` after every iteration and ``epoch_update()``
-    after every epoch. The schedule counts iterations, those whose optimizer step the float16
-    GradScaler skipped included (as in PyTorch's AMP recipe): knowing about a skip on the host
-    would cost a CPU-GPU sync per step with fused optimizers.
+    """Calls ``trainer.lr_scheduler.iter_update()`` after every iteration (where it can change
+    the LR) and ``epoch_update()`` after every epoch. The schedule counts iterations, those
+    whose optimizer step the float16 GradScaler skipped included (as in PyTorch's AMP recipe):
+    knowing about a skip on the host would cost a CPU-GPU sync per step with fused optimizers.
 
     Args:
         plateau_metric: For ReduceLROnPlateau, the metric it judges. The scheduler steps at an
@@ -32,6 +32,10 @@ class LRUpdateHook(HookBase):
         self._metric_named = plateau_metric is not None
         self._metric_count = 0  # values of plateau_metric already fed to the scheduler
 
+    def handles(self, event: str) -> bool:
+        """An epoch schedule without a warmup in iterations needs no call after iterations."""
+        return event != "after_iter" or self.trainer.lr_scheduler.changes_per_iter
+
     def after_iter(self) -> None:
         """Advance the iteration schedule."""
         self.trainer.lr_scheduler.iter_update()
@@ -39,6 +43,8 @@ class LRUpdateHook(HookBase):
     def after_epoch(self) -> None:
         """Advance the epoch schedule, with the newest plateau metric if any."""
         scheduler = self.trainer.lr_scheduler
+        if not scheduler.changes_per_iter:  # not counted after each iteration: counted here
+            scheduler.last_iter = self.trainer.cur_iter + 1
         metric = None
         if scheduler.is_plateau:
             storage = self.trainer.metric_storage

@@ -13,7 +13,8 @@ EVENTS = ("before_train", "after_train", "before_epoch", "after_epoch", "before_
 
 class HookRegistry:
     """Hooks sorted by ``priority`` (ties in registration order), each event calling only the
-    hooks that override it, with the seconds spent in each hook.
+    hooks that override it and :meth:`~HookBase.handles` it, with the seconds spent in each
+    hook.
 
     Args:
         owner: The trainer the hooks get as ``hook.trainer``.
@@ -57,11 +58,18 @@ class HookRegistry:
         self._index()
         return removed
 
+    def start(self) -> None:
+        """At the start of a run: ask the hooks again which events they handle (a hook's
+        configuration may have changed since it was registered), and zero the times."""
+        self._index()
+
     def _index(self) -> None:
-        # Per event, only the hooks that override it: the loop skips HookBase's no-ops.
+        # Per event, only the hooks that act on it: the loop skips HookBase's no-ops.
         self._handlers = {
             event: [
-                (i, getattr(h, event)) for i, h in enumerate(self.hooks) if _overrides(h, event)
+                (i, getattr(h, event))
+                for i, h in enumerate(self.hooks)
+                if _overrides(h, event) and h.handles(event)
             ]
             for event in EVENTS
         }
