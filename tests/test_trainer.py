@@ -377,3 +377,19 @@ def test_every_after_train_runs_when_a_before_train_or_an_after_train_raises(mak
         trainer.train()
     assert calls[-2:] == ["a.after_train", "b.after_train"]
     assert os.path.exists(os.path.join(trainer.ckpt_dir, "epoch_1.pth"))  # training itself ended
+
+
+def test_each_epoch_trains_in_train_mode_after_a_hook_left_eval_mode(make_trainer):
+    modes = []
+
+    class LeavesEval(HookBase):
+        def before_iter(self):
+            modes.append(self.trainer.model.training)
+
+        def after_epoch(self):
+            self.trainer.model.eval()  # and never puts it back
+
+    trainer = make_trainer(max_epochs=2)
+    trainer.register_hook(LeavesEval())
+    trainer.train()
+    assert modes == [True] * 16

@@ -43,14 +43,14 @@ class Preemption:
         self.caught: Optional[int] = None  # the signal this process caught
         self._group: Any = None
         self._pending: Optional[tuple[Any, np.ndarray]] = None  # the check in flight
-        self._distributed = False
+        self.distributed = False  # under torchrun: agreed_signal is due every iteration
 
     @contextlib.contextmanager
     def catching(self) -> Iterator[None]:
         """Catch the signals for the duration of the block (in the main thread only)."""
         self.caught, self._pending = None, None
-        self._distributed = get_world_size() > 1
-        if self._distributed and self._group is None:
+        self.distributed = get_world_size() > 1
+        if self.distributed and self._group is None:
             # A gloo group of its own (every rank makes it here, in step): its CPU flag needs
             # gloo, and its checks never interleave with the model's collectives.
             self._group = dist.new_group(backend="gloo")
@@ -78,7 +78,7 @@ class Preemption:
         :data:`WRITE_FAILED` when a rank's ``write_failed`` (its checkpoint write failed): every
         rank then learns it in the same bound as a signal."""
         local = WRITE_FAILED if write_failed else (self.caught or 0)
-        if not self._distributed:
+        if not self.distributed:
             return local
         if (iteration + 1) % self.check_period:
             return 0

@@ -304,9 +304,11 @@ class Trainer(StepMethods, HookMethods, MetricMethods):
         """Run the epoch of the position (what is left of it, when resuming); whether training
         goes on. A stream's epoch ends with its pass, which ``has_next`` finds out."""
         progress, data, hooks = self.progress, self._data, self._hooks
+        preemption, writer = self._preemption, self._checkpointer.writer
         start = progress.begin_epoch(progress.position[0])
         self.call_hooks("before_epoch")
-        self.model.train()
+        if not self.model.training:  # an evaluation left it in eval mode (train() walks modules)
+            self.model.train()
         for inner_iter in range(start, progress.epoch_iters):
             if not data.sized and not data.has_next(self.accumulation_steps):
                 break
@@ -317,13 +319,9 @@ class Trainer(StepMethods, HookMethods, MetricMethods):
             hooks.call("after_iter")
             if progress.stopped:
                 break
-            signum = self._preemption.agreed_signal(progress.iter, self._checkpointer.writer.failed)
-            if signum == WRITE_FAILED:  # surfaced now, not at the next save
-                self._checkpointer.raise_write_error()
-            if signum and progress.iter < self.max_iters - 1:
-                path = self.save_checkpoint(self.checkpoint_name())
-                self.wait_for_checkpoint()
-                self._preemption.exit(signum, path, progress.iter + 1)
+            # two flags in one process; under torchrun the ranks' periodic agreement
+            if preemption.caught or writer.failed or preemption.distributed:
+                self._stop_if_agreed()
         if progress.position[1] < progress.epoch_iters and not data.pass_ended:
             return False  # stop() in mid-epoch
         data.end_pass()
@@ -331,8 +329,20 @@ class Trainer(StepMethods, HookMethods, MetricMethods):
         self.call_hooks("after_epoch")
         return not progress.stopped
 
+    def _stop_if_agreed(self) -> None:
+        """Save and exit for a preemption signal, or raise a failed checkpoint write, once every
+        rank knows of it (see :class:`Preemption`)."""
+        it = self.progress.iter
+        signum = self._preemption.agreed_signal(it, self._checkpointer.writer.failed)
+        if signum == WRITE_FAILED:  # surfaced now, not at the next save
+            self._checkpointer.raise_write_error()
+        if signum and it < self.max_iters - 1:
+            path = self.save_checkpoint(self.checkpoint_name())
+            self.wait_for_checkpoint()
+            self._preemption.exit(signum, path, it + 1)
+
     def _start(self, path: Optional[str], auto_resume: bool, continue_after_stop: bool) -> None:
-        self._hooks.seconds = [0.0] * len(self._hooks.hooks)  # this run's times
+        self._hooks.start()  # this run's hook times, and which events each hook handles
         self._data_seconds = 0.0
         logger.info(f"Environment:\n{collect_env()}")
         logger.info(f"Hooks: {self.hook_info}")
