@@ -126,3 +126,30 @@ def test_log_keeps_tensors_on_device_until_the_log_point(make_trainer):
     assert trainer.metric_storage["acc"].count == 8
     with pytest.raises(ValueError, match=r"'bad' must be a number or a one-element tensor"):
         trainer.log(0, bad=torch.ones(2))
+
+
+def test_a_series_of_numbers_and_tensors_is_flushed_in_order(make_trainer):
+    class Mixed(HookBase):
+        def after_iter(self):
+            it = self.trainer.cur_iter
+            value = torch.tensor(float(it)) if it % 2 else float(it)  # alternately
+            self.trainer.log(it, mixed=value, number=it * 10, smooth=False)
+
+    trainer = make_trainer(max_epochs=1, log_period=4)
+    trainer.register_hook(Mixed())
+    trainer.train()
+    storage = trainer.metric_storage
+    assert storage["mixed"].count == 8 and storage["mixed"].global_sum == sum(range(8))
+    assert storage["mixed"].latest == 7.0 and storage.latest_iter("mixed") == 7
+    assert storage["number"].global_sum == 280.0
+
+
+def test_history_buffer_extend_sums_as_one_by_one_updates():
+    values = [0.1, 0.2, 0.3, 1e16, -1e16, 0.7]
+    one_by_one, batched = HistoryBuffer(), HistoryBuffer()
+    for v in values:
+        one_by_one.update(v)
+    batched.extend(values[:2])
+    batched.extend(values[2:])
+    assert batched.global_sum == one_by_one.global_sum  # bit for bit, not approximately
+    assert batched.avg == one_by_one.avg and batched.count == one_by_one.count

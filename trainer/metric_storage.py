@@ -1,7 +1,10 @@
 """Metrics: :class:`HistoryBuffer` and :class:`MetricStorage` of smoothed values, and
 :class:`PendingMetrics`, the values waiting on the device for the next log point."""
 
+import functools
+import itertools
 import math
+import operator
 import statistics
 from collections import deque
 from collections.abc import Iterator, Mapping
@@ -45,8 +48,8 @@ class HistoryBuffer:
         """Append several values, oldest first (the same result as updating one by one)."""
         self._window.extend(values)
         self._count += len(values)
-        for value in values:  # one by one, so the sum does not depend on how values are batched
-            self._sum += value
+        # added one by one, in order, so the sum does not depend on how values are batched
+        self._sum = functools.reduce(operator.add, values, self._sum)
 
     @property
     def latest(self) -> float:
@@ -139,7 +142,7 @@ class MetricStorage(Mapping):
     def extend(self, name: str, iters: list[int], values: list[float], smooth: bool = True) -> None:
         """Add a series of values of one metric, oldest first, produced at iterations ``iters``."""
         if values:
-            self._buffer(name, smooth).extend([float(v) for v in values])
+            self._buffer(name, smooth).extend(list(map(float, values)))
             self._latest_iter[name] = iters[-1]
 
     def _buffer(self, name: str, smooth: bool) -> HistoryBuffer:
@@ -297,7 +300,8 @@ class PendingMetrics:
 def scalars(metrics: dict[str, Any]) -> dict[str, Any]:
     """``metrics`` with tensors detached and reshaped to scalars; one of several values raises."""
     for name, value in metrics.items():
-        if isinstance(value, torch.Tensor):
+        # a detached scalar tensor (a logged loss, every iteration) needs nothing
+        if isinstance(value, torch.Tensor) and (value.requires_grad or value.dim()):
             if value.dim() != 0:
                 if value.numel() != 1:
                     raise ValueError(
@@ -315,11 +319,11 @@ def _numbers(pending: dict[str, _Series], distributed: bool) -> dict[str, list[f
     reduced = sorted(n for n, s in pending.items() if distributed and s.reduce)  # same order
     local = [n for n in pending if n not in reduced]
     # note: the one CPU-GPU sync of a log period
-    flat = iter(_to_host([v for n in local for v in pending[n].values]))
-    numbers = {n: [next(flat) for _ in pending[n].values] for n in local}
+    numbers = dict(zip(local, _to_host([pending[n].values for n in local])))
     if reduced:
-        values = [pending[n].values for n in reduced]
-        packed = _to_tensor([v for vs in values for v in vs], _device_of(values))
+        series = [pending[n].values for n in reduced]
+        device = _device_of(series)
+        packed = torch.cat([_stacked(values, device, torch.float64) for values in series])
         columns = iter(zip(*all_gather_tensor(packed).cpu().tolist()))  # each: every rank's
         for n in reduced:
             reduce = max if n in _MAX_REDUCED else statistics.fmean
@@ -327,9 +331,9 @@ def _numbers(pending: dict[str, _Series], distributed: bool) -> dict[str, list[f
     return numbers
 
 
-def _device_of(values: list[list[Any]]) -> torch.device:
-    for series in values:
-        for v in series:
+def _device_of(series: list[list[Any]]) -> torch.device:
+    for values in series:
+        for v in values:
             if isinstance(v, torch.Tensor):
                 return v.device
     # plain numbers only: the collective still needs the backend's device (CUDA for nccl)
@@ -340,28 +344,42 @@ def _device_of(values: list[list[Any]]) -> torch.device:
 _CPU = torch.device("cpu")
 
 
-def _to_host(values: list[Any]) -> list[float]:
-    """Numbers and scalar tensors as floats, the tensors copied to the host together."""
-    tensors = [v for v in values if isinstance(v, torch.Tensor)]
-    if not tensors:
-        return [float(v) for v in values]
-    try:
-        stacked = torch.stack(tensors)  # the common case: one device
-    except RuntimeError:
-        stacked = torch.stack([t.to(tensors[0].device) for t in tensors])
-    copied = stacked.float().cpu().tolist()
-    if len(tensors) == len(values):  # tensors only, the common case
-        return copied
-    numbers = iter(copied)
-    return [next(numbers) if isinstance(v, torch.Tensor) else float(v) for v in values]
+def _has_tensor(values: list[Any]) -> bool:
+    return any(map(isinstance, values, itertools.repeat(torch.Tensor)))  # at C speed
 
 
-def _to_tensor(values: list[Any], device: torch.device) -> torch.Tensor:
-    """Numbers and scalar tensors as one float64 tensor on ``device``, without a sync."""
-    if any(isinstance(v, torch.Tensor) for v in values):
-        as_tensors = [v if isinstance(v, torch.Tensor) else torch.tensor(float(v)) for v in values]
-        return torch.stack([t.to(device, torch.float64) for t in as_tensors])
-    return torch.tensor([float(v) for v in values], dtype=torch.float64).to(device)
+def _to_host(series: list[list[Any]]) -> list[list[float]]:
+    """Each series of numbers and scalar tensors as floats, the tensors of all of them copied
+    to the host together. Whole series at a time: a log point handles a period's values."""
+    with_tensors = [_has_tensor(values) for values in series]
+    stacks = [_stacked(v, None, torch.float32) for v, t in zip(series, with_tensors) if t]
+    copied: Iterator[float] = iter(())
+    if stacks:
+        try:
+            flat = torch.cat(stacks)  # the common case: one device
+        except RuntimeError:
+            flat = torch.cat([t.to(stacks[0].device) for t in stacks])
+        copied = iter(flat.cpu().tolist())
+    return [
+        list(itertools.islice(copied, len(values))) if t else list(map(float, values))
+        for values, t in zip(series, with_tensors)
+    ]
+
+
+def _stacked(values: list[Any], device: Optional[torch.device], dtype: torch.dtype) -> torch.Tensor:
+    """Numbers and scalar tensors as one 1-D tensor of ``dtype`` on ``device`` (None: that of
+    the first tensor among them), without a sync."""
+    if not _has_tensor(values):
+        return torch.tensor(list(map(float, values)), dtype=dtype, device=device)
+    if all(map(isinstance, values, itertools.repeat(torch.Tensor))):
+        try:
+            stacked = torch.stack(values)  # the common case: scalar tensors on one device
+            return stacked.to(device or stacked.device, dtype)
+        except RuntimeError:
+            pass  # tensors on several devices
+    if device is None:
+        device = next(v.device for v in values if isinstance(v, torch.Tensor))
+    return torch.stack([torch.as_tensor(v, dtype=dtype).to(device) for v in values])
 
 
 class MetricMethods:
