@@ -4,12 +4,12 @@
 
 overhead.py's separate processes are the reference method, but on a small shared VM the machine's
 speed drifts by 10-20% over seconds, more than the few percent being measured. Here a hook, after
-every 50th iteration, times the Trainer's last 50 iterations (one log point included) and then 50
-iterations of the hand-written loop on the same model, optimizer and batches; the two halves of
-each pair run within a tenth of a second of each other. Reported: the median ratio
-(hand-written time / Trainer time, i.e. Trainer steps/s over hand-written steps/s) and its
-quartiles. The hand-written half runs right after the Trainer's, so the comparison is not perfectly
-symmetric; treat differences below 1% as noise.
+every epoch of 50 iterations, times the Trainer's epoch (one log point and the epoch's start and
+end included) and then 50 iterations of the hand-written loop on the same model, optimizer and
+batches; the two halves of each pair run within a tenth of a second of each other. Reported: the
+median ratio (hand-written time / Trainer time, i.e. Trainer steps/s over hand-written steps/s)
+and its quartiles. The hand-written half runs right after the Trainer's, so the comparison is not
+perfectly symmetric; treat differences below 1% as noise.
 
 ``--step flat`` is an experiment, not a way to train: the Trainer's step replaced by the
 hand-written one (reaching into private attributes, for the plain configuration only), with the
@@ -27,26 +27,26 @@ from overhead import build
 
 from trainer import HookBase, Trainer
 
-CHUNK = 50  # iterations per half of a pair: one log period
+CHUNK = 50  # iterations per half of a pair: one epoch of overhead.build's 50 batches, and one log
+# period
 
 
 class PairedTiming(HookBase):
-    """After every CHUNK iterations: time them, then time CHUNK hand-written iterations."""
+    """After every epoch (CHUNK iterations): time it, then time CHUNK hand-written iterations."""
 
     priority = 100  # after every built-in hook, so the Trainer's half includes their work
 
-    def __init__(self, hand_written, skip_iters):
+    def __init__(self, hand_written, skip_epochs):
         self._hand_written = hand_written
-        self._skip_iters = skip_iters
+        self._skip_epochs = skip_epochs
         self._start = None
         self.pairs = []
 
-    def after_iter(self):
-        it = self.trainer.progress.iter  # the probe runs inside the Trainer's half: kept cheap
-        if (it + 1) % CHUNK:
-            return
+    # At epoch ends, not after every iteration: a probe in the loop would add its own cost to
+    # the Trainer's half alone.
+    def after_epoch(self):
         trainer_seconds = time.perf_counter() - (self._start or 0.0)
-        if self._start is not None and it >= self._skip_iters:
+        if self._start is not None and self.trainer.cur_epoch >= self._skip_epochs:
             self.pairs.append((trainer_seconds, self._hand_written()))
         self._start = time.perf_counter()
 
@@ -87,7 +87,7 @@ def main():
             torch.cuda.synchronize()
         return time.perf_counter() - start
 
-    timing = PairedTiming(hand_written, skip_iters=4 * CHUNK)
+    timing = PairedTiming(hand_written, skip_epochs=4)
     with tempfile.TemporaryDirectory() as work_dir:
         trainer_class = FlatStepTrainer if args.step == "flat" else Trainer
         trainer = trainer_class(

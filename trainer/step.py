@@ -20,6 +20,7 @@ from torch.optim import Optimizer
 from .fsdp import is_sharded, local_value, no_gradient_sync
 
 _NO_OP = contextlib.nullcontext()  # reusable: entering it does nothing
+_NOTHING: dict[str, Any] = {}  # no extra metrics (never modified)
 
 
 class StepMethods:
@@ -137,13 +138,15 @@ class StepMethods:
                 loss, logged = total_loss(out)
                 # 3. backward (the GradScaler multiplies the loss with float16 AMP)
                 self.backward(loss / k if k > 1 else loss)
-            losses = {n: losses[n] + v for n, v in logged.items()} if losses else logged
+            losses = {n: losses[n] + v for n, v in logged.items()} if micro_step else logged
         if k > 1:
             losses = {name: value / k for name, value in losses.items()}
         # 4. clip the gradients and step; float16 steps with inf or NaN gradients are skipped
-        extras: dict[str, Any] = {}
         grad_norm = self.clip_and_step()
-        self.update_scaler()
+        if not self._scaling and grad_norm is None:
+            return losses, _NOTHING  # the plain configuration: no other metric
+        self.update_scaler()  # here, not after the iteration: a CUDA graph replays it
+        extras: dict[str, Any] = {}
         if grad_norm is not None:
             extras["grad_norm"] = grad_norm
         if self._scaling:
