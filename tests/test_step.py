@@ -268,3 +268,49 @@ def test_float16_scaler_skips_are_counted_and_the_schedule_counts_iterations(mak
     assert trainer.metric_storage["amp_skipped_steps"].global_sum == sum(skipped)
     # the warmup (0 to 0.1 over 4 iterations) counts iterations, skipped steps included
     assert record.lrs == pytest.approx([0.0, 0.025, 0.05, 0.075, 0.1, 0.1])
+
+
+def test_compute_losses_runs_the_model_under_autocast_and_sums_a_dict(make_trainer, tmp_path):
+    seen = []
+
+    class TwoLosses(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = nn.Linear(4, 1)
+
+        def forward(self, x, y):  # called as model(**batch)
+            out = self.linear(x)
+            seen.append(out.dtype)
+            return {"mse": nn.functional.mse_loss(out.float(), y), "l1": out.float().abs().mean()}
+
+    batch = {"x": torch.randn(8, 4), "y": torch.randn(8, 1)}
+    for amp, dtype in ((False, torch.float32), (True, torch.bfloat16)):
+        trainer = make_trainer(model=TwoLosses(), unpack_batch_dict=True, enable_amp=amp,
+                               loader=[batch], work_dir=tmp_path / f"amp_{amp}")  # fmt: skip
+        loss, logged = trainer.compute_losses(batch)
+        assert seen.pop() == dtype
+        assert set(logged) == {"mse", "l1", "total_loss"}
+        assert torch.equal(loss.detach(), logged["mse"] + logged["l1"])
+        assert not any(v.requires_grad for v in logged.values()) and loss.requires_grad
+
+
+class ComputeLossesStep(Trainer):
+    """The plain built-in step written with compute_losses."""
+
+    def train_one_iter(self):
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, losses = self.compute_losses(self.next_batch())
+        self.backward(loss)
+        self.clip_and_step()
+        self.log_losses(**losses)
+
+
+def test_an_override_with_compute_losses_trains_as_the_built_in_step(tmp_path):
+    builtin = build(tmp_path / "builtin", max_epochs=2, enable_amp=True)  # bfloat16
+    builtin.train()
+    override = build(tmp_path / "override", max_epochs=2, enable_amp=True, cls=ComputeLossesStep)
+    override.train()
+    a, b = weights(builtin), weights(override)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    sums = [t.metric_storage["total_loss"].global_sum for t in (builtin, override)]
+    assert sums[0] == sums[1]

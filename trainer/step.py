@@ -25,7 +25,8 @@ _NOTHING: dict[str, Any] = {}  # no extra metrics (never modified)
 
 class StepMethods:
     """The public building blocks of a training step: the Trainer's :meth:`autocast`,
-    :meth:`no_gradient_sync`, :meth:`backward`, :meth:`clip_and_step` and :meth:`update_scaler`.
+    :meth:`compute_losses`, :meth:`no_gradient_sync`, :meth:`backward`, :meth:`clip_and_step`
+    and :meth:`update_scaler`.
 
     The built-in step, :meth:`forward_backward_step`, is written with them, and so is an
     override of ``train_one_iter``. One code path: with AMP off, autocast is a null context and
@@ -121,6 +122,20 @@ class StepMethods:
             self.grad_scaler.update()
             self._update_due = False
 
+    def compute_losses(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Run the model on ``batch`` (``model(**batch)`` with ``unpack_batch_dict``) under
+        :meth:`autocast`; returns the loss to back-propagate and the detached losses to log,
+        ``total_loss`` among them (see :func:`total_loss`)."""
+        model, unpack = self.model, self.unpack_batch_dict
+        if self._autocast is None:  # no AMP: not even a null context, this runs every step
+            out = model(**batch) if unpack else model(batch)
+        else:
+            with self._autocast():
+                out = model(**batch) if unpack else model(batch)
+        if isinstance(out, torch.Tensor) and out.dim() == 0:  # the common case, kept short
+            return out, {"total_loss": out.detach()}
+        return total_loss(out)
+
     def forward_backward_step(
         self, batches: list[Any], set_to_none: bool = True
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -131,12 +146,14 @@ class StepMethods:
         k = len(batches)
         losses: dict[str, torch.Tensor] = {}
         for micro_step, batch in enumerate(batches):
-            # 2. forward under autocast; gradients stay local until the last micro-batch
-            with self.no_gradient_sync(micro_step < k - 1):
-                with self.autocast():
-                    out = self.model(**batch) if self.unpack_batch_dict else self.model(batch)
-                loss, logged = total_loss(out)
-                # 3. backward (the GradScaler multiplies the loss with float16 AMP)
+            # 2. forward under autocast, 3. backward (the GradScaler multiplies the loss with
+            # float16 AMP); the gradients of all micro-batches but the last stay local
+            if micro_step < k - 1:
+                with self.no_gradient_sync():
+                    loss, logged = self.compute_losses(batch)
+                    self.backward(loss / k)
+            else:
+                loss, logged = self.compute_losses(batch)
                 self.backward(loss / k if k > 1 else loss)
             losses = {n: losses[n] + v for n, v in logged.items()} if micro_step else logged
         if k > 1:
@@ -183,8 +200,6 @@ class StepMethods:
 def total_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss to back-propagate, and the detached losses to log (``total_loss`` among them),
     from what a model returned: a scalar loss tensor or a dict of them."""
-    if isinstance(out, torch.Tensor) and out.dim() == 0:  # the common case, kept short
-        return out, {"total_loss": out.detach()}
     losses = {"total_loss": out} if isinstance(out, torch.Tensor) else out
     if not isinstance(losses, dict) or not losses:
         raise TypeError(
