@@ -241,9 +241,12 @@ class PendingMetrics:
         check_finite: bool = False,
         reduce: bool = False,
     ) -> None:
-        """Record values of iteration ``iter``: numbers or detached scalar tensors."""
-        # Called every iteration, so kept lean.
+        """Record values of iteration ``iter``: numbers or scalar tensors (a one-element tensor
+        is reshaped and detached; one of several values raises)."""
+        # Called every iteration, so kept lean: a detached scalar tensor (a loss) passes as is.
         for name, value in metrics.items():
+            if isinstance(value, torch.Tensor) and (value.requires_grad or value.dim()):
+                value = _scalar(name, value)
             series = self._series.get(name)
             if series is None:
                 series = self._series[name] = _Series(smooth, check_finite, reduce, [], [])
@@ -297,21 +300,14 @@ class PendingMetrics:
             )
 
 
-def scalars(metrics: dict[str, Any]) -> dict[str, Any]:
-    """``metrics`` with tensors detached and reshaped to scalars; one of several values raises."""
-    for name, value in metrics.items():
-        # a detached scalar tensor (a logged loss, every iteration) needs nothing
-        if isinstance(value, torch.Tensor) and (value.requires_grad or value.dim()):
-            if value.dim() != 0:
-                if value.numel() != 1:
-                    raise ValueError(
-                        f"Metric {name!r} must be a number or a one-element tensor, got a tensor "
-                        f"of shape {tuple(value.shape)}; reduce it first (e.g. .mean())."
-                    )
-                metrics[name] = value = value.reshape(())
-            if value.requires_grad:
-                metrics[name] = value.detach()
-    return metrics
+def _scalar(name: str, value: torch.Tensor) -> torch.Tensor:
+    """A one-element tensor as a detached scalar; one of several values raises."""
+    if value.numel() != 1:
+        raise ValueError(
+            f"Metric {name!r} must be a number or a one-element tensor, got a tensor of shape "
+            f"{tuple(value.shape)}; reduce it first (e.g. .mean())."
+        )
+    return value.detach().reshape(())
 
 
 def _numbers(pending: dict[str, _Series], distributed: bool) -> dict[str, list[float]]:
@@ -404,13 +400,13 @@ class MetricMethods:
         (``smooth``) or latest value. ``reduce``: average them over ranks under torchrun (log
         them on every rank at the same iterations); otherwise they stay this rank's own.
         ``check_finite``: a NaN or infinite value raises at the next log point, as losses do."""
-        self._pending.add(iter, scalars(metrics), smooth, check_finite, reduce)
+        self._pending.add(iter, metrics, smooth, check_finite, reduce)
 
     def log_losses(self, **losses: torch.Tensor) -> None:
         """Record losses of the current iteration as the built-in step does: checked at the next
         log point (a NaN or infinite one raises ``FloatingPointError`` naming the iteration,
         before any checkpoint can hold it) and averaged over ranks under torchrun."""
-        self._pending.add(self.progress.iter, scalars(losses), check_finite=True, reduce=True)
+        self._pending.add(self.progress.iter, losses, check_finite=True, reduce=True)
 
     @property
     def metric_storage(self) -> MetricStorage:
