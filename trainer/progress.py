@@ -28,7 +28,8 @@ class Progress:
     iteration or an epoch ends. ``stopped``: :meth:`Trainer.stop` was called (or the resumed
     checkpoint remembers it). ``saved``: the position and stop of the last checkpoint saved or
     loaded. ``epoch_len`` is None for a data loader without a length (a stream), whose epochs
-    are passes that end when its iterator does.
+    are passes that end when its iterator does. The Trainer's loop sets ``inner_iter``,
+    ``iter`` and ``position`` itself at each iteration (attribute writes, no calls).
     """
 
     epoch_len: Optional[int]
@@ -59,13 +60,6 @@ class Progress:
     def finished(self) -> bool:
         """Whether training is over: stopped, or every iteration and its epoch's end done."""
         return self.stopped or (self.iter + 1 >= self.max_iters and self.position[1] == 0)
-
-    def begin_iter(self, inner_iter: int) -> None:
-        self.inner_iter = inner_iter
-        self.iter = self.epoch_start + inner_iter
-
-    def end_iter(self) -> None:
-        self.position = (self.epoch, self.inner_iter + 1)
 
     def end_epoch(self) -> None:
         self.position = (self.epoch + 1, 0)

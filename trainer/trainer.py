@@ -312,8 +312,9 @@ class Trainer(StepMethods, HookMethods, MetricMethods):
         for inner_iter in range(start, progress.epoch_iters):
             if not data.sized and not data.has_next(self.accumulation_steps):
                 break
-            progress.begin_iter(inner_iter)
-            hooks.call("before_iter")
+            progress.inner_iter, progress.iter = inner_iter, progress.epoch_start + inner_iter
+            if hooks.any_before_iter:  # most runs have none: not even a call
+                hooks.call("before_iter")
             self.train_one_iter()
             self._end_iter()
             hooks.call("after_iter")
@@ -359,10 +360,11 @@ class Trainer(StepMethods, HookMethods, MetricMethods):
             )
 
     def _end_iter(self) -> None:
-        self.progress.end_iter()
+        progress = self.progress
+        progress.position = (progress.epoch, progress.inner_iter + 1)  # a checkpoint goes on here
         if self._update_due:  # an override stepped the GradScaler but did not update it
             self.update_scaler()
-        it = self.progress.iter
+        it = progress.iter
         if (it + 1) % self.log_period == 0 or it == self.max_iters - 1:
             # Times per iteration over the log period, measured here rather than per iteration.
             start, before = self._period_start
@@ -390,10 +392,13 @@ class Trainer(StepMethods, HookMethods, MetricMethods):
 
     def train_one_iter(self) -> None:
         """Fetch, forward, backward and step once: subclass and override this for anything fancier,
-        with the same public methods (:meth:`next_batch`, :meth:`autocast`, :meth:`backward`,
-        :meth:`clip_and_step`, :meth:`log_losses`, :meth:`register_checkpointable`)."""
+        with the same public methods (:meth:`next_batch`, :meth:`autocast` or
+        :meth:`compute_losses`, :meth:`backward`, :meth:`clip_and_step`, :meth:`log_losses`,
+        :meth:`register_checkpointable`)."""
         # 1. fetch one batch per micro-step
-        batches = [self.next_batch() for _ in range(self.accumulation_steps)]
+        batches = []
+        for _ in range(self.accumulation_steps):
+            batches.append(self.next_batch())
         # 2.-4. forward, backward, clip and step: one CUDA graph replay with cuda_graph=True
         losses, extras = (self._graphed_step or self.forward_backward_step)(batches)
         # 5. log: the values stay on the device until the next log point. A NaN gradient norm

@@ -26,6 +26,7 @@ class HookRegistry:
         self.hooks: list[HookBase] = []
         self._handlers: dict[str, list[tuple[int, Callable]]] = {e: [] for e in EVENTS}
         self.seconds: list[float] = []
+        self.any_before_iter = False  # whether a hook handles before_iter
 
     def register(self, hook: HookBase) -> None:
         """Add ``hook`` in priority order."""
@@ -74,6 +75,7 @@ class HookRegistry:
             for event in EVENTS
         }
         self.seconds = [0.0] * len(self.hooks)
+        self.any_before_iter = bool(self._handlers["before_iter"])
 
     def call(self, event: str, *args: Any, every_handler: bool = False) -> None:
         """Run every hook's ``event`` handler, timing each. With ``every_handler``, a handler
