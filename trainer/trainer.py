@@ -395,7 +395,8 @@ class Trainer(StepMethods, HookMethods, MetricMethods):
         with the same public methods (:meth:`next_batch`, :meth:`autocast` or
         :meth:`compute_losses`, :meth:`backward`, :meth:`clip_and_step`, :meth:`log_losses`,
         :meth:`register_checkpointable`)."""
-        # 1. fetch one batch per micro-step
+        # 1. fetch one batch per micro-step (a loop, not a comprehension: in Python 3.11 that
+        # is one more function call per iteration)
         batches = []
         for _ in range(self.accumulation_steps):
             batches.append(self.next_batch())
