@@ -317,7 +317,8 @@ class Trainer(StepMethods, HookMethods, MetricMethods):
                 hooks.call("before_iter")
             self.train_one_iter()
             self._end_iter()
-            hooks.call("after_iter")
+            if progress.iter >= hooks.after_iter_due:  # periodic hooks wait for their iteration
+                hooks.call_after_iter(progress.iter, self.max_iters)
             if progress.stopped:
                 break
             # two flags in one process; under torchrun the ranks' periodic agreement

@@ -92,7 +92,7 @@ def test_a_handler_a_hook_declines_is_never_called(make_trainer):
     assert calls == ["after_epoch", "after_epoch"]
 
 
-def test_checkpoints_counted_in_epochs_are_not_called_after_iterations(make_trainer):
+def test_checkpoints_are_called_after_the_iterations_of_their_period_only(make_trainer):
     calls = []
 
     class Recording(CheckpointHook):
@@ -112,7 +112,7 @@ def test_checkpoints_counted_in_epochs_are_not_called_after_iterations(make_trai
     by_iter.unregister_hook(CheckpointHook)
     by_iter.register_hook(Recording(period=4, by_epoch=False))
     by_iter.train()
-    assert calls == list(range(8))
+    assert calls == [3, 7]  # its period, and the last iteration
     assert sorted(os.listdir(by_iter.ckpt_dir)) == ["epoch_1.pth", "iter_4.pth", "latest.txt"]
 
 
@@ -134,3 +134,39 @@ def test_which_events_a_hook_handles_is_asked_again_when_training_starts(make_tr
     hook.active = False  # after registration: train() asks again
     trainer.train()
     assert calls == []
+
+
+class EveryThird(HookBase):
+    def __init__(self, calls, period=3):
+        self.calls, self.period = calls, period
+
+    def after_iter_period(self):
+        return self.period
+
+    def after_iter(self):
+        self.calls.append(self.trainer.cur_iter)
+
+
+def test_a_periodic_after_iter_is_called_after_its_period_and_the_last_iteration(
+    make_trainer, tmp_path
+):
+    every, third = [], []
+    trainer = make_trainer(max_iters=10)  # 8 iterations an epoch: the period crosses epochs
+    trainer.register_hooks([EveryThird(every, period=1), EveryThird(third)])
+    trainer.train()
+    assert every == list(range(10))
+    assert third == [2, 5, 8, 9]
+
+    third.clear()
+    resumed = make_trainer(max_iters=14)  # iterations 8 to 13
+    resumed.register_hook(EveryThird(third))
+    resumed.train(resume_from_checkpoint=os.path.join(trainer.ckpt_dir, "iter_8.pth"))
+    assert third == [8, 11, 13]
+
+
+def test_an_after_iter_period_that_is_not_a_positive_int_is_refused(make_trainer):
+    trainer = make_trainer()
+    with pytest.raises(ValueError, match=r"EveryThird.after_iter_period\(\) must return an int >= 1, got 0"):
+        trainer.register_hook(EveryThird([], period=0))
+    with pytest.raises(ValueError, match="period must be an int >= 1 \\(iterations\\), got 0"):
+        LoggerHook(period=0)

@@ -53,7 +53,11 @@ class CheckpointHook(HookBase):
 
     def handles(self, event: str) -> bool:
         """Counting in epochs, it has nothing to do after an iteration."""
-        return event != "after_iter" or not self._by_epoch
+        return event != "after_iter" or (not self._by_epoch and self._period > 0)
+
+    def after_iter_period(self) -> int:
+        """Counting in iterations, called after every ``period``-th only."""
+        return self._period
 
     def after_iter(self) -> None:
         """Save mid-epoch checkpoints in iteration mode."""

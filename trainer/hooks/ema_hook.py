@@ -62,6 +62,10 @@ class EMAHook(HookBase):
                 sources.append(tensor)
         self._operands = (averaged, weights, copied, sources)
 
+    def after_iter_period(self) -> int:
+        """Called after every ``period``-th iteration only."""
+        return self._period
+
     def after_iter(self) -> None:
         """Update the average every ``period`` iterations."""
         if not self.every_n_iters(self._period):

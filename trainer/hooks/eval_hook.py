@@ -44,6 +44,15 @@ class EvalHook(HookBase):
         self._period = period
         self._eval_func = eval_func
 
+    def handles(self, event: str) -> bool:
+        """In epoch-based training, it has nothing to do after an iteration."""
+        return event != "after_iter" or not self.trainer.train_by_epoch
+
+    def after_iter_period(self) -> int:
+        """In iteration-based training, called after every ``period``-th iteration (and the
+        last) only."""
+        return self._period if self._period > 0 else self.trainer.max_iters
+
     def after_iter(self) -> None:
         """Evaluate in iteration-based training."""
         if not self.trainer.train_by_epoch and (

@@ -30,7 +30,7 @@ class HookBase:
             for iter in range(start_iter, epoch_end):  # a stream: until its pass ends
                 hook.before_iter()
                 trainer.train_one_iter()
-                hook.after_iter()
+                hook.after_iter()  # every after_iter_period() iterations, and the last
             hook.after_epoch()
         hook.after_train()  # also when training raises
 
@@ -76,6 +76,13 @@ class HookBase:
         default: return False for one that has nothing to do in the hook's configuration, so
         that the loop skips it (a call per iteration is what ``after_iter`` costs)."""
         return True
+
+    def after_iter_period(self) -> int:
+        """How often the trainer calls this hook's ``after_iter``: after the iterations whose
+        count (``cur_iter + 1``) is a multiple of it, and after the last iteration of training.
+        Asked with :meth:`handles`. By default 1, every iteration; a hook that acts every N
+        iterations returns N, and costs nothing in between (it may still check itself)."""
+        return 1
 
     def state_dict(self) -> dict[str, Any]:
         """The hook's state as plain data, saved in checkpoints; empty for stateless hooks."""

@@ -44,6 +44,8 @@ class LoggerHook(HookBase):
         tensorboard: bool = True,
         metrics_jsonl: bool = True,
     ) -> None:
+        if not isinstance(period, int) or isinstance(period, bool) or period < 1:
+            raise ValueError(f"period must be an int >= 1 (iterations), got {period!r}.")
         self._period = period
         self._extra = list(writers or [])
         self._tensorboard = tensorboard
@@ -99,9 +101,13 @@ class LoggerHook(HookBase):
         origin = f"resuming {trainer.last_checkpoint}" if resumed else "afresh"
         logger.info(f"Start training from iteration {done} in {work_dir}, {origin}.")
 
+    def after_iter_period(self) -> int:
+        """Called after every ``period``-th iteration (and the last) only."""
+        return self._period
+
     def after_iter(self) -> None:
         """Write at every ``period``-th and at the last iteration."""
-        done = self.trainer.progress.iter + 1  # read once: this runs every iteration
+        done = self.trainer.cur_iter + 1
         if done % self._period == 0 or done == self.trainer.max_iters:
             self._write(log_point=True)
 

@@ -1,6 +1,7 @@
 """The trainer's hooks, in the order they run, and the timing of every call: the
 :class:`HookRegistry`, and :class:`HookMethods`, the Trainer's public methods over it."""
 
+import sys
 import time
 import weakref
 from typing import Any, Callable, Optional, Sequence, Union
@@ -25,8 +26,10 @@ class HookRegistry:
         self._owner = weakref.proxy(owner)
         self.hooks: list[HookBase] = []
         self._handlers: dict[str, list[tuple[int, Callable]]] = {e: [] for e in EVENTS}
+        self._periods: list[int] = []  # after_iter_period() of each after_iter handler
         self.seconds: list[float] = []
         self.any_before_iter = False  # whether a hook handles before_iter
+        self.after_iter_due = 0  # the next iteration after which an after_iter handler is due
 
     def register(self, hook: HookBase) -> None:
         """Add ``hook`` in priority order."""
@@ -74,8 +77,24 @@ class HookRegistry:
             ]
             for event in EVENTS
         }
+        self._periods = [_period(self.hooks[i]) for i, _ in self._handlers["after_iter"]]
         self.seconds = [0.0] * len(self.hooks)
         self.any_before_iter = bool(self._handlers["before_iter"])
+        self.after_iter_due = 0 if self._periods else sys.maxsize
+
+    def call_after_iter(self, it: int, max_iters: int) -> None:
+        """After iteration ``it``: run the ``after_iter`` handlers due (each hook's
+        :meth:`~HookBase.after_iter_period`, and all after the last iteration), and set
+        :attr:`after_iter_due`, which the loop checks before calling this."""
+        handlers, periods, done = self._handlers["after_iter"], self._periods, it + 1
+        if max(periods, default=1) == 1:
+            self.after_iter_due = done
+        else:
+            if done != max_iters:
+                handlers = [h for h, p in zip(handlers, periods) if done % p == 0]
+            due = [(done // p + 1) * p - 1 for p in periods] + [max_iters - 1]
+            self.after_iter_due = min(i for i in due if i > it)
+        self._run(handlers, ())
 
     def call(self, event: str, *args: Any, every_handler: bool = False) -> None:
         """Run every hook's ``event`` handler, timing each. With ``every_handler``, a handler
@@ -95,6 +114,9 @@ class HookRegistry:
             if errors:
                 raise errors[0]
             return
+        self._run(handlers, args)
+
+    def _run(self, handlers: list[tuple[int, Callable]], args: tuple) -> None:
         seconds, clock = self.seconds, time.perf_counter
         start = clock()
         for i, handler in handlers:
@@ -131,6 +153,16 @@ def _alive(trainer: Any) -> bool:
     except ReferenceError:
         return False
     return True
+
+
+def _period(hook: HookBase) -> int:
+    period = hook.after_iter_period()
+    if not isinstance(period, int) or isinstance(period, bool) or period < 1:
+        raise ValueError(
+            f"{hook.class_name}.after_iter_period() must return an int >= 1, got {period!r}: "
+            "return 1 for every iteration, or decline after_iter in handles()."
+        )
+    return period
 
 
 def _overrides(hook: HookBase, event: str) -> bool:
