@@ -351,11 +351,14 @@ def _to_host(series: list[list[Any]]) -> list[list[float]]:
     stacks = [_stacked(v, None, torch.float32) for v, t in zip(series, with_tensors) if t]
     copied: Iterator[float] = iter(())
     if stacks:
-        try:
-            flat = torch.cat(stacks)  # the common case: one device
-        except RuntimeError:
-            flat = torch.cat([t.to(stacks[0].device) for t in stacks])
-        copied = iter(flat.cpu().tolist())
+        if len(stacks) == 1:  # the common case: the losses alone are tensors
+            flat = stacks[0]
+        else:
+            try:
+                flat = torch.cat(stacks)  # one device
+            except RuntimeError:
+                flat = torch.cat([t.to(stacks[0].device) for t in stacks])
+        copied = iter(flat.tolist())  # (from any device)
     return [
         list(itertools.islice(copied, len(values))) if t else list(map(float, values))
         for values, t in zip(series, with_tensors)
@@ -370,6 +373,8 @@ def _stacked(values: list[Any], device: Optional[torch.device], dtype: torch.dty
     if all(map(isinstance, values, itertools.repeat(torch.Tensor))):
         try:
             stacked = torch.stack(values)  # the common case: scalar tensors on one device
+            if device is None and stacked.dtype == dtype:
+                return stacked
             return stacked.to(device or stacked.device, dtype)
         except RuntimeError:
             pass  # tensors on several devices
