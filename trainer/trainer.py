@@ -312,13 +312,18 @@ class Trainer(StepMethods, HookMethods, MetricMethods):
         for inner_iter in range(start, progress.epoch_iters):
             if not data.sized and not data.has_next(self.accumulation_steps):
                 break
-            progress.inner_iter, progress.iter = inner_iter, progress.epoch_start + inner_iter
+            it = progress.epoch_start + inner_iter
+            progress.inner_iter, progress.iter = inner_iter, it
             if hooks.any_before_iter:  # most runs have none: not even a call
                 hooks.call("before_iter")
             self.train_one_iter()
-            self._end_iter()
-            if progress.iter >= hooks.after_iter_due:  # periodic hooks wait for their iteration
-                hooks.call_after_iter(progress.iter, self.max_iters)
+            progress.position = (progress.epoch, inner_iter + 1)  # a checkpoint goes on here
+            if self._update_due:  # an override stepped the GradScaler but did not update it
+                self.update_scaler()
+            if (it + 1) % self.log_period == 0 or it == self.max_iters - 1:
+                self._log_point(it)
+            if it >= hooks.after_iter_due:  # periodic hooks wait for their iteration
+                hooks.call_after_iter(it, self.max_iters)
             if progress.stopped:
                 break
             # two flags in one process; under torchrun the ranks' periodic agreement
@@ -360,24 +365,19 @@ class Trainer(StepMethods, HookMethods, MetricMethods):
                 "on. Pass train(continue_after_stop=True) to go on."
             )
 
-    def _end_iter(self) -> None:
-        progress = self.progress
-        progress.position = (progress.epoch, progress.inner_iter + 1)  # a checkpoint goes on here
-        if self._update_due:  # an override stepped the GradScaler but did not update it
-            self.update_scaler()
-        it = progress.iter
-        if (it + 1) % self.log_period == 0 or it == self.max_iters - 1:
-            # Times per iteration over the log period, measured here rather than per iteration.
-            start, before = self._period_start
-            now, n = time.perf_counter(), it - before
-            times = {"data_time": self._data.data_time / n, "iter_time": (now - start) / n}
-            self._data_seconds += self._data.data_time
-            self._data.data_time, self._period_start = 0.0, (now, it)
-            self._pending.add(it, times, reduce=True)
-            # The LR this iteration used (LRUpdateHook changes it after the iteration); only the
-            # latest value is ever shown, so it is recorded at log points alone.
-            self._pending.add(it, {"lr": self.lr}, smooth=False)
-            self._pending.flush(every_rank=True)
+    def _log_point(self, it: int) -> None:
+        """Every ``log_period`` iterations and at the last: the times per iteration over the
+        period (measured here rather than per iteration), the LR, and the flush."""
+        start, before = self._period_start
+        now, n = time.perf_counter(), it - before
+        times = {"data_time": self._data.data_time / n, "iter_time": (now - start) / n}
+        self._data_seconds += self._data.data_time
+        self._data.data_time, self._period_start = 0.0, (now, it)
+        self._pending.add(it, times, reduce=True)
+        # The LR this iteration used (LRUpdateHook changes it after the iteration); only the
+        # latest value is ever shown, so it is recorded at log points alone.
+        self._pending.add(it, {"lr": self.lr}, smooth=False)
+        self._pending.flush(every_rank=True)
 
     def stop(self) -> None:
         """End training after this iteration (or epoch, called at its end): the remaining hooks
