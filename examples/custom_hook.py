@@ -18,9 +18,12 @@ class LossThresholdHook(HookBase):
         self.period = period
         self.hits = 0
 
+    def after_iter_period(self) -> int:
+        return self.period  # after_iter is called after every period-th and the last iteration
+
     def after_iter(self) -> None:
         # Read metrics only on log iterations: reading turns device values into numbers (a sync).
-        if not self.every_n_iters(self.period):
+        if not self.every_n_iters(self.period):  # (the last iteration may be another)
             return
         loss = self.trainer.metric_storage["total_loss"].avg
         if loss < self.threshold:
