@@ -320,7 +320,7 @@ def _numbers(pending: dict[str, _Series], distributed: bool) -> dict[str, list[f
         series = [pending[n].values for n in reduced]
         device = _device_of(series)
         packed = torch.cat([_stacked(values, device, torch.float64) for values in series])
-        columns = iter(zip(*all_gather_tensor(packed).cpu().tolist()))  # each: every rank's
+        columns = iter(zip(*all_gather_tensor(packed).tolist()))  # each: every rank's
         for n in reduced:
             reduce = max if n in _MAX_REDUCED else statistics.fmean
             numbers[n] = [reduce(next(columns)) for _ in pending[n].values]
