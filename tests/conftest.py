@@ -134,18 +134,32 @@ def _quiet_trainer_logs():
 
 
 def communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
-    """``proc.communicate(timeout=...)``; on a timeout every process under ``proc`` is killed
-    (torchrun starts its workers in sessions of their own) before the test fails."""
+    """``proc.communicate(timeout=...)``. On a timeout the test fails with where every process
+    under ``proc`` hung: each gets SIGABRT, on which Python's faulthandler (``cpu_env`` turns it
+    on) prints every thread's stack, and what is still alive after that is killed (torchrun
+    starts its workers in sessions of their own)."""
     try:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        for pid in _process_tree(proc.pid):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        proc.communicate()
-        raise
+        _signal_tree(proc.pid, signal.SIGABRT)
+        try:
+            _, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            _signal_tree(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate()
+        _signal_tree(proc.pid, signal.SIGKILL)  # workers torchrun left behind, if any
+        pytest.fail(
+            f"{proc.args} did not end within {timeout} s. Its processes' stacks at that moment "
+            f"(faulthandler, on SIGABRT), from the end of its stderr:\n{err[-12000:]}"
+        )
+
+
+def _signal_tree(root: int, signum: int) -> None:
+    for pid in _process_tree(root):
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
 
 
 def _process_tree(root: int) -> list[int]:
@@ -166,13 +180,14 @@ def _process_tree(root: int) -> list[int]:
 
 
 def cpu_env(**extra: str) -> dict[str, str]:
-    """The environment for a test's subprocess, with any GPU hidden.
+    """The environment for a test's subprocess, with any GPU hidden and faulthandler on.
 
     Those tests check the CPU and gloo paths (``tests/test_cuda.py`` checks CUDA in-process). On
     a machine with one GPU, the examples would pick it and float16, and two ranks would share
     it, which NCCL refuses.
     """
-    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", **extra}
+    # faulthandler: a hung process prints its stacks on SIGABRT (see communicate)
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": "", "PYTHONFAULTHANDLER": "1", **extra}
 
 
 def free_port() -> int:

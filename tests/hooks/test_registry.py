@@ -166,7 +166,8 @@ def test_a_periodic_after_iter_is_called_after_its_period_and_the_last_iteration
 
 def test_an_after_iter_period_that_is_not_a_positive_int_is_refused(make_trainer):
     trainer = make_trainer()
-    with pytest.raises(ValueError, match=r"EveryThird.after_iter_period\(\) must return an int >= 1, got 0"):
+    message = r"EveryThird.after_iter_period\(\) must return an int >= 1, got 0"
+    with pytest.raises(ValueError, match=message):
         trainer.register_hook(EveryThird([], period=0))
     with pytest.raises(ValueError, match="period must be an int >= 1 \\(iterations\\), got 0"):
         LoggerHook(period=0)
