@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -141,7 +142,14 @@ def communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
     try:
         return proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _signal_tree(proc.pid, signal.SIGABRT)
+        # The workers one at a time (stacks printed at once interleave), while torchrun is
+        # stopped: it would end the others as soon as one dies.
+        _signal(proc.pid, signal.SIGSTOP)
+        for pid in _process_tree(proc.pid)[1:]:
+            _signal(pid, signal.SIGABRT)
+            time.sleep(0.5)
+        _signal(proc.pid, signal.SIGABRT)
+        _signal(proc.pid, signal.SIGCONT)
         try:
             _, err = proc.communicate(timeout=15)
         except subprocess.TimeoutExpired:
@@ -156,10 +164,14 @@ def communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
 
 def _signal_tree(root: int, signum: int) -> None:
     for pid in _process_tree(root):
-        try:
-            os.kill(pid, signum)
-        except ProcessLookupError:
-            pass
+        _signal(pid, signum)
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
 
 
 def _process_tree(root: int) -> list[int]:
