@@ -14,8 +14,9 @@ EVENTS = ("before_train", "after_train", "before_epoch", "after_epoch", "before_
 
 class HookRegistry:
     """Hooks sorted by ``priority`` (ties in registration order), each event calling only the
-    hooks that override it and :meth:`~HookBase.handles` it, with the seconds spent in each
-    hook.
+    hooks that override it and :meth:`~HookBase.handles` it (``after_iter`` only at the
+    iterations of each hook's :meth:`~HookBase.after_iter_period`), with the seconds spent in
+    each hook.
 
     Args:
         owner: The trainer the hooks get as ``hook.trainer``.
