@@ -379,7 +379,7 @@ def _stacked(values: list[Any], device: Optional[torch.device], dtype: torch.dty
         except RuntimeError:
             pass  # tensors on several devices
     if device is None:
-        device = next(v.device for v in values if isinstance(v, torch.Tensor))
+        device = _device_of([values])
     return torch.stack([torch.as_tensor(v, dtype=dtype).to(device) for v in values])
 
 

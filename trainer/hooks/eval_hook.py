@@ -54,10 +54,8 @@ class EvalHook(HookBase):
         return self._period if self._period > 0 else self.trainer.max_iters
 
     def after_iter(self) -> None:
-        """Evaluate in iteration-based training."""
-        if not self.trainer.train_by_epoch and (
-            self.every_n_iters(self._period) or self.is_last_iter()
-        ):
+        """Evaluate in iteration-based training (the only one that calls it, see handles)."""
+        if self.every_n_iters(self._period) or self.is_last_iter():
             self._evaluate()
 
     def after_epoch(self) -> None:
