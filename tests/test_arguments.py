@@ -42,7 +42,7 @@ def test_bad_arguments_raise_clear_errors(make_trainer, kwargs, error, message):
         ("max_num_checkpoints", "3", "a positive int, got str '3'"),
         ("accumulation_steps", True, "a positive int, got bool True"),
         ("preempt_check_period", None, "a positive int, got NoneType None"),
-        ("warmup_t", 0.5, "an int >= 0, got float 0.5"),
+        ("warmup_t", 0.5, r"an int >= 0 \(0 disables warmup\), got float 0.5"),
         ("enable_amp", "yes", "True or False, got str 'yes'"),
         ("unpack_batch_dict", 1, "True or False, got int 1"),
         ("by_epoch", None, "True or False"),

@@ -103,7 +103,7 @@ def test_constant_lr_without_scheduler():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"warmup_t": -1}, "warmup_t must be an int >= 0"),
+        ({"warmup_t": -1}, r"warmup_t must be an int >= 0 \(0 disables warmup\), got -1"),
         ({"warmup_mode": "linear"}, "warmup_mode must be one of"),
         ({"warmup_by_epoch": True, "by_epoch": False}, "warmup_by_epoch=True needs"),
     ],
@@ -112,6 +112,11 @@ def test_bad_arguments_raise_value_errors(kwargs, message):
     opt = make_optimizer()
     with pytest.raises(ValueError, match=message):
         LRWarmupScheduler(StepLR(opt, 1), **kwargs)
+
+
+def test_a_warmup_length_that_is_not_an_int_raises_a_type_error():
+    with pytest.raises(TypeError, match=r"warmup_t must be an int >= 0 .*, got float 2.5"):
+        LRWarmupScheduler(StepLR(make_optimizer(), 1), warmup_t=2.5)
 
 
 def test_plateau_needs_by_epoch():

@@ -12,6 +12,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
+from .checks import check_int
 from .distributed import get_world_size
 from .fsdp import is_sharded
 from .hooks import (
@@ -63,7 +64,7 @@ def check_arguments(args: dict[str, Any]) -> Optional[int]:
         value = args[name]
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}.")
-    _check_int("warmup_t", args["warmup_t"], minimum=0)
+    check_int("warmup_t", args["warmup_t"], minimum=0, zero="0 disables warmup")
     writers = args["metric_writers"]
     if isinstance(writers, str) or not all(isinstance(w, MetricWriter) for w in writers):
         raise TypeError(
@@ -73,10 +74,10 @@ def check_arguments(args: dict[str, Any]) -> Optional[int]:
     _check_wiring(args["model"], args["optimizer"], args["lr_scheduler"])
     _check_epochs_or_iters(args["max_epochs"], args["max_iters"])
     for name in ("log_period", "accumulation_steps", "preempt_check_period"):
-        _check_int(name, args[name], minimum=1)
-    _check_int("checkpoint_period", args["checkpoint_period"], minimum=0, zero="0 disables")
+        check_int(name, args[name], minimum=1)
+    check_int("checkpoint_period", args["checkpoint_period"], minimum=0, zero="0 disables")
     if args["max_num_checkpoints"] is not None:
-        _check_int("max_num_checkpoints", args["max_num_checkpoints"], minimum=1)
+        check_int("max_num_checkpoints", args["max_num_checkpoints"], minimum=1)
     if not args["clip_grad_norm"] >= 0:
         raise ValueError(
             f"clip_grad_norm must be >= 0 (0 disables), got {args['clip_grad_norm']!r}."
@@ -262,18 +263,9 @@ def warn_unoptimized(model: nn.Module, optimizers: list[Optimizer]) -> None:
         )
 
 
-def _check_int(name: str, value: Any, minimum: int, zero: str = "") -> None:
-    what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-    what += f" ({zero})" if zero else ""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}.")
-    if value < minimum:
-        raise ValueError(f"{name} must be {what}, got {value!r}.")
-
-
 def _check_epochs_or_iters(max_epochs: Any, max_iters: Any) -> None:
     for name, value in (("max_epochs", max_epochs), ("max_iters", max_iters)):
-        _check_int(name, value, minimum=0)
+        check_int(name, value, minimum=0)
     if (max_epochs > 0) == (max_iters > 0):
         raise ValueError(
             "Pass exactly one of max_epochs or max_iters "

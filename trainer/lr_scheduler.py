@@ -6,6 +6,8 @@ from typing import Any, Optional
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
+from .checks import check_int
+
 _WARMUP_MODES = ("fix", "factor", "auto")
 
 
@@ -198,8 +200,7 @@ class LRWarmupScheduler:
 
 
 def _check_warmup(warmup_t: int, warmup_mode: str, warmup_by_epoch: bool, by_epoch: bool) -> None:
-    if not isinstance(warmup_t, int) or warmup_t < 0:
-        raise ValueError(f"warmup_t must be an int >= 0 (0 disables warmup), got {warmup_t!r}.")
+    check_int("warmup_t", warmup_t, minimum=0, zero="0 disables warmup")
     if warmup_mode not in _WARMUP_MODES:
         raise ValueError(f"warmup_mode must be one of {_WARMUP_MODES}, got {warmup_mode!r}.")
     if warmup_by_epoch and not by_epoch:

@@ -12,6 +12,7 @@ from typing import Any, NamedTuple, Optional, Union
 
 import torch
 
+from .checks import check_int
 from .distributed import all_gather_tensor, get_world_size
 
 
@@ -31,8 +32,7 @@ class HistoryBuffer:
     """
 
     def __init__(self, window_size: int = 20) -> None:
-        if not isinstance(window_size, int) or window_size < 1:
-            raise ValueError(f"window_size must be a positive int, got {window_size!r}.")
+        check_int("window_size", window_size, minimum=1)
         self._window: deque = deque(maxlen=window_size)
         self._count = 0
         self._sum = 0.0

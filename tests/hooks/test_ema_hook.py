@@ -67,5 +67,7 @@ def test_swapped_evaluates_with_the_average_and_restores_the_weights(make_traine
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match=r"decay must be in \[0, 1\), got 1.0"):
         EMAHook(decay=1.0)
-    with pytest.raises(ValueError, match="period must be an int >= 1, got 0"):
+    with pytest.raises(ValueError, match="period must be a positive int, got 0"):
         EMAHook(period=0)
+    with pytest.raises(TypeError, match="period must be a positive int, got bool True"):
+        EMAHook(period=True)

@@ -169,5 +169,7 @@ def test_an_after_iter_period_that_is_not_a_positive_int_is_refused(make_trainer
     message = r"EveryThird.after_iter_period\(\) must return an int >= 1, got 0"
     with pytest.raises(ValueError, match=message):
         trainer.register_hook(EveryThird([], period=0))
-    with pytest.raises(ValueError, match="period must be an int >= 1 \\(iterations\\), got 0"):
+    with pytest.raises(ValueError, match="period must be a positive int, got 0"):
         LoggerHook(period=0)
+    with pytest.raises(TypeError, match="period must be a positive int, got float 50.0"):
+        LoggerHook(period=50.0)

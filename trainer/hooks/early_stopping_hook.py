@@ -3,6 +3,7 @@
 import logging
 from typing import Any, Optional
 
+from ..checks import check_int
 from .hookbase import HookBase, Priority
 from .metric_watch import MetricWatch
 
@@ -34,8 +35,7 @@ class EarlyStoppingHook(HookBase):
     def __init__(
         self, metric: str, patience: int = 5, mode: Optional[str] = None, min_delta: float = 0.0
     ) -> None:
-        if not isinstance(patience, int) or isinstance(patience, bool) or patience < 1:
-            raise ValueError(f"patience must be an int >= 1, got {patience!r}.")
+        check_int("patience", patience, minimum=1)
         self._watch = MetricWatch(metric, mode, min_delta)
         self._patience = patience
         self._bad_evals = 0  # evaluations since the last improvement

@@ -5,6 +5,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from ..checks import check_int
 from .hookbase import HookBase, Priority
 
 
@@ -36,8 +37,7 @@ class EMAHook(HookBase):
     def __init__(self, decay: float = 0.999, period: int = 1) -> None:
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay!r}.")
-        if not isinstance(period, int) or isinstance(period, bool) or period < 1:
-            raise ValueError(f"period must be an int >= 1, got {period!r}.")
+        check_int("period", period, minimum=1)
         self.decay = decay
         self._period = period
         self._ema: Optional[dict[str, torch.Tensor]] = None

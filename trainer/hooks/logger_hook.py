@@ -6,6 +6,7 @@ import os
 import time
 from typing import Any, Optional
 
+from ..checks import check_int
 from ..distributed import is_main_process
 from ..writers import ConsoleWriter, JSONLinesWriter, MetricWriter, TensorBoardWriter
 from .hookbase import HookBase, Priority
@@ -44,8 +45,7 @@ class LoggerHook(HookBase):
         tensorboard: bool = True,
         metrics_jsonl: bool = True,
     ) -> None:
-        if not isinstance(period, int) or isinstance(period, bool) or period < 1:
-            raise ValueError(f"period must be an int >= 1 (iterations), got {period!r}.")
+        check_int("period", period, minimum=1)
         self._period = period
         self._extra = list(writers or [])
         self._tensorboard = tensorboard
