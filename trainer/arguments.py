@@ -64,7 +64,7 @@ def check_arguments(args: dict[str, Any]) -> Optional[int]:
         value = args[name]
         if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
             raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}.")
-    check_int("warmup_t", args["warmup_t"], minimum=0, zero="0 disables warmup")
+    check_int("warmup_t", args["warmup_t"], minimum=0, note="0 disables warmup")
     writers = args["metric_writers"]
     if isinstance(writers, str) or not all(isinstance(w, MetricWriter) for w in writers):
         raise TypeError(
@@ -75,7 +75,7 @@ def check_arguments(args: dict[str, Any]) -> Optional[int]:
     _check_epochs_or_iters(args["max_epochs"], args["max_iters"])
     for name in ("log_period", "accumulation_steps", "preempt_check_period"):
         check_int(name, args[name], minimum=1)
-    check_int("checkpoint_period", args["checkpoint_period"], minimum=0, zero="0 disables")
+    check_int("checkpoint_period", args["checkpoint_period"], minimum=0, note="0 disables")
     if args["max_num_checkpoints"] is not None:
         check_int("max_num_checkpoints", args["max_num_checkpoints"], minimum=1)
     if not args["clip_grad_norm"] >= 0:

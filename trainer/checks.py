@@ -4,10 +4,10 @@ buffers share, so that one bad value gives one kind of error wherever it is pass
 from typing import Any
 
 
-def check_int(name: str, value: Any, minimum: int, zero: str = "") -> None:
+def check_int(name: str, value: Any, minimum: int, note: str = "") -> None:
     """Raise ``TypeError`` unless ``value`` is an int (a bool is not), ``ValueError`` if it is
-    below ``minimum``; the message names ``name``, what it must be (with ``zero``, what 0
-    means, when 0 is allowed) and what it got.
+    below ``minimum``; the message names ``name``, what it must be (and ``note`` in brackets:
+    what 0 means, say) and what it got.
 
     Example::
 
@@ -17,7 +17,7 @@ def check_int(name: str, value: Any, minimum: int, zero: str = "") -> None:
         ValueError: period must be a positive int, got 0.
     """
     what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
-    what += f" ({zero})" if zero else ""
+    what += f" ({note})" if note else ""
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}.")
     if value < minimum:

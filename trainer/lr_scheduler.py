@@ -200,7 +200,7 @@ class LRWarmupScheduler:
 
 
 def _check_warmup(warmup_t: int, warmup_mode: str, warmup_by_epoch: bool, by_epoch: bool) -> None:
-    check_int("warmup_t", warmup_t, minimum=0, zero="0 disables warmup")
+    check_int("warmup_t", warmup_t, minimum=0, note="0 disables warmup")
     if warmup_mode not in _WARMUP_MODES:
         raise ValueError(f"warmup_mode must be one of {_WARMUP_MODES}, got {warmup_mode!r}.")
     if warmup_by_epoch and not by_epoch:

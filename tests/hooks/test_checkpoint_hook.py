@@ -1,6 +1,9 @@
 import os
 
+import pytest
 import torch
+
+from trainer.hooks import CheckpointHook
 
 
 def listing(trainer):
@@ -23,6 +26,26 @@ def test_epoch_checkpoints_with_period_and_final(make_trainer):
     trainer.train()
     assert listing(trainer) == ["epoch_2.pth", "epoch_4.pth", "epoch_5.pth", "latest.txt"]
     assert latest(trainer) == "epoch_5.pth"
+
+
+def test_period_0_saves_at_the_end_only(make_trainer):
+    trainer = make_trainer(max_epochs=3, checkpoint_period=0)  # no default CheckpointHook
+    trainer.register_hook(CheckpointHook(period=0))
+    trainer.train()
+    assert listing(trainer) == ["epoch_3.pth", "latest.txt"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"period": 1.0}, TypeError, r"an int >= 0 \(0 saves at the end only\), got float 1.0"),
+        ({"period": -2}, ValueError, r"period must be an int >= 0 .*, got -2"),
+        ({"max_to_keep": 0}, ValueError, r"max_to_keep must be a positive int \(or None to"),
+    ],
+)
+def test_bad_arguments_are_refused(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        CheckpointHook(**kwargs)
 
 
 def test_iteration_checkpoints_wait_for_the_epoch_end(make_trainer):

@@ -82,3 +82,23 @@ def test_after_eval_can_be_fired_through_the_public_call_hooks(make_trainer):
     trainer.register_hook(Listener())
     trainer.call_hooks("after_eval", {"acc": 0.25})
     assert received == [{"acc": 0.25}]
+
+
+def test_period_0_evaluates_at_the_end_only(make_trainer):
+    iters = []
+    trainer = make_trainer(max_epochs=3)
+    trainer.register_hook(EvalHook(0, lambda: iters.append(trainer.cur_iter)))
+    trainer.train()
+    assert iters == [trainer.max_iters - 1]
+
+
+@pytest.mark.parametrize(
+    "period, error, message",
+    [
+        ("2", TypeError, r"period must be an int >= 0 \(0 evaluates at the end only\), got str"),
+        (-1, ValueError, r"period must be an int >= 0 \(0 evaluates at the end only\), got -1"),
+    ],
+)
+def test_a_bad_period_is_refused(period, error, message):
+    with pytest.raises(error, match=message):
+        EvalHook(period, lambda: None)

@@ -4,6 +4,7 @@ import logging
 import os
 from typing import Any, Optional
 
+from ..checks import check_int
 from .hookbase import HookBase, Priority
 
 logger = logging.getLogger(__name__)
@@ -20,7 +21,8 @@ class CheckpointHook(HookBase):
     holds the state after ``after_epoch`` (the epoch's LR step included) and resume is exact.
 
     Args:
-        period: Epochs (``by_epoch``) or iterations between checkpoints.
+        period: Epochs (``by_epoch``) or iterations between checkpoints; 0 saves at the end
+            only.
         max_to_keep: Keep the newest N checkpoints this hook wrote (with those of preemptions
             that a run resumed from); None keeps all.
         by_epoch: Count ``period`` in epochs (True) or iterations.
@@ -33,6 +35,9 @@ class CheckpointHook(HookBase):
     priority = Priority.CHECKPOINT
 
     def __init__(self, period: int = 1, max_to_keep: Optional[int] = None, by_epoch: bool = True):
+        check_int("period", period, minimum=0, note="0 saves at the end only")
+        if max_to_keep is not None:
+            check_int("max_to_keep", max_to_keep, minimum=1, note="or None to keep all")
         self._period = period
         self._max_to_keep = max_to_keep
         self._by_epoch = by_epoch

@@ -7,6 +7,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..checks import check_int
 from ..distributed import all_gather, get_world_size
 from .hookbase import HookBase, Priority
 
@@ -28,7 +29,7 @@ class EvalHook(HookBase):
     ranks wait in the collective that shares rank 0's results).
 
     Args:
-        period: Epochs or iterations between evaluations.
+        period: Epochs or iterations between evaluations; 0 evaluates at the end only.
         eval_func: A callable with no arguments returning ``{name: number}`` (or None).
 
     Example::
@@ -41,6 +42,7 @@ class EvalHook(HookBase):
     def __init__(self, period: int, eval_func: Callable[[], Optional[dict]]) -> None:
         if not callable(eval_func):
             raise TypeError(f"eval_func must be callable, got {type(eval_func).__name__}.")
+        check_int("period", period, minimum=0, note="0 evaluates at the end only")
         self._period = period
         self._eval_func = eval_func
 
