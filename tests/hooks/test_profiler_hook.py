@@ -25,5 +25,9 @@ def test_a_run_ending_inside_the_window_still_writes(make_trainer):
 
 
 def test_bad_window_is_refused():
-    with pytest.raises(ValueError, match="num_iters >= 1, got 0 and 0"):
+    with pytest.raises(ValueError, match="num_iters must be a positive int, got 0"):
         ProfilerHook(start_iter=0, num_iters=0)
+    with pytest.raises(ValueError, match="start_iter must be an int >= 0, got -1"):
+        ProfilerHook(start_iter=-1)
+    with pytest.raises(TypeError, match="start_iter must be an int >= 0, got float 2.5"):
+        ProfilerHook(start_iter=2.5)

@@ -29,3 +29,7 @@ def test_a_hanging_iteration_dumps_every_stack_once(make_trainer, caplog):
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="factor must be > 1"):
         WatchdogHook(factor=1)
+    with pytest.raises(ValueError, match="window must be a positive int, got 0"):
+        WatchdogHook(window=0)
+    with pytest.raises(TypeError, match="window must be a positive int, got float 10.0"):
+        WatchdogHook(window=10.0)

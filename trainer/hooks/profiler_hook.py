@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..checks import check_int
 from ..distributed import get_rank
 from .hookbase import HookBase, Priority
 
@@ -34,10 +35,8 @@ class ProfilerHook(HookBase):
     def __init__(
         self, start_iter: int = 10, num_iters: int = 5, profiler_kwargs: Optional[dict] = None
     ) -> None:
-        if start_iter < 0 or num_iters < 1:
-            raise ValueError(
-                f"start_iter must be >= 0 and num_iters >= 1, got {start_iter} and {num_iters}."
-            )
+        check_int("start_iter", start_iter, minimum=0)
+        check_int("num_iters", num_iters, minimum=1)
         self._start = start_iter
         self._end = start_iter + num_iters  # exclusive
         self._kwargs = dict(profiler_kwargs or {})

@@ -9,6 +9,7 @@ import time
 import traceback
 from typing import Optional
 
+from ..checks import check_int
 from ..distributed import get_rank
 from .hookbase import HookBase, Priority
 
@@ -39,11 +40,11 @@ class WatchdogHook(HookBase):
     priority = Priority.LOGGER + 5
 
     def __init__(self, factor: float = 10.0, min_seconds: float = 60.0, window: int = 50) -> None:
-        if not factor > 1 or not min_seconds > 0 or window < 1:
+        if not factor > 1 or not min_seconds > 0:
             raise ValueError(
-                f"factor must be > 1, min_seconds > 0 and window >= 1; got {factor!r}, "
-                f"{min_seconds!r} and {window!r}."
+                f"factor must be > 1 and min_seconds > 0; got {factor!r} and {min_seconds!r}."
             )
+        check_int("window", window, minimum=1)
         self._factor = factor
         self._min_seconds = min_seconds
         self._recent: collections.deque = collections.deque(maxlen=window)
