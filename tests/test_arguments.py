@@ -57,6 +57,7 @@ def test_bad_arguments_raise_clear_errors(make_trainer, kwargs, error, message):
         ("plateau_metric", 3, "a str or None, got int 3"),
         ("amp_dtype", "float16", "torch.float16, torch.bfloat16 or None, got str 'float16'"),
         ("metric_writers", [print], "a list of trainer.writers.MetricWriter objects"),
+        ("metric_writers", 5, "a list of trainer.writers.MetricWriter objects, got 5"),
         ("compile", "yes", "compile must be a bool or a dict"),
     ],
 )

@@ -12,7 +12,7 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-from .checks import check_int
+from .checks import NUMBER, check_int, check_type
 from .distributed import get_world_size
 from .fsdp import is_sharded
 from .hooks import (
@@ -26,7 +26,7 @@ from .hooks import (
 from .lr_scheduler import LRWarmupScheduler
 from .progress import loader_length
 from .step import unwrapped
-from .writers import MetricWriter
+from .writers import check_writers
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ WARMUP_ARGUMENTS = {
 
 
 # The expected type of every plain constructor argument, and how to say it.
-_NUMBER = ((int, float), "a number")
+_NUMBER = (NUMBER, "a number")
 _FLAG = ((bool,), "True or False")
 _SIMPLE_TYPES = {
     "work_dir": ((str, os.PathLike), "a str or os.PathLike path"),
@@ -61,16 +61,9 @@ def check_arguments(args: dict[str, Any]) -> Optional[int]:
     for a data loader without a length (a stream)."""
     _check_types(args["model"], args["optimizer"], args["lr_scheduler"], args["data_loader"])
     for name, (types, what) in _SIMPLE_TYPES.items():
-        value = args[name]
-        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-            raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}.")
+        check_type(name, args[name], types, what)
     check_int("warmup_t", args["warmup_t"], minimum=0, note="0 disables warmup")
-    writers = args["metric_writers"]
-    if isinstance(writers, str) or not all(isinstance(w, MetricWriter) for w in writers):
-        raise TypeError(
-            "metric_writers must be a list of trainer.writers.MetricWriter objects, got "
-            f"{writers!r}."
-        )
+    check_writers("metric_writers", args["metric_writers"])
     _check_wiring(args["model"], args["optimizer"], args["lr_scheduler"])
     _check_epochs_or_iters(args["max_epochs"], args["max_iters"])
     for name in ("log_period", "accumulation_steps", "preempt_check_period"):

@@ -1,7 +1,26 @@
-"""The integer check that the Trainer's arguments, the hooks, the LR warmup and the metric
-buffers share, so that one bad value gives one kind of error wherever it is passed."""
+"""The type and integer checks that the Trainer's arguments, the hooks, the LR warmup and the
+metric buffers share, so that one bad value gives one kind of error wherever it is passed."""
 
-from typing import Any
+from typing import Any, Union
+
+NUMBER = (int, float)
+
+
+def check_type(name: str, value: Any, types: Union[type, tuple[type, ...]], what: str) -> None:
+    """Raise ``TypeError`` unless ``value`` is an instance of ``types``; a bool passes only where
+    ``bool`` is among them (it is an int to Python, but ``True`` is never meant as 1). The message
+    names ``name``, ``what`` it must be and what it got.
+
+    Example::
+
+        >>> check_type("decay", "0.9", NUMBER, "a number in [0, 1)")
+        Traceback (most recent call last):
+        ...
+        TypeError: decay must be a number in [0, 1), got str '0.9'.
+    """
+    types = types if isinstance(types, tuple) else (types,)
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}.")
 
 
 def check_int(name: str, value: Any, minimum: int, note: str = "") -> None:
@@ -18,7 +37,6 @@ def check_int(name: str, value: Any, minimum: int, note: str = "") -> None:
     """
     what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
     what += f" ({note})" if note else ""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}.")
+    check_type(name, value, int, what)
     if value < minimum:
         raise ValueError(f"{name} must be {what}, got {value!r}.")

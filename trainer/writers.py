@@ -41,6 +41,17 @@ class MetricWriter:
         """Flush and release what the writer holds; called when training ends."""
 
 
+def check_writers(name: str, writers: Any) -> None:
+    """Raise ``TypeError`` naming ``name`` unless ``writers`` is a list or tuple of
+    :class:`MetricWriter` objects."""
+    if not isinstance(writers, (list, tuple)) or not all(
+        isinstance(w, MetricWriter) for w in writers
+    ):
+        raise TypeError(
+            f"{name} must be a list of trainer.writers.MetricWriter objects, got {writers!r}."
+        )
+
+
 class ConsoleWriter(MetricWriter):
     """The log line: progress, ETA, LR, metrics (times with their units), peak CUDA memory and
     the checkpoint saved since the previous line, if any, to the console and ``log.txt``. The

@@ -5,7 +5,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from ..checks import check_int
+from ..checks import NUMBER, check_int, check_type
 from .hookbase import HookBase, Priority
 
 
@@ -35,6 +35,7 @@ class EMAHook(HookBase):
     priority = Priority.NORMAL + 5
 
     def __init__(self, decay: float = 0.999, period: int = 1) -> None:
+        check_type("decay", decay, NUMBER, "a number in [0, 1)")
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1), got {decay!r}.")
         check_int("period", period, minimum=1)

@@ -8,7 +8,13 @@ from typing import Any, Optional
 
 from ..checks import check_int
 from ..distributed import is_main_process
-from ..writers import ConsoleWriter, JSONLinesWriter, MetricWriter, TensorBoardWriter
+from ..writers import (
+    ConsoleWriter,
+    JSONLinesWriter,
+    MetricWriter,
+    TensorBoardWriter,
+    check_writers,
+)
 from .hookbase import HookBase, Priority
 from .summary import EvalRecord, summary_table
 
@@ -46,6 +52,8 @@ class LoggerHook(HookBase):
         metrics_jsonl: bool = True,
     ) -> None:
         check_int("period", period, minimum=1)
+        if writers is not None:
+            check_writers("writers", writers)
         self._period = period
         self._extra = list(writers or [])
         self._tensorboard = tensorboard

@@ -2,6 +2,7 @@
 
 from typing import Any, Optional
 
+from ..checks import check_type
 from .hookbase import HookBase, Priority
 
 # What ReduceLROnPlateau judges without a plateau_metric (core-pytorch-utils' name).
@@ -28,6 +29,7 @@ class LRUpdateHook(HookBase):
     priority = Priority.LR_UPDATE
 
     def __init__(self, plateau_metric: Optional[str] = None) -> None:
+        check_type("plateau_metric", plateau_metric, (str, type(None)), "a str or None")
         self._plateau_metric = plateau_metric or DEFAULT_PLATEAU_METRIC
         self._metric_named = plateau_metric is not None
         self._metric_count = 0  # values of plateau_metric already fed to the scheduler

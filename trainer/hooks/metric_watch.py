@@ -4,6 +4,8 @@ import math
 import re
 from typing import Any, Optional
 
+from ..checks import NUMBER, check_type
+
 # Words in a metric's name that tell which way is better.
 _LOWER_IS_BETTER = {"loss", "err", "error", "errors", "mse", "mae", "rmse", "nll", "ppl",
                     "perplexity", "cer", "wer", "fid", "distance", "dist"}  # fmt: skip
@@ -49,6 +51,8 @@ class MetricWatch:
     """
 
     def __init__(self, metric: str, mode: Optional[str] = None, min_delta: float = 0.0) -> None:
+        check_type("metric", metric, str, "a str (the name an EvalHook logs)")
+        check_type("min_delta", min_delta, NUMBER, "a number >= 0")
         if mode is None:
             mode = infer_mode(metric)
             if mode is None:

@@ -6,6 +6,7 @@ import sys
 import time
 from typing import Optional, TextIO
 
+from ..checks import NUMBER, check_type
 from ..distributed import is_main_process
 from ..logger import draws_safely_on, live_line
 from .hookbase import HookBase, Priority
@@ -31,6 +32,9 @@ class ProgressBarHook(HookBase):
     priority = Priority.LOGGER + 1  # after LoggerHook: the log point's loss is fresh
 
     def __init__(self, interval: float = 0.2, stream: Optional[TextIO] = None) -> None:
+        check_type("interval", interval, NUMBER, "a number of seconds > 0")
+        if not interval > 0:
+            raise ValueError(f"interval must be a number of seconds > 0, got {interval!r}.")
         self._interval = interval
         self._stream = stream
         self._active = False

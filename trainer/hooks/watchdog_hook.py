@@ -9,7 +9,7 @@ import time
 import traceback
 from typing import Optional
 
-from ..checks import check_int
+from ..checks import NUMBER, check_int, check_type
 from ..distributed import get_rank
 from .hookbase import HookBase, Priority
 
@@ -40,6 +40,8 @@ class WatchdogHook(HookBase):
     priority = Priority.LOGGER + 5
 
     def __init__(self, factor: float = 10.0, min_seconds: float = 60.0, window: int = 50) -> None:
+        check_type("factor", factor, NUMBER, "a number > 1")
+        check_type("min_seconds", min_seconds, NUMBER, "a number > 0")
         if not factor > 1 or not min_seconds > 0:
             raise ValueError(
                 f"factor must be > 1 and min_seconds > 0; got {factor!r} and {min_seconds!r}."
