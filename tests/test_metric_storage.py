@@ -29,6 +29,8 @@ def test_history_buffer_rejects_bad_window():
         HistoryBuffer(window_size=0)
     with pytest.raises(TypeError, match="window_size must be a positive int, got float 2.0"):
         HistoryBuffer(window_size=2.0)
+    with pytest.raises(ValueError, match="window_size must be a positive int, got 0"):
+        MetricStorage(window_size=0)
 
 
 def test_storage_is_a_mapping_with_smoothing():

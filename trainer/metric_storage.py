@@ -111,6 +111,7 @@ class MetricStorage(Mapping):
     """
 
     def __init__(self, window_size: int = 20) -> None:
+        check_int("window_size", window_size, minimum=1)  # here, not at the first update
         self._window_size = window_size
         self._buffers: dict[str, HistoryBuffer] = {}
         self._latest_iter: dict[str, int] = {}
