@@ -108,7 +108,7 @@ def main() -> float:
     acc = accuracy(net, test_set)
     logger.info(f"Final test accuracy: {acc:.4f} (world size {get_world_size()})")
     if world_size > 1:
-        # Every rank done talking, then tear down: gloo can abort at exit otherwise.
+        # Every rank done talking, then tear down, as torch asks (README: aborts at exit).
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return acc

@@ -156,7 +156,7 @@ def main(argv: Optional[list[str]] = None) -> float:
         f"{str(trainer.amp_dtype).replace('torch.', '')})"
     )
     if get_world_size() > 1:
-        # Every rank done talking, then tear down: gloo can abort at exit otherwise.
+        # Every rank done talking, then tear down, as torch asks (README: aborts at exit).
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     return distance

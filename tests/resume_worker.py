@@ -167,7 +167,7 @@ def main():
     if rank == 0:
         real_save(weights, os.environ["OUT"])
     if world_size > 1:
-        # Every rank done talking, then tear down: gloo can abort at exit otherwise.
+        # Every rank done talking, then tear down, as torch asks (README: aborts at exit).
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
 

@@ -40,6 +40,10 @@ assert (rank, world) == (get_rank(), get_world_size()) and world == 2
 assert all_gather(rank * 10) == [0, 10]
 gathered = gather({"r": rank})
 assert gathered == ([{"r": 0}, {"r": 1}] if rank == 0 else []), gathered
+side = torch.distributed.new_group(backend="gloo")  # the same over another group
+assert all_gather(rank * 10, group=side) == [0, 10]
+assert gather(rank, group=side) == ([0, 1] if rank == 0 else [])
+assert all_gather_tensor(torch.tensor([rank]), group=side).tolist() == [[0], [1]]
 out = reduce_dict({"a": torch.tensor(float(rank)), "b": torch.tensor(4.0)})
 assert out["a"].item() == 0.5 and out["b"].item() == 4.0, out
 out = reduce_dict({"a": torch.tensor(1.0)}, average=False)
@@ -242,7 +246,7 @@ def test_a_stalled_rank_makes_the_others_fail_after_the_process_group_timeout(tm
 
 
 ACCUMULATION_WORKER = """
-import sys
+import os, sys, threading
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
@@ -289,9 +293,17 @@ else:
 batches = [(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(8)]
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 trainer = Trainer(model, optimizer, None, batches, max_iters=4, accumulation_steps=2,
-                  work_dir=sys.argv[1], log_period=100, checkpoint_period=100)
+                  work_dir=sys.argv[1], log_period=2, checkpoint_period=2, preempt_check_period=1)
+
+
+def native_threads():  # gloo's among them
+    return len(os.listdir("/proc/self/task")) - threading.active_count()
+
+
+before = native_threads()
 trainer.train()
 print(f"rank {rank}: {reductions['n']} gradient reductions in 4 iterations", flush=True)
+print(f"rank {rank}: native threads {before} before train(), {native_threads()} after", flush=True)
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()
 """
@@ -307,3 +319,10 @@ def test_accumulation_reduces_gradients_once_per_iteration(tmp_path, wrapper):
     assert result.returncode == 0, result.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank}: 4 gradient reductions in 4 iterations" in result.stdout
+        # The trainer's own gloo group (preemption checks, the metrics and the saves' gathers)
+        # is released when train() ends, its threads joined: none is left to drop a tensor
+        # made in Python while the interpreter exits, which aborts the process.
+        before, after = re.search(
+            rf"rank {rank}: native threads (\d+) before train\(\), (\d+)", result.stdout
+        ).groups()
+        assert after == before, result.stdout

@@ -20,7 +20,7 @@ from .checkpoint_files import (
     remove_temp_files,
     save_in_background,
 )
-from .distributed import all_gather, gather, get_world_size, is_main_process
+from .distributed import CpuGroup, all_gather, gather, get_world_size, is_main_process
 from .fsdp import (
     full_state_dicts,
     is_sharded,
@@ -59,6 +59,7 @@ class Checkpointer:
         config: What a resumed run must match: ``accumulation_steps`` (refused if changed) and
             ``amp`` (reported if changed).
         batch_size: Per process, to map the position when it changes on resume.
+        cpu: The trainer's gloo group, for the gathers of a save while it trains.
     """
 
     def __init__(
@@ -72,6 +73,7 @@ class Checkpointer:
         hooks: Callable[[], dict[str, Any]],
         config: dict[str, Any],
         batch_size: Optional[int],
+        cpu: Optional[CpuGroup] = None,
     ) -> None:
         self.ckpt_dir = ckpt_dir
         self._model = model
@@ -82,6 +84,7 @@ class Checkpointer:
         self._hooks = hooks
         self._config = config
         self._batch_size = batch_size
+        self._cpu = cpu or CpuGroup()
         self._extra: dict[str, Any] = {}
         self.last_path: Optional[str] = None  # the checkpoint saved (rank 0) or loaded last
         self._sharded = is_sharded(model)  # by FSDP2's fully_shard
@@ -130,7 +133,9 @@ class Checkpointer:
         # FSDP2: every rank takes part in gathering the full weights, which rank 0 writes.
         weights = full_state_dicts(self._model, self._optimizer) if self._sharded else None
         # Per-rank RNG, so every rank's dropout and data-worker seeds resume exactly.
-        rng = gather(self._data.rng_state(mid_pass=self._progress.position[1] > 0))
+        rng = gather(
+            self._data.rng_state(mid_pass=self._progress.position[1] > 0), group=self._cpu.group
+        )
         if not is_main_process():
             return None
         path = os.path.join(self.ckpt_dir, file_name)
@@ -148,7 +153,8 @@ class Checkpointer:
         }
         bad = non_finite(state)
         if get_world_size() > 1:  # sharded state differs by rank: every rank must agree
-            everyone = all_gather((bad, self.writer.failed))  # and on rank 0's last write
+            # the ranks agree on the bad tensors, and on whether rank 0's last write failed
+            everyone = all_gather((bad, self.writer.failed), group=self._cpu.group)
             if any(failed for _, failed in everyone):
                 self.raise_write_error()
             bad = sorted({name for names, _ in everyone for name in names})

@@ -1,8 +1,10 @@
 """Rank helpers over ``torch.distributed``; every function also works in a single process."""
 
+import contextlib
 import datetime
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
@@ -82,8 +84,9 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_gather(obj: Any) -> list[Any]:
-    """Gather a picklable object from every rank, to every rank.
+def all_gather(obj: Any, group: Any = None) -> list[Any]:
+    """Gather a picklable object from every rank, to every rank (over ``group``, a group of
+    every rank; None: the default group).
 
     Example::
 
@@ -93,12 +96,13 @@ def all_gather(obj: Any) -> list[Any]:
     if get_world_size() == 1:
         return [obj]
     out: list[Any] = [None] * get_world_size()
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
-def all_gather_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """Every rank's ``tensor`` (same shape everywhere), stacked: shape ``(world_size, *shape)``.
+def all_gather_tensor(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Every rank's ``tensor`` (same shape everywhere), stacked: shape ``(world_size, *shape)``
+    (over ``group``, a group of every rank; None: the default group).
 
     Example::
 
@@ -108,16 +112,17 @@ def all_gather_tensor(tensor: torch.Tensor) -> torch.Tensor:
     if get_world_size() == 1:
         return tensor.unsqueeze(0)
     out = [torch.empty_like(tensor) for _ in range(get_world_size())]
-    dist.all_gather(out, tensor)
+    dist.all_gather(out, tensor, group=group)
     return torch.stack(out)
 
 
-def gather(obj: Any, dst: int = 0) -> list[Any]:
-    """Gather a picklable object from every rank on rank ``dst``; other ranks get ``[]``."""
+def gather(obj: Any, dst: int = 0, group: Any = None) -> list[Any]:
+    """Gather a picklable object from every rank on rank ``dst``; other ranks get ``[]`` (over
+    ``group``, a group of every rank; None: the default group)."""
     if get_world_size() == 1:
         return [obj]
     out: Optional[list[Any]] = [None] * get_world_size() if get_rank() == dst else None
-    dist.gather_object(obj, out, dst=dst)
+    dist.gather_object(obj, out, dst=dst, group=group)
     return out if out is not None else []
 
 
@@ -139,3 +144,33 @@ def reduce_dict(tensors: dict[str, torch.Tensor], average: bool = True) -> dict[
     if average:
         packed = packed / get_world_size()
     return dict(zip(names, packed))
+
+
+class CpuGroup:
+    """A gloo group of every rank for the trainer's own collectives while it trains: the
+    preemption checks, a stream's pass end, the checkpoints' gathers and, on CPU, the metrics'
+    reduction. ``group`` is None outside :meth:`open` and in one process; the default group then
+    serves.
+
+    Released when :meth:`open` ends, which joins the group's gloo threads while Python is fully
+    alive. A gloo thread that runs on drops its last reference to a tensor made in Python
+    whenever it gets to it, maybe during the interpreter's exit, when no thread can take the GIL:
+    the process then aborts ("terminate called without an active exception"). The default
+    group's threads run on past ``destroy_process_group()`` once a DDP model has been built.
+    """
+
+    def __init__(self) -> None:
+        self.group: Any = None
+
+    @contextlib.contextmanager
+    def open(self) -> Iterator[None]:
+        """The group, for the block (every rank enters it, in step)."""
+        if get_world_size() > 1:
+            self.group = dist.new_group(backend="gloo")
+        try:
+            yield
+        finally:
+            group, self.group = self.group, None
+            if group is not None and dist.is_initialized():
+                # ours is then the last reference: dropping it joins the group's threads
+                dist.destroy_process_group(group)

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Optional, Union
 import torch
 
 from .checks import check_int
-from .distributed import all_gather_tensor, get_world_size
+from .distributed import CpuGroup, all_gather_tensor, get_world_size
 
 
 class HistoryBuffer:
@@ -227,11 +227,15 @@ class PendingMetrics:
         storage: Where flushed values go.
         epoch_len: Iterations per epoch, to name the epoch of a bad loss (None: a stream's
             epochs have no fixed length, and only the iteration is named).
+        cpu: The trainer's gloo group, which reduces values on the CPU while it trains.
     """
 
-    def __init__(self, storage: "MetricStorage", epoch_len: Optional[int]) -> None:
+    def __init__(
+        self, storage: "MetricStorage", epoch_len: Optional[int], cpu: Optional[CpuGroup] = None
+    ) -> None:
         self.storage = storage
         self._epoch_len = epoch_len
+        self._cpu = cpu or CpuGroup()
         self._series: dict[str, _Series] = {}
 
     def add(
@@ -274,7 +278,7 @@ class PendingMetrics:
         if not names:
             return
         pending = {name: self._series.pop(name) for name in names}
-        numbers = _numbers(pending, distributed)
+        numbers = _numbers(pending, distributed, self._cpu.group)
         first_bad = math.inf  # the first iteration with a non-finite loss
         for name, series in pending.items():
             if series.check_finite and not all(map(math.isfinite, numbers[name])):
@@ -311,7 +315,9 @@ def _scalar(name: str, value: torch.Tensor) -> torch.Tensor:
     return value.detach().reshape(())
 
 
-def _numbers(pending: dict[str, _Series], distributed: bool) -> dict[str, list[float]]:
+def _numbers(
+    pending: dict[str, _Series], distributed: bool, cpu_group: Any
+) -> dict[str, list[float]]:
     """The pending values as numbers: this rank's in one transfer, reduced ones over ranks."""
     reduced = sorted(n for n, s in pending.items() if distributed and s.reduce)  # same order
     local = [n for n in pending if n not in reduced]
@@ -321,7 +327,9 @@ def _numbers(pending: dict[str, _Series], distributed: bool) -> dict[str, list[f
         series = [pending[n].values for n in reduced]
         device = _device_of(series)
         packed = torch.cat([_stacked(values, device, torch.float64) for values in series])
-        columns = iter(zip(*all_gather_tensor(packed).tolist()))  # each: every rank's
+        # on CPU over the trainer's gloo group (cpu_group), on the GPU over the default one
+        group = cpu_group if packed.device.type == "cpu" else None
+        columns = iter(zip(*all_gather_tensor(packed, group).tolist()))  # each: every rank's
         for n in reduced:
             reduce = max if n in _MAX_REDUCED else statistics.fmean
             numbers[n] = [reduce(next(columns)) for _ in pending[n].values]

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from .distributed import get_world_size
+from .distributed import CpuGroup, get_world_size
 
 logger = logging.getLogger(__name__)
 
@@ -29,19 +29,21 @@ class Preemption:
 
     In one process the stop comes after the iteration during which the signal arrived. Under
     torchrun the ranks share what they caught every ``check_period`` iterations, in a small
-    asynchronous all-reduce of a CPU flag over a gloo group of its own: started at one check
+    asynchronous all-reduce of a CPU flag over the trainer's gloo group: started at one check
     and read at the next, it never waits on the device nor stalls the loop, and every rank
     stops at the same iteration, at most ``2 * check_period`` iterations after the signal.
     How often metrics are logged plays no part.
 
     Args:
         check_period: Iterations between the checks under torchrun.
+        cpu: The trainer's gloo group, open while it trains (a CPU flag needs gloo, and the
+            checks never interleave with the model's collectives).
     """
 
-    def __init__(self, check_period: int = 10) -> None:
+    def __init__(self, check_period: int = 10, cpu: Optional[CpuGroup] = None) -> None:
         self.check_period = check_period
         self.caught: Optional[int] = None  # the signal this process caught
-        self._group: Any = None
+        self._cpu = cpu or CpuGroup()
         self._pending: Optional[tuple[Any, np.ndarray]] = None  # the check in flight
         self.distributed = False  # under torchrun: agreed_signal is due every iteration
 
@@ -50,10 +52,6 @@ class Preemption:
         """Catch the signals for the duration of the block (in the main thread only)."""
         self.caught, self._pending = None, None
         self.distributed = get_world_size() > 1
-        if self.distributed and self._group is None:
-            # A gloo group of its own (every rank makes it here, in step): its CPU flag needs
-            # gloo, and its checks never interleave with the model's collectives.
-            self._group = dist.new_group(backend="gloo")
         if threading.current_thread() is not threading.main_thread():
             yield  # Python lets only the main thread handle signals
             return
@@ -86,7 +84,7 @@ class Preemption:
         # a numpy-backed CPU tensor: reading it needs no device sync
         flag = np.array([local], dtype=np.int32)
         work = dist.all_reduce(
-            torch.from_numpy(flag), op=dist.ReduceOp.MAX, group=self._group, async_op=True
+            torch.from_numpy(flag), op=dist.ReduceOp.MAX, group=self._cpu.group, async_op=True
         )
         self._pending = (work, flag)
         return agreed

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
-from .distributed import get_rank, get_world_size
+from .distributed import CpuGroup, get_rank, get_world_size
 from .seed import get_rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
@@ -182,16 +182,17 @@ class DataStream:
 
     Args:
         data_loader: A data loader, or any iterable.
+        cpu: The trainer's gloo group, over which a stream's ranks agree on a pass's end.
     """
 
-    def __init__(self, data_loader: Any) -> None:
+    def __init__(self, data_loader: Any, cpu: Optional[CpuGroup] = None) -> None:
         self.data_loader = data_loader
         self.data_time = 0.0  # seconds spent waiting for batches, since the caller reset it
         self.sized = loader_length(data_loader) is not None
         self.pass_ended = False  # a stream's pass ended (has_next said so)
         self._ahead: collections.deque = collections.deque()  # a stream's batches fetched early
         self._drawn = 0  # batches drawn from the current pass (counted for streams)
-        self._group: Any = None  # streams under torchrun: a gloo group to agree on a pass's end
+        self._cpu = cpu or CpuGroup()  # the trainer's gloo group: a stream's ranks agree on its end
         self._iter: Optional[Any] = None
         self._pass_rng: Optional[dict[str, Any]] = None  # the RNG state the pass started with
         self._to_skip = 0
@@ -258,10 +259,8 @@ class DataStream:
         return full
 
     def _on_every_rank(self, flag: bool) -> bool:
-        if self._group is None:  # every rank gets here at its first iteration, in step
-            self._group = dist.new_group(backend="gloo")
         everyone = torch.tensor([int(flag)], dtype=torch.int32)
-        dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=self._group)
+        dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=self._cpu.group)
         return bool(everyone.item())
 
     def end_pass(self) -> None:

@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader
 from . import arguments as args
 from .checkpoint import Checkpointer, checkpoint_name
 from .cuda_graph import GraphedStep, check_graphable
-from .distributed import get_rank
+from .distributed import CpuGroup, get_rank
 from .env import collect_env
 from .hooks.registry import HookMethods, HookRegistry
 from .logger import TRACEBACK_FOLLOWS, ensure_console_logging, log_file_path, log_to_file
@@ -168,11 +168,12 @@ class Trainer(StepMethods, HookMethods, MetricMethods):
         if cuda_graph:
             check_graphable(model, optimizer, self.device, self.grad_scaler.is_enabled())
             self._graphed_step = GraphedStep(self.forward_backward_step, optimizer, self.device)
-        self._data = DataStream(data_loader)
+        self._cpu = CpuGroup()  # under torchrun, a gloo group of the trainer's while it trains
+        self._data = DataStream(data_loader, self._cpu)
         self._hooks = HookRegistry(self)
         self._storage = MetricStorage()
-        self._pending = PendingMetrics(self._storage, self.epoch_len)
-        self._preemption = Preemption(preempt_check_period)
+        self._pending = PendingMetrics(self._storage, self.epoch_len, self._cpu)
+        self._preemption = Preemption(preempt_check_period, self._cpu)
         amp = str(self.amp_dtype).replace("torch.", "") if enable_amp else "off"
         self._checkpointer = Checkpointer(
             self.ckpt_dir, self.model, optimizer, self.progress, self._data,
@@ -181,6 +182,7 @@ class Trainer(StepMethods, HookMethods, MetricMethods):
             hooks=self._hooks.checkpointable,
             config={"amp": amp, "accumulation_steps": accumulation_steps},
             batch_size=getattr(data_loader, "batch_size", None),  # per process
+            cpu=self._cpu,
         )  # fmt: skip
         self._period_start = (0.0, -1)  # (time, iteration before it) of the log period running
         self._stream_notice = None if self.epoch_len else args.stream_notice(arguments)
@@ -277,7 +279,7 @@ class Trainer(StepMethods, HookMethods, MetricMethods):
         """
         ensure_console_logging("trainer", get_rank())
         # Signals are caught from the start: one during start-up exits after the first iteration.
-        with log_to_file("trainer", self.log_file), self._preemption.catching():
+        with log_to_file("trainer", self.log_file), self._cpu.open(), self._preemption.catching():
             self._start(resume_from_checkpoint, auto_resume, continue_after_stop)
             try:
                 self.call_hooks("before_train")
