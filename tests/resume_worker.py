@@ -31,6 +31,7 @@ Under torchrun it trains with DistributedDataParallel and a DistributedSampler.
 
 import os
 import signal
+import sys
 import time
 
 
@@ -170,6 +171,12 @@ def main():
         # Every rank done talking, then tear down, as torch asks (README: aborts at exit).
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+        # Skip the interpreter's teardown: a gloo thread of the default group (held by the DDP or
+        # FSDP2 model past destroy_process_group()) may still hold a tensor made in Python, and
+        # dropping it while the interpreter exits aborts the process (README: aborts at exit).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -44,6 +44,8 @@ side = torch.distributed.new_group(backend="gloo")  # the same over another grou
 assert all_gather(rank * 10, group=side) == [0, 10]
 assert gather(rank, group=side) == ([0, 1] if rank == 0 else [])
 assert all_gather_tensor(torch.tensor([rank]), group=side).tolist() == [[0], [1]]
+torch.distributed.destroy_process_group(side)
+del side  # the last reference: its threads end now, while Python is alive
 out = reduce_dict({"a": torch.tensor(float(rank)), "b": torch.tensor(4.0)})
 assert out["a"].item() == 0.5 and out["b"].item() == 4.0, out
 out = reduce_dict({"a": torch.tensor(1.0)}, average=False)
@@ -158,6 +160,12 @@ def main():
         print(f"rank {rank} raised: {e}", flush=True)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+    # Skip the interpreter's teardown: a gloo thread of the default group (held by the DDP or
+    # FSDP2 model past destroy_process_group()) may still hold a tensor made in Python, and
+    # dropping it while the interpreter exits aborts the process (README: aborts at exit).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 main()
@@ -306,6 +314,12 @@ print(f"rank {rank}: {reductions['n']} gradient reductions in 4 iterations", flu
 print(f"rank {rank}: native threads {before} before train(), {native_threads()} after", flush=True)
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()
+# Skip the interpreter's teardown: a gloo thread of the default group (held by the DDP or
+# FSDP2 model past destroy_process_group()) may still hold a tensor made in Python, and
+# dropping it while the interpreter exits aborts the process (README: aborts at exit).
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 """
 
 
