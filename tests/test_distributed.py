@@ -71,7 +71,20 @@ def test_collectives_across_two_gloo_processes(tmp_path):
     assert "rank 0 ok" in result.stdout and "rank 1 ok" in result.stdout
 
 
-TRAIN_WORKER = """
+# How the training workers end (they import os and sys): every rank done talking, then tear down,
+# and skip the interpreter's teardown: a gloo thread of the default group (held by the DDP or
+# FSDP2 model past destroy_process_group()) may still hold a tensor made in Python, and dropping
+# it while the interpreter exits aborts the process (README: aborts at exit).
+TEARDOWN = """
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
+"""
+
+TRAIN_WORKER = (
+    """
 import io, os, sys, time
 import torch
 from torch import nn
@@ -158,18 +171,12 @@ def main():
         print(f"rank {rank}: stopped after {trainer.cur_iter + 1}", flush=True)
     except FloatingPointError as e:
         print(f"rank {rank} raised: {e}", flush=True)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
-    # Skip the interpreter's teardown: a gloo thread of the default group (held by the DDP or
-    # FSDP2 model past destroy_process_group()) may still hold a tensor made in Python, and
-    # dropping it while the interpreter exits aborts the process (README: aborts at exit).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 main()
 """
+    + TEARDOWN
+)
 
 
 def run_train_worker(tmp_path, **env):
@@ -253,7 +260,8 @@ def test_a_stalled_rank_makes_the_others_fail_after_the_process_group_timeout(tm
     assert "Timed out waiting 5000ms" in result.stderr, result.stderr[-3000:]
 
 
-ACCUMULATION_WORKER = """
+ACCUMULATION_WORKER = (
+    """
 import os, sys, threading
 import torch
 from torch import nn
@@ -312,15 +320,9 @@ before = native_threads()
 trainer.train()
 print(f"rank {rank}: {reductions['n']} gradient reductions in 4 iterations", flush=True)
 print(f"rank {rank}: native threads {before} before train(), {native_threads()} after", flush=True)
-torch.distributed.barrier()
-torch.distributed.destroy_process_group()
-# Skip the interpreter's teardown: a gloo thread of the default group (held by the DDP or
-# FSDP2 model past destroy_process_group()) may still hold a tensor made in Python, and
-# dropping it while the interpreter exits aborts the process (README: aborts at exit).
-sys.stdout.flush()
-sys.stderr.flush()
-os._exit(0)
 """
+    + TEARDOWN
+)
 
 
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
