@@ -143,21 +143,13 @@ class StepMethods:
         step on ``batches`` (one per micro-step, gradients summed); returns the losses and the
         other metrics as device tensors. ``cuda_graph=True`` captures this whole method."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
-        k = len(batches)
-        losses: dict[str, torch.Tensor] = {}
-        for micro_step, batch in enumerate(batches):
+        if len(batches) == 1:
             # 2. forward under autocast, 3. backward (the GradScaler multiplies the loss with
-            # float16 AMP); the gradients of all micro-batches but the last stay local
-            if micro_step < k - 1:
-                with self.no_gradient_sync():
-                    loss, logged = self.compute_losses(batch)
-                    self.backward(loss / k)
-            else:
-                loss, logged = self.compute_losses(batch)
-                self.backward(loss / k if k > 1 else loss)
-            losses = {n: losses[n] + v for n, v in logged.items()} if micro_step else logged
-        if k > 1:
-            losses = {name: value / k for name, value in losses.items()}
+            # float16 AMP)
+            loss, losses = self.compute_losses(batches[0])
+            self.backward(loss)
+        else:
+            losses = self._accumulate(batches)  # 2. and 3. per micro-batch
         # 4. clip the gradients and step; float16 steps with inf or NaN gradients are skipped
         grad_norm = self.clip_and_step()
         if not self._scaling and grad_norm is None:
@@ -169,6 +161,19 @@ class StepMethods:
         if self._scaling:
             extras["amp_skipped_steps"] = self._skipped
         return losses, extras
+
+    def _accumulate(self, batches: list[Any]) -> dict[str, torch.Tensor]:
+        """Steps 2 and 3 of :meth:`forward_backward_step` for each of several micro-batches, the
+        loss divided by their number so that the summed gradients average them; the gradients
+        of all but the last stay local. Returns the losses averaged over the micro-batches."""
+        k = len(batches)
+        total: dict[str, torch.Tensor] = {}
+        for micro_step, batch in enumerate(batches):
+            with self.no_gradient_sync(skip=micro_step < k - 1):
+                loss, logged = self.compute_losses(batch)
+                self.backward(loss / k)
+            total = {n: total[n] + v for n, v in logged.items()} if micro_step else logged
+        return {name: value / k for name, value in total.items()}
 
     @property
     def step_skipped(self) -> bool:

@@ -398,10 +398,10 @@ class Trainer(StepMethods, HookMethods, MetricMethods):
         with the same public methods (:meth:`next_batch`, :meth:`autocast` or
         :meth:`compute_losses`, :meth:`backward`, :meth:`clip_and_step`, :meth:`log_losses`,
         :meth:`register_checkpointable`)."""
-        # 1. fetch one batch per micro-step (a loop, not a comprehension: in Python 3.11 that
-        # is one more function call per iteration)
-        batches = []
-        for _ in range(self.accumulation_steps):
+        # 1. fetch one batch per micro-step (no comprehension: in Python 3.11 that is one more
+        # function call per iteration)
+        batches = [self.next_batch()]
+        while len(batches) < self.accumulation_steps:
             batches.append(self.next_batch())
         # 2.-4. forward, backward, clip and step: one CUDA graph replay with cuda_graph=True
         losses, extras = (self._graphed_step or self.forward_backward_step)(batches)
