@@ -376,3 +376,53 @@ def load_optimizer_state(
         )
     else:
         optimizer.load_state_dict(state)
+
+
+class CheckpointMethods:
+    """The Trainer's checkpoint methods, over its :class:`Checkpointer` (``self._checkpointer``)."""
+
+    _checkpointer: Checkpointer
+    _pending: Any  # PendingMetrics
+    progress: Progress
+    train_by_epoch: bool
+    cur_iter: int
+
+    def checkpoint_name(self) -> str:
+        """The file name of a checkpoint taken now: ``epoch_{N}.pth`` at an epoch's end in
+        epoch-based training, ``iter_{N}.pth`` otherwise (N epochs or iterations done)."""
+        return checkpoint_name(self.train_by_epoch, self.progress.position, self.cur_iter + 1)
+
+    @property
+    def last_checkpoint(self) -> Optional[str]:
+        """The path of the checkpoint saved (on rank 0) or resumed from last; None before."""
+        return self._checkpointer.last_path
+
+    def register_checkpointable(self, name: str, obj: Any) -> None:
+        """Save ``obj.state_dict()`` in every checkpoint under ``name`` and restore it with
+        ``obj.load_state_dict()`` on resume: an extra optimizer, LR scheduler or module that an
+        overridden :meth:`train_one_iter` uses."""
+        self._checkpointer.register(name, obj)
+
+    def save_checkpoint(
+        self, file_name: str, *, then: Optional[Callable[[], None]] = None
+    ) -> Optional[str]:
+        """Save the whole state as ``ckpt_dir/file_name``; see :meth:`Checkpointer.save`."""
+        self._pending.flush(every_rank=True)  # so a non-finite loss raises before it is saved
+        return self._checkpointer.save(file_name, then)
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for the checkpoint write in flight; raise its ``OSError`` if it failed."""
+        self._checkpointer.wait()
+
+    def load_checkpoint(
+        self,
+        path: Optional[str] = None,
+        auto_resume: bool = False,
+        *,
+        resume: bool = True,
+        strict: bool = True,
+    ) -> bool:
+        """Load the whole state (``resume``) or the weights alone from ``path``, or with
+        ``auto_resume`` from the newest checkpoint that loads; see :meth:`Checkpointer.load`.
+        ``load_checkpoint(path, resume=False, strict=False)`` fine-tunes from other weights."""
+        return self._checkpointer.load(path, auto_resume, resume, strict)

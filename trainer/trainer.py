@@ -1,15 +1,16 @@
 """The :class:`Trainer`: the training loop and its hooks. What it holds lives in modules of its
 own: ``progress.py`` (where training is, the resumable data passes), ``step.py`` (the step's
 building blocks), ``metric_storage.py`` (metrics, reduced and NaN-checked at log points),
-``preemption.py`` (signals agreed across ranks), ``checkpoint.py`` and ``hooks/`` (the hooks,
-and in ``registry.py`` their order, timing and the Trainer's hook methods).
+``preemption.py`` (signals agreed across ranks), ``checkpoint.py`` (what checkpoints hold, and
+the Trainer's checkpoint methods) and ``hooks/`` (the hooks, and in ``registry.py`` their
+order, timing and the Trainer's hook methods).
 """
 
 import logging
 import math
 import os
 import time
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -18,7 +19,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from . import arguments as args
-from .checkpoint import Checkpointer, checkpoint_name
+from .checkpoint import Checkpointer, CheckpointMethods
 from .cuda_graph import GraphedStep, check_graphable
 from .distributed import CpuGroup, get_rank
 from .env import collect_env
@@ -34,7 +35,7 @@ from .writers import MetricWriter
 logger = logging.getLogger(__name__)
 
 
-class Trainer(StepMethods, HookMethods, MetricMethods):
+class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
     """Trains a model that returns its loss; hooks do everything around the loop.
 
     Each iteration fetches ``accumulation_steps`` batches, runs ``model(batch)`` (or
@@ -415,46 +416,3 @@ class Trainer(StepMethods, HookMethods, MetricMethods):
         """The next batch of the current epoch's pass over the data loader (time counted as
         ``data_time``)."""
         return self._data.next_batch()
-
-    # ----------------------------------------------------------------------------------------
-    # Checkpoints (see checkpoint.py for what they hold)
-
-    def checkpoint_name(self) -> str:
-        """The file name of a checkpoint taken now: ``epoch_{N}.pth`` at an epoch's end in
-        epoch-based training, ``iter_{N}.pth`` otherwise (N epochs or iterations done)."""
-        return checkpoint_name(self.train_by_epoch, self.progress.position, self.cur_iter + 1)
-
-    @property
-    def last_checkpoint(self) -> Optional[str]:
-        """The path of the checkpoint saved (on rank 0) or resumed from last; None before."""
-        return self._checkpointer.last_path
-
-    def register_checkpointable(self, name: str, obj: Any) -> None:
-        """Save ``obj.state_dict()`` in every checkpoint under ``name`` and restore it with
-        ``obj.load_state_dict()`` on resume: an extra optimizer, LR scheduler or module that an
-        overridden :meth:`train_one_iter` uses."""
-        self._checkpointer.register(name, obj)
-
-    def save_checkpoint(
-        self, file_name: str, *, then: Optional[Callable[[], None]] = None
-    ) -> Optional[str]:
-        """Save the whole state as ``ckpt_dir/file_name``; see :meth:`Checkpointer.save`."""
-        self._pending.flush(every_rank=True)  # so a non-finite loss raises before it is saved
-        return self._checkpointer.save(file_name, then)
-
-    def wait_for_checkpoint(self) -> None:
-        """Wait for the checkpoint write in flight; raise its ``OSError`` if it failed."""
-        self._checkpointer.wait()
-
-    def load_checkpoint(
-        self,
-        path: Optional[str] = None,
-        auto_resume: bool = False,
-        *,
-        resume: bool = True,
-        strict: bool = True,
-    ) -> bool:
-        """Load the whole state (``resume``) or the weights alone from ``path``, or with
-        ``auto_resume`` from the newest checkpoint that loads; see :meth:`Checkpointer.load`.
-        ``load_checkpoint(path, resume=False, strict=False)`` fine-tunes from other weights."""
-        return self._checkpointer.load(path, auto_resume, resume, strict)
