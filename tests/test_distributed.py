@@ -156,8 +156,16 @@ def main():
         # better at every evaluation on rank 0; rank 1 drops after iteration 8, and the mean too
         "worse": lambda: {"acc": trainer.cur_iter / 100 - rank * (trainer.cur_iter > 8)},
     }
+    eval_groups = []  # per gather of results: whether it used the trainer's group
     if os.environ.get("EVAL"):
         trainer.register_hook(EvalHook(4, evals[os.environ["EVAL"]]))
+        real_all_gather_object = torch.distributed.all_gather_object
+
+        def recording(out, obj, group=None):
+            if isinstance(obj, dict) or obj is None:  # EvalHook's results
+                eval_groups.append(group is not None and group is trainer.cpu_group)
+            return real_all_gather_object(out, obj, group=group)
+        torch.distributed.all_gather_object = recording
     if os.environ.get("EARLY_STOP"):
         trainer.register_hook(EarlyStoppingHook("acc", patience=1))
         trainer.register_hook(BestCheckpointHook("acc"))
@@ -168,6 +176,7 @@ def main():
               f"data_time {s['data_time'].latest:.3f}", flush=True)
         if os.environ.get("EVAL"):
             print(f"rank {rank}: acc {s['acc'].latest} count {s['acc'].count}", flush=True)
+            print(f"rank {rank}: results gathered over the trainer's group {eval_groups}")
         print(f"rank {rank}: stopped after {trainer.cur_iter + 1}", flush=True)
     except FloatingPointError as e:
         print(f"rank {rank} raised: {e}", flush=True)
@@ -208,6 +217,8 @@ def test_evaluation_results_are_the_same_on_every_rank(tmp_path, how, acc):
     out = run_train_worker(tmp_path, EVAL=how)
     for rank in (0, 1):  # evaluated after iterations 4, 8, 12 and 16
         assert f"rank {rank}: acc {acc} count 4" in out, out
+        # not over the default group, whose gloo threads outlive training (see CpuGroup)
+        assert f"rank {rank}: results gathered over the trainer's group {[True] * 4}" in out, out
 
 
 def test_early_stopping_and_best_checkpoint_decide_alike_on_every_rank(tmp_path):

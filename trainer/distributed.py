@@ -148,9 +148,9 @@ def reduce_dict(tensors: dict[str, torch.Tensor], average: bool = True) -> dict[
 
 class CpuGroup:
     """A gloo group of every rank for the trainer's own collectives while it trains: the
-    preemption checks, a stream's pass end, the checkpoints' gathers and, on CPU, the metrics'
-    reduction. ``group`` is None outside :meth:`open` and in one process; the default group then
-    serves.
+    preemption checks, a stream's pass end, the checkpoints' gathers, ``EvalHook``'s gather of
+    the results and, on CPU, the metrics' reduction (``Trainer.cpu_group`` lends it to hooks).
+    ``group`` is None outside :meth:`open` and in one process; the default group then serves.
 
     Released when :meth:`open` ends, which joins the group's gloo threads while Python is fully
     alive. A gloo thread that runs on drops its last reference to a tensor made in Python

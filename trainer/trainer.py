@@ -260,6 +260,14 @@ class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
         """This rank's text log: ``work_dir/log.txt`` (``log_rank{N}.txt`` on other ranks)."""
         return log_file_path(self.work_dir, get_rank())
 
+    @property
+    def cpu_group(self) -> Any:
+        """Under torchrun, while :meth:`train` runs: the trainer's gloo group of every rank, for
+        small CPU collectives of hooks (``all_gather(obj, group=trainer.cpu_group)``). It is
+        released when training ends, which joins its threads (see
+        :class:`~trainer.distributed.CpuGroup`); None otherwise, where the default group serves."""
+        return self._cpu.group
+
     # ----------------------------------------------------------------------------------------
     # The loop
 

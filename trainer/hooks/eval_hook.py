@@ -3,7 +3,7 @@
 import logging
 import numbers
 import statistics
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -77,7 +77,7 @@ class EvalHook(HookBase):
         if results is not None:
             results = _check_results(results)
         if get_world_size() > 1:
-            results = _mean_over_ranks(results)
+            results = _mean_over_ranks(results, self.trainer.cpu_group)
         if results is None:
             return
         line = "  ".join(f"{k}: {v:.5g}" for k, v in results.items())
@@ -104,9 +104,10 @@ def _check_results(results: object) -> dict[str, float]:
     return checked
 
 
-def _mean_over_ranks(results: Optional[dict[str, float]]) -> Optional[dict[str, float]]:
-    """The mean of every rank's results, on every rank; ranks that returned None do not count."""
-    per_rank = all_gather(results)  # once per evaluation: a small object
+def _mean_over_ranks(results: Optional[dict[str, float]], group: Any) -> Optional[dict[str, float]]:
+    """The mean of every rank's results, on every rank; ranks that returned None do not count.
+    Over the trainer's gloo group, whose threads end with training (not the default group's)."""
+    per_rank = all_gather(results, group)  # once per evaluation: a small object
     given = [r for r in per_rank if r is not None]
     if not given:
         return None
