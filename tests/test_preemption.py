@@ -16,10 +16,12 @@ from conftest import build
 def test_in_one_process_a_signal_stops_after_the_iteration_it_arrived_in():
     preemption = Preemption(check_period=10)
     before = signal.getsignal(signal.SIGUSR1)
-    with preemption.catching():
-        assert preemption.agreed_signal(0) == 0
-        os.kill(os.getpid(), signal.SIGUSR1)
-        assert preemption.agreed_signal(1) == signal.SIGUSR1  # not only at check periods
+    with pytest.raises(SystemExit) as exit_info:  # the block did not exit for it: leaving does
+        with preemption.catching():
+            assert preemption.agreed_signal(0) == 0
+            os.kill(os.getpid(), signal.SIGUSR1)
+            assert preemption.agreed_signal(1) == signal.SIGUSR1  # not only at check periods
+    assert exit_info.value.code == 128 + signal.SIGUSR1
     assert signal.getsignal(signal.SIGUSR1) is before  # the handler is restored
     with preemption.catching():
         assert preemption.agreed_signal(2) == 0  # a new train() starts afresh
@@ -44,6 +46,26 @@ def test_preemption_at_an_epochs_last_iteration_resumes_exactly(tmp_path):
     full.train()
     a, b = resumed.model.state_dict(), full.model.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_signal_in_the_last_iteration_exits_once_training_is_complete(tmp_path):
+    class SigtermAt(HookBase):
+        def after_iter(self):
+            if self.trainer.cur_iter == 15:  # the last iteration: nothing left to save for
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    before = signal.getsignal(signal.SIGTERM)
+    trainer = build(tmp_path, max_epochs=2)
+    trainer.register_hook(SigtermAt())
+    with pytest.raises(SystemExit) as exit_info:  # not swallowed: the scheduler asked for it
+        trainer.train()
+    assert exit_info.value.code == 128 + signal.SIGTERM
+    assert trainer.cur_iter == 15  # every iteration ran, and the final checkpoint is on disk
+    assert (tmp_path / "checkpoints" / "latest.txt").read_text() == "epoch_2.pth"
+    assert signal.getsignal(signal.SIGTERM) is before
+    rerun = build(tmp_path, max_epochs=2)
+    rerun.train()  # nothing left to train, and no signal: a normal return
+    assert rerun.start_iter == 16
 
 
 def test_preemption_checkpoints_count_against_max_num_checkpoints(tmp_path):

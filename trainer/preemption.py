@@ -49,7 +49,10 @@ class Preemption:
 
     @contextlib.contextmanager
     def catching(self) -> Iterator[None]:
-        """Catch the signals for the duration of the block (in the main thread only)."""
+        """Catch the signals for the duration of the block (in the main thread only). A signal
+        that the block did not act on (it came in the last iteration, or after it) is not
+        dropped: once the block has ended normally, the process exits for it, with the status
+        of a preemption."""
         self.caught, self._pending = None, None
         self.distributed = get_world_size() > 1
         if threading.current_thread() is not threading.main_thread():
@@ -63,6 +66,13 @@ class Preemption:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
             self._finish_check()
+        if self.caught is not None:
+            status = 128 + self.caught
+            logger.warning(
+                f"{signal.Signals(self.caught).name} arrived after the last iteration: training "
+                f"is complete; exiting with status {status}, as the signal asks."
+            )
+            raise SystemExit(status)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.caught is not None:

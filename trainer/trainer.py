@@ -46,7 +46,7 @@ class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
     :meth:`train_one_iter`: the public methods it uses (:meth:`autocast`, :meth:`backward`,
     :meth:`clip_and_step`, :meth:`log_losses`, ...) keep every feature. SIGTERM or SIGUSR1
     (preemption) makes :meth:`train` save after the current iteration and exit with status
-    128 + the signal number.
+    128 + the signal number (after the last iteration: finish, then exit).
 
     Args:
         model: Returns a scalar loss tensor or a dict of them. Moving the batch to the model's
