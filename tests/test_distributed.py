@@ -156,6 +156,23 @@ def main():
         # better at every evaluation on rank 0; rank 1 drops after iteration 8, and the mean too
         "worse": lambda: {"acc": trainer.cur_iter / 100 - rank * (trainer.cur_iter > 8)},
     }
+    # Every collective of torch.distributed while train() runs, and whether it went over the
+    # trainer's group: on the default group, a gloo thread dropping a tensor made in Python can
+    # deadlock with a DDP model freed after destroy_process_group() (README: hangs at exit).
+    collectives, on_default_group, training = [], [], []
+
+    def recorded(name, real):
+        def call(*args, group=None, **kwargs):
+            if training:
+                collectives.append(name)
+                if group is None or group is torch.distributed.group.WORLD:
+                    on_default_group.append(name)
+            return real(*args, group=group, **kwargs)
+        return call
+
+    for name in ("all_reduce", "all_gather", "all_gather_object", "gather_object", "gather",
+                 "broadcast", "broadcast_object_list", "barrier", "reduce", "scatter"):
+        setattr(torch.distributed, name, recorded(name, getattr(torch.distributed, name)))
     eval_groups = []  # per gather of results: whether it used the trainer's group
     if os.environ.get("EVAL"):
         trainer.register_hook(EvalHook(4, evals[os.environ["EVAL"]]))
@@ -170,7 +187,9 @@ def main():
         trainer.register_hook(EarlyStoppingHook("acc", patience=1))
         trainer.register_hook(BestCheckpointHook("acc"))
     try:
+        training.append(True)
         trainer.train()
+        training.clear()
         s = trainer.metric_storage
         print(f"rank {rank}: loss {s['total_loss'].latest} count {s['total_loss'].count} "
               f"data_time {s['data_time'].latest:.3f}", flush=True)
@@ -178,6 +197,8 @@ def main():
             print(f"rank {rank}: acc {s['acc'].latest} count {s['acc'].count}", flush=True)
             print(f"rank {rank}: results gathered over the trainer's group {eval_groups}")
         print(f"rank {rank}: stopped after {trainer.cur_iter + 1}", flush=True)
+        print(f"rank {rank}: {len(collectives)} collectives, over the default group "
+              f"{on_default_group}", flush=True)
     except FloatingPointError as e:
         print(f"rank {rank} raised: {e}", flush=True)
 
@@ -204,6 +225,18 @@ def test_logged_metrics_are_reduced_over_ranks_at_log_points(tmp_path):
         assert line, out
         assert float(line.group(1)) == 1.5 and int(line.group(2)) == 16
         assert float(line.group(3)) >= 0.045
+
+
+@pytest.mark.parametrize("env", [{}, {"EVAL": "shard", "CKPT": 4, "PREEMPT_CHECK": 2}])
+def test_the_trainer_keeps_its_collectives_off_the_default_group(tmp_path, env):
+    """The reduction, preemption checks, saves and evaluations go over the trainer's gloo group:
+    a gloo thread of the default group that drops a tensor made in Python as a DDP model frees
+    that group (with the GIL held) deadlocks the process at exit (README: hangs at exit)."""
+    out = run_train_worker(tmp_path, **env)
+    for rank in (0, 1):
+        line = re.search(rf"rank {rank}: (\d+) collectives, over the default group (.*)", out)
+        assert line, out
+        assert int(line.group(1)) >= 4 and line.group(2) == "[]", out
 
 
 def test_a_nan_loss_on_one_rank_makes_every_rank_raise_at_that_iteration(tmp_path):
