@@ -107,12 +107,13 @@ def main() -> float:
 
     acc = accuracy(net, test_set)
     logger.info(f"Final test accuracy: {acc:.4f} (world size {get_world_size()})")
-    if world_size > 1:
-        # Every rank done talking, then tear down, as torch asks (README: aborts at exit).
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
     return acc
 
 
 if __name__ == "__main__":
     main()
+    # Every rank done talking, then tear down, as torch asks, once main() has freed the model
+    # (README: a rank that aborts or hangs at exit).
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()

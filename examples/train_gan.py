@@ -155,12 +155,13 @@ def main(argv: Optional[list[str]] = None) -> float:
         f"Final mode distance: {distance:.4f} (world size {get_world_size()}, AMP "
         f"{str(trainer.amp_dtype).replace('torch.', '')})"
     )
-    if get_world_size() > 1:
-        # Every rank done talking, then tear down, as torch asks (README: aborts at exit).
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
     return distance
 
 
 if __name__ == "__main__":
     main()
+    # Every rank done talking, then tear down, as torch asks, once main() has freed the model
+    # (README: a rank that aborts or hangs at exit).
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
