@@ -168,12 +168,13 @@ def main():
     if rank == 0:
         real_save(weights, os.environ["OUT"])
     if world_size > 1:
-        # Every rank done talking, then tear down, as torch asks (README: aborts at exit).
+        # Every rank done talking, then tear down, as torch asks.
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
-        # Skip the interpreter's teardown: a gloo thread of the default group (held by the DDP or
-        # FSDP2 model past destroy_process_group()) may still hold a tensor made in Python, and
-        # dropping it while the interpreter exits aborts the process (README: aborts at exit).
+        # Skip freeing the model and the interpreter's teardown: a gloo thread of the default
+        # group may still hold a tensor made in Python, and dropping it deadlocks with the DDP
+        # model freeing that group, or aborts while the interpreter exits (README: a rank that
+        # aborts or hangs at exit).
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

@@ -72,9 +72,9 @@ def test_collectives_across_two_gloo_processes(tmp_path):
 
 
 # How the training workers end (they import os and sys): every rank done talking, then tear down,
-# and skip the interpreter's teardown: a gloo thread of the default group (held by the DDP or
-# FSDP2 model past destroy_process_group()) may still hold a tensor made in Python, and dropping
-# it while the interpreter exits aborts the process (README: aborts at exit).
+# and skip freeing the model and the interpreter's teardown: a gloo thread of the default group
+# may still hold a tensor made in Python, and dropping it deadlocks with the DDP model freeing
+# that group, or aborts while the interpreter exits (README: a rank that aborts or hangs at exit).
 TEARDOWN = """
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()
@@ -158,7 +158,8 @@ def main():
     }
     # Every collective of torch.distributed while train() runs, and whether it went over the
     # trainer's group: on the default group, a gloo thread dropping a tensor made in Python can
-    # deadlock with a DDP model freed after destroy_process_group() (README: hangs at exit).
+    # deadlock with a DDP model freed after destroy_process_group() (README: a rank that aborts
+    # or hangs at exit).
     collectives, on_default_group, training = [], [], []
 
     def recorded(name, real):
@@ -231,7 +232,8 @@ def test_logged_metrics_are_reduced_over_ranks_at_log_points(tmp_path):
 def test_the_trainer_keeps_its_collectives_off_the_default_group(tmp_path, env):
     """The reduction, preemption checks, saves and evaluations go over the trainer's gloo group:
     a gloo thread of the default group that drops a tensor made in Python as a DDP model frees
-    that group (with the GIL held) deadlocks the process at exit (README: hangs at exit)."""
+    that group (with the GIL held) deadlocks the process at exit (README: a rank that aborts or
+    hangs at exit)."""
     out = run_train_worker(tmp_path, **env)
     for rank in (0, 1):
         line = re.search(rf"rank {rank}: (\d+) collectives, over the default group (.*)", out)
