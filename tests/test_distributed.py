@@ -161,6 +161,7 @@ def main():
     # deadlock with a DDP model freed after destroy_process_group() (README: a rank that aborts
     # or hangs at exit).
     collectives, on_default_group, training = [], [], []
+    eval_groups = []  # per gather of EvalHook's results: whether it used the trainer's group
 
     def recorded(name, real):
         def call(*args, group=None, **kwargs):
@@ -168,22 +169,16 @@ def main():
                 collectives.append(name)
                 if group is None or group is torch.distributed.group.WORLD:
                     on_default_group.append(name)
+                if name == "all_gather_object" and (isinstance(args[1], dict) or args[1] is None):
+                    eval_groups.append(group is not None and group is trainer.cpu_group)
             return real(*args, group=group, **kwargs)
         return call
 
     for name in ("all_reduce", "all_gather", "all_gather_object", "gather_object", "gather",
                  "broadcast", "broadcast_object_list", "barrier", "reduce", "scatter"):
         setattr(torch.distributed, name, recorded(name, getattr(torch.distributed, name)))
-    eval_groups = []  # per gather of results: whether it used the trainer's group
     if os.environ.get("EVAL"):
         trainer.register_hook(EvalHook(4, evals[os.environ["EVAL"]]))
-        real_all_gather_object = torch.distributed.all_gather_object
-
-        def recording(out, obj, group=None):
-            if isinstance(obj, dict) or obj is None:  # EvalHook's results
-                eval_groups.append(group is not None and group is trainer.cpu_group)
-            return real_all_gather_object(out, obj, group=group)
-        torch.distributed.all_gather_object = recording
     if os.environ.get("EARLY_STOP"):
         trainer.register_hook(EarlyStoppingHook("acc", patience=1))
         trainer.register_hook(BestCheckpointHook("acc"))
