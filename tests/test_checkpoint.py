@@ -1,14 +1,18 @@
 """What checkpoints may hold, and how loading them fails or falls back (trainer/checkpoint.py)."""
 
+import collections
 import os
+import re
 
+import numpy as np
 import pytest
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 
-from trainer import Trainer
+from trainer import HookBase, Trainer
 from trainer.checkpoint_files import read_latest_pointer
 
-from conftest import TinyModel, build, load, tiny_loader
+from conftest import RecordLR, TinyModel, build, load, tiny_loader
 
 
 class NaNGradientAt(TinyModel):
@@ -130,3 +134,185 @@ def test_a_damaged_newest_checkpoint_or_pointer_falls_back_with_a_warning(
     assert rerun.start_iter == start_iter
     assert warning in caplog.text
     assert read_latest_pointer(rerun.ckpt_dir) == os.path.join(rerun.ckpt_dir, "epoch_3.pth")
+
+
+def multistep(optimizer):
+    return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=[3, 4], gamma=0.1)
+
+
+def sequential(optimizer):
+    warm = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=1)
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, [warm, multistep(optimizer)], [1])
+
+
+def chained(optimizer):
+    decay = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.9)
+    return torch.optim.lr_scheduler.ChainedScheduler([decay, multistep(optimizer)])
+
+
+@pytest.mark.parametrize("scheduler", [multistep, sequential, chained])
+def test_multistep_lr_resumes_exactly_alone_and_inside_other_schedulers(tmp_path, scheduler):
+    # MultiStepLR keeps its milestones in a Counter: copied wrongly, it never decays after a resume
+    whole = build(tmp_path / "whole", scheduler=scheduler, max_epochs=5)
+    lrs = RecordLR()
+    whole.register_hook(lrs)
+    whole.train()
+    build(tmp_path / "cut", scheduler=scheduler, max_epochs=2).train()
+    resumed = build(tmp_path / "cut", scheduler=scheduler, max_epochs=5)
+    resumed_lrs = RecordLR()
+    resumed.register_hook(resumed_lrs)
+    resumed.train()
+    assert resumed.start_iter == 16
+    assert resumed_lrs.lrs == lrs.lrs[16:]
+    assert len(set(resumed_lrs.lrs)) >= 2  # it decays after the resume
+    final = "epoch_5.pth"
+    for key in ("model", "optimizer", "lr_scheduler"):
+        assert_equal_state(load(tmp_path / "whole/checkpoints" / final)[key],
+                           load(tmp_path / "cut/checkpoints" / final)[key])  # fmt: skip
+
+
+def assert_equal_state(a, b):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert type(a) is type(b) and a.keys() == b.keys()
+        for key in a:
+            assert_equal_state(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_equal_state(x, y)
+    else:
+        assert a == b and type(a) is type(b)
+
+
+class StateHook(HookBase):
+    """A hook whose state_dict() returns ``state``."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def state_dict(self):
+        return {"counts": self.state}
+
+    def load_state_dict(self, state):
+        self.loaded = state["counts"]
+
+
+class Opaque:
+    pass
+
+
+@pytest.mark.parametrize(
+    "state, what",
+    [
+        (collections.defaultdict(int, {"a": 1}), "a collections.defaultdict"),
+        (collections.namedtuple("Pair", "a b")(1, 2), "a test_checkpoint.Pair"),
+        ({"nested": [1, Opaque()]}, "a test_checkpoint.Opaque"),
+        (np.float32(0.5), "a numpy.float32"),
+        (np.arange(3), "a numpy.ndarray"),
+    ],
+)
+def test_state_that_would_not_load_is_refused_when_saved_naming_its_owner(
+    make_trainer, state, what
+):
+    trainer = make_trainer(max_epochs=2)
+    trainer.register_hook(StateHook(state))
+    where = "state_dict()['counts']" + ("['nested'][1]" if isinstance(state, dict) and
+                                        "nested" in state else "")  # fmt: skip
+    expected = (
+        f"Not saving epoch_1.pth: the state_dict() of hook 'StateHook' holds {what} at {where}, "
+        "which torch.load(weights_only=True) cannot rebuild"
+    )
+    with pytest.raises(TypeError, match=re.escape(expected)):
+        trainer.train()
+    assert not os.path.exists(os.path.join(trainer.ckpt_dir, "epoch_1.pth"))
+
+
+def test_a_registered_object_with_unloadable_state_is_refused_naming_it(make_trainer):
+    trainer = make_trainer(max_epochs=1)
+
+    class Holder:
+        def state_dict(self):
+            return {"when": Opaque()}
+
+        def load_state_dict(self, state):
+            pass
+
+    trainer.register_checkpointable("holder", Holder())
+    with pytest.raises(TypeError, match=r"of checkpointable 'holder' holds a test_checkpoint\."
+                       r"Opaque at state_dict\(\)\['when'\]"):  # fmt: skip
+        trainer.train()
+
+
+class NumpyDecay:
+    """An LR lambda holding NumPy numbers, which LambdaLR saves as the callable's attributes."""
+
+    def __init__(self):
+        self.base, self.steps = np.float64(0.5), np.int64(3)
+
+    def __call__(self, epoch):
+        return float(self.base ** min(epoch, self.steps))
+
+
+def test_numpy_numbers_and_counters_round_trip_as_what_they_equal(tmp_path):
+    state = {"counter": collections.Counter({3: 2, 5: 1}), "order": collections.OrderedDict(b=1),
+             "np": [np.float64(0.1), np.int64(7), np.bool_(True)], "set": {1, 2}}  # fmt: skip
+    trainer = build(tmp_path / "work", max_epochs=1, scheduler=lambda o: LambdaLR(o, NumpyDecay()))
+    hook = StateHook(state)
+    trainer.register_hook(hook)
+    trainer.train()
+    saved = load(tmp_path / "work/checkpoints/epoch_1.pth")
+    assert_equal_state(saved["hooks"]["StateHook"]["counts"], {
+        "counter": collections.Counter({3: 2, 5: 1}), "order": collections.OrderedDict(b=1),
+        "np": [0.1, 7, True], "set": {1, 2},
+    })  # fmt: skip
+    lambdas = saved["lr_scheduler"]["torch_scheduler"]["lr_lambdas"]
+    assert lambdas == [{"base": 0.5, "steps": 3}]
+
+
+def test_a_lambda_lr_holding_numpy_numbers_resumes_exactly(tmp_path):
+    def scheduler(optimizer):
+        return LambdaLR(optimizer, NumpyDecay())
+
+    whole = build(tmp_path / "whole", scheduler=scheduler, max_epochs=4)
+    whole.train()
+    build(tmp_path / "cut", scheduler=scheduler, max_epochs=2).train()
+    resumed = build(tmp_path / "cut", scheduler=scheduler, max_epochs=4)
+    resumed.train()
+    assert resumed.start_iter == 16
+    assert_equal_state(load(tmp_path / "whole/checkpoints/epoch_4.pth")["model"],
+                       load(tmp_path / "cut/checkpoints/epoch_4.pth")["model"])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "progress, problem",
+    [
+        ({"epoch": -3}, "'progress' has 'epoch' = -3, expected an int >= 0"),
+        ({"inner_iter": 9}, "'progress' has 'inner_iter' = 9, expected an int from 0 to 8"),
+        ({"inner_iter": -1}, "'progress' has 'inner_iter' = -1, expected an int from 0 to 8"),
+        ({"iters_done": -5}, "'progress' has 'iters_done' = -5, expected an int >= 0"),
+    ],
+)
+def test_progress_out_of_range_is_refused_as_damage(make_trainer, tmp_path, caplog, progress,
+                                                    problem):  # fmt: skip
+    make_trainer(max_epochs=2).train()
+    newest = tmp_path / "work/checkpoints/epoch_2.pth"
+    data = load(newest)
+    data["progress"].update(progress)
+    torch.save(data, newest)
+    torch.save(data, tmp_path / "bad.pth")
+    rerun = make_trainer(max_epochs=3)
+    rerun.train()
+    assert rerun.start_iter == 8  # epoch_1.pth, the newest that loads
+    assert f"epoch_2.pth' is damaged: {problem}" in caplog.text
+    with pytest.raises(RuntimeError, match=re.escape(problem)):
+        make_trainer(max_epochs=3).load_checkpoint(str(tmp_path / "bad.pth"))
+
+
+def test_an_optimizer_without_parameters_is_refused(tmp_path):
+    model = TinyModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    optimizer.param_groups.clear()
+    with pytest.raises(ValueError, match="optimizer has no parameter groups"):
+        Trainer(model, optimizer, None, tiny_loader(), max_epochs=1, work_dir=tmp_path)

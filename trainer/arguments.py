@@ -218,6 +218,12 @@ def _check_types(model: Any, optimizer: Any, lr_scheduler: Any, data_loader: Any
 
 
 def _check_wiring(model: nn.Module, optimizer: Optimizer, lr_scheduler: Any) -> None:
+    if not optimizer.param_groups:
+        raise ValueError(
+            f"optimizer has no parameter groups: {type(optimizer).__name__} would step nothing. "
+            f"Build it on the model's parameters: torch.optim.{type(optimizer).__name__}("
+            "model.parameters(), ...)."
+        )
     own = {id(p) for p in model.parameters()}
     foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in own]
     if foreign:

@@ -14,7 +14,11 @@ from torch.optim import Optimizer
 from .checkpoint_checks import check_config, check_finite, check_keys, check_structure, non_finite
 from .checkpoint_files import (
     BackgroundWriter,
+    UnloadableState,
+    check_plain,
     copy_to_cpu,
+    describe,
+    format_path,
     list_checkpoints,
     load_checkpoint_file,
     remove_temp_files,
@@ -128,7 +132,8 @@ class Checkpointer:
         Returns:
             The path being written, or None on other ranks.
         """
-        self._refuse_non_finite(file_name)
+        state = self._live_state()
+        self._refuse_unloadable(file_name, state)
         self._progress.mark_saved()
         # FSDP2: every rank takes part in gathering the full weights, which rank 0 writes.
         weights = full_state_dicts(self._model, self._optimizer) if self._sharded else None
@@ -139,25 +144,53 @@ class Checkpointer:
         if not is_main_process():
             return None
         path = os.path.join(self.ckpt_dir, file_name)
-        save_in_background(self.writer, lambda: self._state_dict(rng, weights), path, then)
+        if weights is not None:  # gathered into fresh CPU tensors already: no second copy
+            del state["model"], state["optimizer"]
+
+        def copy() -> dict[str, Any]:
+            copied = copy_to_cpu({**state, "rng": rng})
+            if weights is not None:
+                copied["model"], copied["optimizer"] = weights
+            return copied
+
+        save_in_background(self.writer, copy, path, then)
         self.last_path = path
+        logger.info(f"Saving checkpoint {path} (after iteration {self._progress.iter + 1}).")
         return path
 
-    def _refuse_non_finite(self, file_name: str) -> None:
-        # One host read per device: a checkpoint with NaN weights would become `latest` and
-        # make every rerun fail at the same iteration.
-        state = {
+    def _live_state(self) -> dict[str, Any]:
+        """Every part's ``state_dict()``, as the parts return it (tensors on their devices)."""
+        return {
+            "progress": self._progress.state_dict(self._batch_size),
+            "config": {**self._config, "classes": self._classes()},
             "model": self._module.state_dict(),
-            "optimizer": self._optimizer.state_dict()["state"],
+            "optimizer": self._optimizer.state_dict(),
+            **{key: part.state_dict() for key, part in self._parts.items()},
+            "hooks": {key: hook.state_dict() for key, hook in self._hooks().items()},
             "extra": {name: obj.state_dict() for name, obj in self._extra.items()},
         }
-        bad = non_finite(state)
+
+    def _refuse_unloadable(self, file_name: str, state: dict[str, Any]) -> None:
+        """Refuse to save a state that no resume could use: tensors holding NaN or infinite
+        values, or values that ``torch.load(weights_only=True)`` cannot rebuild. Under torchrun
+        every rank raises alike (with rank 0's last write failure, if any)."""
+        # One host read per device: a checkpoint with NaN weights would become `latest` and
+        # make every rerun fail at the same iteration.
+        bad = non_finite({"model": state["model"], "optimizer": state["optimizer"]["state"],
+                          "extra": state["extra"]})  # fmt: skip
+        try:
+            check_plain(state)
+            unloadable = None
+        except UnloadableState as e:
+            unloadable = _unloadable_message(file_name, e)
         if get_world_size() > 1:  # sharded state differs by rank: every rank must agree
-            # the ranks agree on the bad tensors, and on whether rank 0's last write failed
-            everyone = all_gather((bad, self.writer.failed), group=self._cpu.group)
-            if any(failed for _, failed in everyone):
+            everyone = all_gather((bad, unloadable, self.writer.failed), group=self._cpu.group)
+            if any(failed for *_, failed in everyone):
                 self.raise_write_error()
-            bad = sorted({name for names, _ in everyone for name in names})
+            bad = sorted({name for names, _, _ in everyone for name in names})
+            unloadable = next((message for _, message, _ in everyone if message), None)
+        if unloadable:
+            raise TypeError(unloadable)
         if bad:
             raise FloatingPointError(
                 f"Not saving {file_name}: after iteration {self._progress.iter + 1}, "
@@ -185,23 +218,6 @@ class Checkpointer:
         if is_main_process():
             for stray in remove_temp_files(self.ckpt_dir):
                 logger.info(f"Removed {stray}, left by an interrupted checkpoint write.")
-
-    def _state_dict(self, rng: list[dict], weights: Optional[tuple]) -> dict[str, Any]:
-        state = {
-            "progress": self._progress.state_dict(self._batch_size),
-            "config": {**self._config, "classes": self._classes()},
-            **{key: part.state_dict() for key, part in self._parts.items()},
-            "hooks": {key: hook.state_dict() for key, hook in self._hooks().items()},
-            "extra": {name: obj.state_dict() for name, obj in self._extra.items()},
-            "rng": rng,
-        }
-        if weights is None:
-            state["model"] = self._module.state_dict()
-            state["optimizer"] = self._optimizer.state_dict()
-        state = copy_to_cpu(state)
-        if weights is not None:  # gathered into fresh CPU tensors already: no second copy
-            state["model"], state["optimizer"] = weights
-        return state
 
     def _classes(self) -> dict[str, str]:
         # What resuming needs unchanged: an optimizer's state does not fit another class's.
@@ -376,6 +392,32 @@ def load_optimizer_state(
         )
     else:
         optimizer.load_state_dict(state)
+
+
+# The owners of a checkpoint's top-level keys, as a message names them.
+_OWNERS = {
+    "model": "the model", "optimizer": "the optimizer", "lr_scheduler": "the LR scheduler",
+    "grad_scaler": "the GradScaler", "metric_storage": "the metric storage",
+}  # fmt: skip
+
+
+def _unloadable_message(file_name: str, error: UnloadableState) -> str:
+    """Why a state cannot be saved: whose ``state_dict()`` holds what, where, and the fix."""
+    top, *rest = error.path or ("?",)
+    if top in ("hooks", "extra") and rest:
+        kind = "hook" if top == "hooks" else "checkpointable"
+        owner, rest = f"{kind} {rest[0]!r}", rest[1:]
+    else:
+        owner = _OWNERS.get(top, f"the trainer's {top!r}")
+    return (
+        f"Not saving {file_name}: the state_dict() of {owner} holds {describe(error.value)} at "
+        f"state_dict(){format_path(tuple(rest))}, which torch.load(weights_only=True) cannot "
+        "rebuild, so no run could resume from this checkpoint. Return plain data from "
+        "state_dict() (dicts, lists, tuples, str, numbers, None, tensors) and rebuild the "
+        "object in load_state_dict(): e.g. dict(x) for a defaultdict, tuple(x) or x._asdict() "
+        "for a namedtuple, x.tolist() or torch.from_numpy(x) for a NumPy array, float(x) for a "
+        "NumPy float32."
+    )
 
 
 class CheckpointMethods:

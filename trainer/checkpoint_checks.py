@@ -2,8 +2,9 @@
 save and on load), and a training configuration that matches the trainer resuming it."""
 
 import logging
+import math
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -81,18 +82,34 @@ def check_structure(data: dict[str, Any], path: str, keys: tuple[str, ...]) -> N
         if wrong:
             raise damaged(f"'model' holds {len(wrong)} entries that are not tensors ({wrong[0]!r})")
     if "progress" in keys:
-        progress = data["progress"]
-        wrong = [
-            k
-            for k in _STRUCTURE["progress"][1]
-            if not isinstance(progress[k], int) and not (k == "epoch_len" and progress[k] is None)
-        ]
-        if wrong:
-            raise damaged(f"'progress' has {wrong[0]!r} = {progress[wrong[0]]!r}, not an int")
+        problem = _progress_problem(data["progress"])
+        if problem:
+            raise damaged(f"'progress' has {problem}")
     if "rng" in keys and not (
         data["rng"] and all(isinstance(r, dict) and "now" in r for r in data["rng"])
     ):
         raise damaged("'rng' is not a list of per-rank RNG states")
+
+
+def _progress_problem(progress: dict[str, Any]) -> Optional[str]:
+    """What is out of range in a checkpoint's ``progress``, or None: a wrong position would
+    train from a negative iteration, or take an unfinished epoch for a finished one."""
+    epoch_len = progress["epoch_len"]
+    if epoch_len is not None and (not _is_int(epoch_len) or epoch_len < 1):
+        return f"'epoch_len' = {epoch_len!r}, expected an int >= 1 or None"
+    last_inner = epoch_len if epoch_len is not None else math.inf
+    for key, upper in (("epoch", math.inf), ("inner_iter", last_inner), ("iters_done", math.inf)):
+        if key == "iters_done" and key not in progress:  # older checkpoints lack it
+            continue
+        value = progress[key]
+        if not _is_int(value) or not 0 <= value <= upper:
+            expected = "an int >= 0" if upper == math.inf else f"an int from 0 to {upper}"
+            return f"{key!r} = {value!r}, expected {expected}"
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_finite(data: dict[str, Any], path: str) -> None:

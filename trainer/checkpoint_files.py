@@ -1,7 +1,7 @@
 """Checkpoint files: atomic writes in the background, the ``latest.txt`` pointer, the listing
 newest first, leftovers of interrupted writes, and ``weights_only`` loads."""
 
-import copy
+import collections
 import glob
 import logging
 import os
@@ -10,6 +10,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -20,17 +21,19 @@ _TEMP_SUFFIX = ".tmp"
 
 def save_in_background(
     writer: "BackgroundWriter",
-    state: Callable[[], dict[str, Any]],
+    copy: Callable[[], dict[str, Any]],
     path: str,
     then: Optional[Callable[[], None]] = None,
 ) -> None:
-    """Write ``state()`` to ``path`` on ``writer``'s thread, then point ``latest.txt`` at it.
+    """Write the state that ``copy()`` returns to ``path`` on ``writer``'s thread, then point
+    ``latest.txt`` at it.
 
-    Waits for the previous write first (and raises its error), then copies the state to CPU
-    memory: training may change the tensors once this returns.
+    Waits for the previous write first (and raises its error), so that one copy at a time is in
+    memory; ``copy()`` must return a copy (:func:`copy_to_cpu`) that training cannot change,
+    since training goes on once this returns.
     """
     writer.wait()  # one write at a time; raises if the previous one failed
-    copied = copy_to_cpu(state())
+    copied = copy()
     ckpt_dir, file_name = os.path.split(path)
     mode = 0o666 & ~current_umask()  # read here, in the training thread
 
@@ -124,30 +127,90 @@ def remove_temp_files(ckpt_dir: str) -> list[str]:
     return stray
 
 
-def copy_to_cpu(state: Any) -> Any:
-    """A copy of ``state`` (nested dicts, lists and tuples) that training cannot change under it.
+# What ``torch.load(weights_only=True)`` rebuilds as it was saved, besides tensors and the
+# containers below: values of exactly these types (a subclass, such as an enum, does not load).
+_ATOMS = frozenset({str, bytes, int, float, complex, bool, type(None), torch.dtype,
+                    torch.device, torch.Size})  # fmt: skip
+# Mappings that load as themselves. Any other one (a defaultdict, say) is refused: copied to a
+# dict it would come back without its behaviour.
+_MAPPINGS = (dict, collections.OrderedDict, collections.Counter)
+# NumPy scalars that become Python numbers computing the same (np.float64 is a Python float).
+_NUMPY_AS_PYTHON = (np.bool_, np.integer, np.float64)
 
-    Tensors are copied to CPU memory (CUDA ones through pinned memory, with one sync for all);
-    everything else is deep-copied.
+
+class UnloadableState(TypeError):
+    """A value in a checkpoint's state that ``torch.load(weights_only=True)`` cannot rebuild.
+
+    Args:
+        path: The keys and indices that lead to the value, from the top of the state.
+        value: The value.
     """
-    copied_from_cuda = []
 
-    def copy_(obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            if obj.device.type == "cpu":
-                return obj.detach().clone()
-            copied_from_cuda.append(obj.device)
-            return obj.detach().to("cpu", non_blocking=True)  # lands in pinned memory
-        if isinstance(obj, dict):
-            return type(obj)((k, copy_(v)) for k, v in obj.items())
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(copy_(v) for v in obj)
-        return copy.deepcopy(obj)
+    def __init__(self, path: tuple, value: Any) -> None:
+        self.path, self.value = path, value
+        super().__init__(f"{describe(value)} at {format_path(path)}")
 
-    result = copy_(state)
+
+def describe(value: Any) -> str:
+    """``value``'s type for a message: ``a defaultdict``, ``a numpy.float32``."""
+    kind = type(value)
+    module = "" if kind.__module__ == "builtins" else kind.__module__.split(".")[0] + "."
+    return f"a {module}{kind.__qualname__}"
+
+
+def format_path(path: tuple) -> str:
+    """Keys and indices as Python reads them: ``['lr_lambdas'][0]['table']``."""
+    return "".join(f"[{key!r}]" for key in path) or "the top"
+
+
+def copy_to_cpu(state: Any) -> Any:
+    """A copy of ``state`` that training cannot change under it, as plain data that
+    ``torch.load(weights_only=True)`` rebuilds as it was.
+
+    Tensors are copied to CPU memory (CUDA ones through pinned memory, with one sync for all).
+    Containers are rebuilt by what they hold, never by ``type(obj)(items)``: dicts, lists,
+    tuples, sets and the mappings that load as themselves (``OrderedDict``, ``Counter``).
+    NumPy bools, ints and float64s become the Python numbers they equal. Anything else raises
+    :class:`UnloadableState`, naming where it is.
+    """
+    copied_from_cuda: list[torch.device] = []
+
+    def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type == "cpu":
+            return tensor.detach().clone()
+        copied_from_cuda.append(tensor.device)
+        return tensor.detach().to("cpu", non_blocking=True)  # lands in pinned memory
+
+    result = _plain(state, (), copy_tensor)
     for device in set(copied_from_cuda):
         torch.cuda.current_stream(device).synchronize()  # the copies are done when this returns
     return result
+
+
+def check_plain(state: Any) -> None:
+    """Raise :class:`UnloadableState` where ``state`` holds a value that :func:`copy_to_cpu`
+    would refuse; copies nothing."""
+    _plain(state, (), lambda tensor: tensor)
+
+
+def _plain(obj: Any, path: tuple, tensor: Callable[[torch.Tensor], Any]) -> Any:
+    kind = type(obj)
+    if kind in _ATOMS:
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return tensor(obj)
+    if kind in _MAPPINGS:
+        items = {}
+        for key, value in obj.items():
+            items[_plain(key, (*path, key), tensor)] = _plain(value, (*path, key), tensor)
+        return items if kind is dict else kind(items)  # an OrderedDict or a Counter of them
+    if kind is list or kind is tuple:
+        return kind([_plain(value, (*path, i), tensor) for i, value in enumerate(obj)])
+    if kind is set:
+        return {_plain(value, (*path, "{...}"), tensor) for value in obj}
+    if isinstance(obj, _NUMPY_AS_PYTHON):
+        return obj.item()
+    raise UnloadableState(path, obj)
 
 
 class BackgroundWriter:
