@@ -3,6 +3,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from trainer import setup_logger
 from trainer.logger import log_file_path, log_to_file
 
@@ -21,7 +23,7 @@ def test_setup_logger_is_idempotent_and_writes_files(tmp_path):
 
 def test_other_ranks_get_their_own_file_and_no_console(tmp_path):
     log = setup_logger("trainer_test_b", output=str(tmp_path / "run.log"), rank=1)
-    assert [type(h) for h in log.handlers] == [logging.FileHandler]
+    assert [isinstance(h, logging.FileHandler) for h in log.handlers] == [True]
     assert log_file_path(str(tmp_path / "run.log"), 1).endswith("run_rank1.log")
 
 
@@ -81,3 +83,18 @@ def test_a_training_error_prints_its_traceback_once_and_keeps_it_in_the_log_file
     log = (tmp_path / "work" / "log.txt").read_text()
     assert log.count("Traceback (most recent call last)") == 1
     assert 'raise ValueError("injected failure")' in log
+
+
+def test_a_folder_named_like_a_log_file_is_a_folder(tmp_path):
+    (tmp_path / "exp1.log").mkdir()
+    assert log_file_path(str(tmp_path / "exp1.log")) == str(tmp_path / "exp1.log" / "log.txt")
+    assert log_file_path(str(tmp_path / "new.log")) == str(tmp_path / "new.log")
+
+
+def test_log_files_are_not_written_through_a_symbolic_link(tmp_path):
+    target = tmp_path / "elsewhere.txt"
+    (tmp_path / "log.txt").symlink_to(target)
+    with pytest.raises(RuntimeError, match="log.txt is a symbolic link .*does not write through"):
+        with log_to_file("trainer_test_link", str(tmp_path / "log.txt")):
+            pass
+    assert not target.exists()

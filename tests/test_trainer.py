@@ -393,3 +393,38 @@ def test_each_epoch_trains_in_train_mode_after_a_hook_left_eval_mode(make_traine
     trainer.register_hook(LeavesEval())
     trainer.train()
     assert modes == [True] * 16
+
+
+# ---- work_dir -----------------------------------------------------------------------------
+
+
+def test_a_relative_work_dir_is_resolved_when_the_trainer_is_built(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    trainer = build("runs/exp")
+    monkeypatch.chdir(tmp_path.parent)  # a chdir before train()
+    trainer.train()
+    assert trainer.work_dir == str(tmp_path / "runs" / "exp")
+    assert sorted(os.listdir(tmp_path / "runs" / "exp")) == [
+        "checkpoints", "log.txt", "metrics.jsonl", "run.json", "tb_logs",
+    ]  # fmt: skip
+    assert not os.path.exists(tmp_path.parent / "runs")
+
+
+def test_a_work_dir_named_like_a_log_file_works(tmp_path):
+    trainer = build(tmp_path / "exp1.log")
+    trainer.train()
+    assert trainer.log_file == str(tmp_path / "exp1.log" / "log.txt")
+    assert "Saving checkpoint" in (tmp_path / "exp1.log" / "log.txt").read_text()
+    assert os.path.exists(tmp_path / "exp1.log" / "checkpoints" / "epoch_2.pth")
+
+
+@pytest.mark.parametrize("name", ["log.txt", "run.json", "metrics.jsonl"])
+def test_no_output_is_written_through_a_symbolic_link_in_work_dir(tmp_path, name):
+    outside = tmp_path / "outside"
+    outside.write_text("untouched")
+    (tmp_path / "work").mkdir()
+    (tmp_path / "work" / name).symlink_to(outside)
+    trainer = build(tmp_path / "work")
+    with pytest.raises(RuntimeError, match=f"{name} is a symbolic link .*remove it"):
+        trainer.train()
+    assert outside.read_text() == "untouched"

@@ -139,11 +139,32 @@ def _console_handler() -> logging.Handler:
     return handler
 
 
+class _FileHandler(logging.FileHandler):
+    def _open(self) -> Any:
+        return open_no_follow(self.baseFilename, append=True)
+
+
 def _file_handler(path: str) -> logging.Handler:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    handler = logging.FileHandler(path)
+    handler = _FileHandler(path)
     handler.setFormatter(logging.Formatter(_FORMAT, datefmt=_DATE_FORMAT))
     return handler
+
+
+def open_no_follow(path: str, append: bool) -> Any:
+    """Open the text file ``path`` for writing (appending, or from empty), refusing a symbolic
+    link: a link planted in ``work_dir`` must not make the trainer write outside it."""
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+    try:
+        fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o666)
+    except OSError as e:
+        if not os.path.islink(path):
+            raise
+        raise RuntimeError(
+            f"{path} is a symbolic link (to {os.readlink(path)}), and the trainer does not write "
+            "through links: remove it, or pick another work_dir."
+        ) from e
+    return os.fdopen(fd, "a" if append else "w", encoding="utf-8")
 
 
 def ensure_console_logging(name: str, rank: int) -> None:
@@ -160,9 +181,17 @@ def ensure_console_logging(name: str, rank: int) -> None:
 
 
 def log_file_path(output: str, rank: int = 0) -> str:
-    """The log file that ``output`` (a file or a folder) means for ``rank``."""
+    """The log file that ``output`` means for ``rank``: ``output`` itself when it names a
+    ``.txt`` or ``.log`` file (not an existing folder), else ``output/log.txt``; other ranks
+    than 0 write ``log_rank{rank}.txt`` beside it."""
     output = os.fspath(output)
-    path = output if output.endswith((".txt", ".log")) else os.path.join(output, "log.txt")
+    is_file = output.endswith((".txt", ".log")) and not os.path.isdir(output)
+    return rank_log_file(output if is_file else os.path.join(output, "log.txt"), rank)
+
+
+def rank_log_file(path: str, rank: int) -> str:
+    """The absolute path of ``rank``'s log file: ``path`` on rank 0, ``{root}_rank{rank}{ext}``
+    on the others."""
     if rank > 0:
         root, ext = os.path.splitext(path)
         path = f"{root}_rank{rank}{ext}"

@@ -24,7 +24,7 @@ from .cuda_graph import GraphedStep, check_graphable
 from .distributed import CpuGroup, get_rank
 from .env import collect_env
 from .hooks.registry import HookMethods, HookRegistry
-from .logger import TRACEBACK_FOLLOWS, ensure_console_logging, log_file_path, log_to_file
+from .logger import TRACEBACK_FOLLOWS, ensure_console_logging, log_to_file, rank_log_file
 from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import MetricMethods, MetricStorage, PendingMetrics
 from .preemption import WRITE_FAILED, Preemption
@@ -59,7 +59,8 @@ class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
             epochs are passes that end when its iterator does.
         max_epochs: Train this many epochs (pass exactly one of ``max_epochs``, ``max_iters``).
         max_iters: Train this many iterations, crossing data-loader passes as needed.
-        work_dir: Where checkpoints, ``log.txt`` and TensorBoard files go.
+        work_dir: Where checkpoints, ``log.txt`` and TensorBoard files go (a relative path is
+            taken from the current directory when the Trainer is built).
         unpack_batch_dict: Call ``model(**batch)`` instead of ``model(batch)``.
         max_num_checkpoints: Keep only the newest N periodic checkpoints (3 by default); None
             keeps all.
@@ -145,7 +146,8 @@ class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
         arguments = dict(locals())  # every argument, by name
         self.epoch_len = args.check_arguments(arguments)
         self.data_loader = data_loader
-        self.work_dir = os.fspath(work_dir)  # a str or a pathlib.Path
+        # absolute now: a chdir before train() must not split the outputs across two folders
+        self.work_dir = os.path.abspath(work_dir)
         self.accumulation_steps = accumulation_steps
         self.log_period = log_period
         self.train_by_epoch = max_epochs > 0
@@ -258,7 +260,7 @@ class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
     @property
     def log_file(self) -> str:
         """This rank's text log: ``work_dir/log.txt`` (``log_rank{N}.txt`` on other ranks)."""
-        return log_file_path(self.work_dir, get_rank())
+        return rank_log_file(os.path.join(self.work_dir, "log.txt"), get_rank())
 
     @property
     def cpu_group(self) -> Any:

@@ -5,11 +5,14 @@ import datetime
 import json
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Collection
 from typing import Any, Optional
 
 import torch
+
+from .logger import open_no_follow
 
 logger = logging.getLogger("trainer.hooks.logger_hook")
 
@@ -220,9 +223,9 @@ class JSONLinesWriter(MetricWriter):
 
     def __init__(self, path: str, start_iter: int = 0) -> None:
         self._path = path
-        if os.path.exists(path):
+        if os.path.isfile(path) and not os.path.islink(path):
             _keep_lines_before(path, start_iter)
-        self._file = open(path, "a", encoding="utf-8")
+        self._file = open_no_follow(path, append=True)
 
     def write(self, trainer: Any, iter: int, metrics: dict[str, float]) -> None:
         record = {"iter": iter, "epoch": trainer.cur_epoch + 1, **metrics}
@@ -244,7 +247,8 @@ def _keep_lines_before(path: str, start_iter: int) -> None:
         except (ValueError, KeyError, TypeError):
             break  # a line cut short by a crash, and whatever follows it
     if len(kept) < len(lines):
-        temp = path + ".tmp"
-        with open(temp, "w", encoding="utf-8") as f:
+        # a fresh temporary file (never one planted there), then one rename
+        fd, temp = tempfile.mkstemp(prefix=".metrics.", suffix=".tmp", dir=os.path.dirname(path))
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.writelines(kept)
         os.replace(temp, path)

@@ -83,3 +83,39 @@ def test_atomic_writes_leave_no_temporary_files(make_trainer):
     trainer = make_trainer(max_epochs=2)
     trainer.train()
     assert not [n for n in os.listdir(trainer.ckpt_dir) if n.startswith(".")]
+
+
+@pytest.mark.parametrize("crafted", ["/abs", "../victim.pth", "../../work/victim.pth"])
+def test_a_crafted_state_never_deletes_outside_the_checkpoint_folder(make_trainer, tmp_path,
+                                                                      caplog, crafted):  # fmt: skip
+    make_trainer(max_epochs=1, max_num_checkpoints=1).train()
+    ckpt_dir = make_trainer(max_epochs=1).ckpt_dir
+    victim = tmp_path / "victim.pth" if crafted == "/abs" else tmp_path / "work" / "victim.pth"
+    victim.write_text("keep me")
+    name = str(victim) if crafted == "/abs" else crafted
+    assert os.path.samefile(os.path.join(ckpt_dir, name), victim)  # what joining would delete
+    path = os.path.join(ckpt_dir, "epoch_1.pth")
+    data = torch.load(path, weights_only=True)
+    data["hooks"]["CheckpointHook"]["saved"] = [name, "epoch_1.pth"]
+    torch.save(data, path)
+    resumed = make_trainer(max_epochs=3, max_num_checkpoints=1)
+    resumed.train()  # its saves delete the listed names beyond the newest one
+    assert victim.read_text() == "keep me"
+    assert listing(resumed) == ["epoch_3.pth", "latest.txt"]
+    assert f"Ignoring {name!r} among the checkpoints the loaded state lists" in caplog.text
+
+
+def test_a_checkpoint_that_cannot_be_deleted_is_a_warning(make_trainer, monkeypatch, caplog):
+    remove = os.remove
+
+    def refuse(path):
+        if path.endswith("epoch_1.pth"):
+            raise PermissionError(1, "Operation not permitted", path)
+        remove(path)
+
+    monkeypatch.setattr(os, "remove", refuse)
+    trainer = make_trainer(max_epochs=3, max_num_checkpoints=1)
+    trainer.train()  # the failed delete of epoch_1.pth does not fail the write of epoch_2.pth
+    assert listing(trainer) == ["epoch_1.pth", "epoch_3.pth", "latest.txt"]
+    assert "Could not delete the old checkpoint" in caplog.text
+    assert "epoch_1.pth (Operation not permitted); it stays, and training goes on." in caplog.text

@@ -95,13 +95,40 @@ class CheckpointHook(HookBase):
         return {"saved": list(self._saved)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        self._saved = list(state["saved"])
+        """Restore what :meth:`state_dict` returned. Only plain file names are kept: this hook
+        deletes old checkpoints by these names, and must never reach outside ``ckpt_dir``."""
+        self._saved = []
+        for name in state["saved"]:
+            if is_file_name(name):
+                self._saved.append(name)
+            else:
+                logger.warning(
+                    f"Ignoring {name!r} among the checkpoints the loaded state lists: not a file "
+                    "name in the checkpoint folder, so it is never deleted."
+                )
+
+
+def is_file_name(name: Any) -> bool:
+    """Whether ``name`` is a plain file name: no folder, no ``..``, no absolute path."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and os.path.basename(name) == name
+        and not any(sep in name for sep in (os.sep, os.altsep, "\0") if sep)
+    )
 
 
 def _delete(ckpt_dir: str, names: list[str]) -> None:
+    """Delete old checkpoints. One that cannot be deleted (permissions, an immutable file) is a
+    warning: training and the new checkpoint are fine."""
     for name in names:
         path = os.path.join(ckpt_dir, name)
-        if os.path.exists(path):
+        if not is_file_name(name) or not os.path.lexists(path):
+            continue
+        try:
             os.remove(path)
+        except OSError as e:
+            logger.warning(f"Could not delete the old checkpoint {path} ({e.strerror or e}); "
+                           "it stays, and training goes on.")  # fmt: skip
+        else:
             logger.debug(f"Deleted old checkpoint {path}")

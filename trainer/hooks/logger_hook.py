@@ -8,6 +8,7 @@ from typing import Any, Optional
 
 from ..checks import check_int
 from ..distributed import is_main_process
+from ..logger import open_no_follow
 from ..writers import (
     ConsoleWriter,
     JSONLinesWriter,
@@ -77,7 +78,7 @@ class LoggerHook(HookBase):
         ]
         if is_main_process():
             config = trainer.run_config
-            with open(os.path.join(trainer.work_dir, "run.json"), "w", encoding="utf-8") as f:
+            with open_no_follow(os.path.join(trainer.work_dir, "run.json"), append=False) as f:
                 json.dump(config, f, indent=2)
             if self._tensorboard:
                 writer = TensorBoardWriter(
