@@ -1,10 +1,13 @@
 import io
+import json
 
 import pytest
 import torch
 from torch.optim.lr_scheduler import MultiStepLR, ReduceLROnPlateau, StepLR
 
-from trainer import LRWarmupScheduler
+from trainer import HookBase, LRWarmupScheduler, Trainer
+
+from conftest import TinyModel, tiny_loader
 
 # These unit tests step schedulers without an optimizer step, which torch warns about.
 pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")
@@ -143,3 +146,58 @@ def test_state_dict_resumes_mid_warmup_exactly():
     opt, sched = make()
     sched.load_state_dict(torch.load(buffer, weights_only=True))
     assert first + run_iters(sched, opt, 6, epoch_len=2) == full
+
+
+class SetLRAt(HookBase):
+    """Sets the LR by hand after iteration ``at``, and records the LR each iteration starts with."""
+
+    def __init__(self, at, lr):
+        self.at, self.lr, self.lrs = at, lr, []
+
+    def before_iter(self):
+        self.lrs.append(float(self.trainer.lr))
+
+    def after_iter(self):
+        if self.trainer.cur_iter == self.at:
+            for group in self.trainer.optimizer.param_groups:
+                group["lr"] = self.lr
+
+
+@pytest.mark.parametrize("warmup_t", [0, 4])
+def test_an_lr_set_by_hand_is_kept_without_a_scheduler(make_trainer, warmup_t):
+    trainer = make_trainer(scheduler=None, max_epochs=3, warmup_t=warmup_t, warmup_init_lr=0.05)
+    hand = SetLRAt(at=9, lr=0.001)
+    trainer.register_hook(hand)
+    trainer.train()
+    assert hand.lrs[10:] == [0.001] * 14  # epoch ends re-applied the LR of the start: 0.1
+    assert hand.lrs[warmup_t:9] == [0.1] * (9 - warmup_t)
+    resumed = make_trainer(scheduler=None, max_epochs=4, warmup_t=warmup_t, warmup_init_lr=0.05)
+    again = SetLRAt(at=-1, lr=None)
+    resumed.register_hook(again)
+    resumed.train()
+    assert again.lrs == [0.001] * 8  # the optimizer's state holds it
+
+
+def test_a_tensor_lr_trains_warms_up_logs_and_resumes_exactly(tmp_path):
+    def trainer(work_dir, max_epochs):
+        torch.manual_seed(0)
+        model = TinyModel()
+        optimizer = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01))
+        return Trainer(model, optimizer, StepLR(optimizer, step_size=1, gamma=0.5), tiny_loader(),
+                       max_epochs=max_epochs, warmup_t=4, work_dir=work_dir)  # fmt: skip
+
+    whole = trainer(tmp_path / "whole", 3)
+    lrs = SetLRAt(at=-1, lr=None)  # records the LRs only
+    whole.register_hook(lrs)
+    whole.train()
+    assert lrs.lrs[:5] == pytest.approx([0, 0.0025, 0.005, 0.0075, 0.01])
+    assert lrs.lrs[8::8] == pytest.approx([0.005, 0.0025])
+    assert json.loads((tmp_path / "whole" / "run.json").read_text())["base_lrs"] == [
+        pytest.approx(0.01)
+    ]
+    trainer(tmp_path / "cut", 2).train()
+    trainer(tmp_path / "cut", 3).train()
+    end = torch.load(tmp_path / "whole/checkpoints/epoch_3.pth", weights_only=True)
+    cut = torch.load(tmp_path / "cut/checkpoints/epoch_3.pth", weights_only=True)
+    for key, value in end["model"].items():
+        assert torch.equal(value, cut["model"][key])

@@ -172,6 +172,35 @@ def test_dict_losses_are_summed_and_each_logged(make_trainer):
     assert storage["total_loss"].latest == pytest.approx(total, rel=1e-6)
 
 
+class LossAndAccuracy(TinyModel):
+    """Returns its loss and, as MMEngine models often do, a metric that needs no gradient."""
+
+    def forward(self, batch):
+        x, y = batch
+        pred = self.linear(x)
+        with torch.no_grad():
+            close = ((pred - y).abs() < 0.5).float().mean()
+        return {"loss_mse": nn.functional.mse_loss(pred, y), "close": close}
+
+
+def test_values_without_a_gradient_are_logged_not_added_to_the_loss(make_trainer, tmp_path):
+    trainer = make_trainer(model=LossAndAccuracy(), max_epochs=1, log_period=1)
+    trainer.train()
+    storage = trainer.metric_storage
+    assert storage["total_loss"].latest == storage["loss_mse"].latest
+    assert 0.0 <= storage["close"].latest <= 1.0 and "close" in storage
+
+    # the same weights as a model that returns its loss alone
+    class LossAlone(LossAndAccuracy):
+        def forward(self, batch):
+            return super().forward(batch)["loss_mse"]
+
+    alone = make_trainer(model=LossAlone(), max_epochs=1, work_dir=tmp_path / "alone")
+    alone.train()
+    for key, value in weights(alone).items():
+        assert torch.equal(value, weights(trainer)[key])
+
+
 def test_accumulation_matches_one_big_batch(make_trainer, tmp_path):
     loader = tiny_loader(batch_size=4)
     small = make_trainer(

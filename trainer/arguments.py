@@ -116,7 +116,9 @@ def run_config(args: dict[str, Any], trainer: Any) -> dict[str, Any]:
         "compile": args["compile"] if isinstance(args["compile"], bool) else str(args["compile"]),
         "model": type(unwrapped(args["model"])).__name__,
         "optimizer": type(optimizer).__name__,
-        "base_lrs": [group.get("initial_lr", group["lr"]) for group in optimizer.param_groups],
+        "base_lrs": [  # float(): an LR may be a tensor
+            float(group.get("initial_lr", group["lr"])) for group in optimizer.param_groups
+        ],
         "lr_scheduler": type(args["lr_scheduler"]).__name__,
         "data_loader": type(loader).__name__,
         "batch_size": getattr(loader, "batch_size", None),

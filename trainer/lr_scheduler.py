@@ -3,6 +3,7 @@
 import warnings
 from typing import Any, Optional
 
+import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
@@ -84,6 +85,10 @@ class LRWarmupScheduler:
 
         self.last_iter = 0
         self.last_epoch = 0
+        # Whether the optimizer holds warmup LRs, which the regular ones replace when warmup
+        # ends. After that the LRs are the torch scheduler's, or left alone without one: an LR
+        # set by hand stays.
+        self._warming = False
         self.base_lrs = self._get_lrs()
         # The regular schedule's LRs, kept apart from what the optimizer sees so that chainable
         # schedulers (StepLR, ReduceLROnPlateau, ...) step from the regular LR, not the warmup LR.
@@ -142,14 +147,21 @@ class LRWarmupScheduler:
         self.warmup_end_lrs = state["warmup_end_lrs"]
         if self.torch_scheduler is not None:
             self.torch_scheduler.load_state_dict(state["torch_scheduler"])
+        # Past warmup, the optimizer's own state has the LRs (set by hand, maybe) unless a torch
+        # scheduler sets them.
+        self._warming = self.torch_scheduler is not None
         self._apply()
 
     def _get_lrs(self) -> list[float]:
-        return [group["lr"] for group in self.optimizer.param_groups]
+        # a tensor LR (Adam(lr=torch.tensor(...))) is copied: it changes in place
+        return [_copied(group["lr"]) for group in self.optimizer.param_groups]
 
     def _set_lrs(self, lrs: list[float]) -> None:
         for group, lr in zip(self.optimizer.param_groups, lrs):
-            group["lr"] = lr
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)  # in place, as torch's schedulers do: a fused or
+            else:  # CUDA-graphed step may hold that tensor
+                group["lr"] = lr
 
     def _step_regular(self, metric: Optional[float] = None) -> None:
         if self.torch_scheduler is None:
@@ -183,8 +195,11 @@ class LRWarmupScheduler:
     def _apply(self) -> None:
         t = self.last_epoch if self.warmup_by_epoch else self.last_iter
         if t >= self.warmup_t:
-            self._set_lrs(self.regular_lrs)
+            if self._warming:  # warmup ends: the regular LRs take over
+                self._set_lrs(self.regular_lrs)
+                self._warming = False
             return
+        self._warming = True
         alpha = t / self.warmup_t
         if self.warmup_mode == "fix":
             lrs = [self.warmup_init_lr * (1 - alpha) + b * alpha for b in self.base_lrs]
@@ -197,6 +212,10 @@ class LRWarmupScheduler:
                 for b, end in zip(self.base_lrs, self.warmup_end_lrs)
             ]
         self._set_lrs(lrs)
+
+
+def _copied(lr: Any) -> Any:
+    return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
 
 
 def _check_warmup(warmup_t: int, warmup_mode: str, warmup_by_epoch: bool, by_epoch: bool) -> None:

@@ -203,8 +203,10 @@ class StepMethods:
 
 
 def total_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss to back-propagate, and the detached losses to log (``total_loss`` among them),
-    from what a model returned: a scalar loss tensor or a dict of them."""
+    """The loss to back-propagate, and the detached values to log (``total_loss`` among them),
+    from what a model returned: a scalar loss tensor or a dict of them. In a dict, the values
+    that require no gradient while others do are metrics (an accuracy, say): logged under their
+    names, not added to ``total_loss``."""
     losses = {"total_loss": out} if isinstance(out, torch.Tensor) else out
     if not isinstance(losses, dict) or not losses:
         raise TypeError(
@@ -219,9 +221,11 @@ def total_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
                 f"Loss {name!r} must be a scalar tensor, got shape {tuple(value.shape)}; "
                 "reduce it in the model (e.g. .mean())."
             )
+    logged = {name: value.detach() for name, value in losses.items()}
+    if any(value.requires_grad for value in losses.values()):
+        losses = {name: value for name, value in losses.items() if value.requires_grad}
     first, *rest = losses.values()
     total = sum(rest, first)  # not sum(values): 0 + loss would cost an extra op
-    logged = {name: value.detach() for name, value in losses.items()}
     logged["total_loss"] = total.detach()
     return total, logged
 

@@ -386,7 +386,8 @@ class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
         times = {"data_time": self._data.data_time / n, "iter_time": (now - start) / n}
         self._data_seconds += self._data.data_time
         self._data.data_time, self._period_start = 0.0, (now, it)
-        self._pending.add(it, times, reduce=True)
+        # the period's own means, not smoothed: a logged time says what this period took
+        self._pending.add(it, times, smooth=False, reduce=True)
         # The LR this iteration used (LRUpdateHook changes it after the iteration); only the
         # latest value is ever shown, so it is recorded at log points alone.
         self._pending.add(it, {"lr": self.lr}, smooth=False)

@@ -115,6 +115,26 @@ def test_the_eta_spreads_evaluation_time_over_the_iterations(make_trainer, caplo
     assert etas == [("4", "0:00:12"), ("8", "0:00:08"), ("12", "0:00:06"), ("16", "0:00:00")]
 
 
+def test_logged_times_are_each_periods_own_mean(make_trainer, caplog, monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr("trainer.trainer.time", clock)
+
+    class CompileFirst(HookBase):  # the first iteration takes 10 s, the others 1 s
+        def after_iter(self):
+            clock.now += 10.0 if self.trainer.cur_iter == 0 else 1.0
+
+    trainer = make_trainer(max_epochs=2, log_period=4)
+    trainer.register_hook(CompileFirst())
+    trainer.train()
+    # the clock moves after each log point's reading: (10 + 1 + 1) / 4, then 4 / 4
+    expected = [(3, 3.0), (7, 1.0), (11, 1.0), (15, 1.0)]
+    assert read_scalars(trainer.tb_log_dir)["time/iter_time"] == expected
+    with open(os.path.join(trainer.work_dir, "metrics.jsonl")) as f:
+        assert [(r["iter"], r["iter_time"]) for r in map(json.loads, f)] == expected
+    shown = re.findall(r"iter (\d+)/16 .* iter_time (\S+ m?s)", caplog.text)
+    assert shown == [("4", "3 s"), ("8", "1 s"), ("12", "1 s"), ("16", "1 s")]
+
+
 def test_the_summary_table_gives_the_time_by_hook_and_the_evaluated_metrics(
     make_trainer, caplog, monkeypatch, tmp_path
 ):
