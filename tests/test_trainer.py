@@ -215,6 +215,17 @@ def test_auto_resume_and_explicit_resume(make_trainer, tmp_path, caplog):
         fresh.train(resume_from_checkpoint=str(tmp_path / "does-not-exist.pth"))
 
 
+def test_a_finished_trainer_refuses_to_train_afresh_without_advising_the_same_call(
+    make_trainer,
+):
+    trainer = make_trainer(max_epochs=1)
+    trainer.train()
+    with pytest.raises(RuntimeError, match="has trained to the end already") as e:
+        trainer.train(auto_resume=False)
+    assert "build a new model, optimizer and Trainer" in str(e.value)
+    assert "pass train(auto_resume=False)" not in str(e.value)
+
+
 def test_checkpoint_holds_plain_data_only(make_trainer):
     trainer = make_trainer(max_epochs=1, enable_amp=True)
     trainer.train()

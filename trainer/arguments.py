@@ -2,6 +2,7 @@
 expected, what was received and how to fix it), and the default hooks and LR warmup wrapper
 they configure."""
 
+import inspect
 import logging
 import os
 import tempfile
@@ -247,6 +248,28 @@ def _check_wiring(model: nn.Module, optimizer: Optimizer, lr_scheduler: Any) -> 
             f"{id(scheduled):#x}), not the trainer's optimizer ({type(optimizer).__name__} at "
             f"{id(optimizer):#x}), so the trainer's LR would never change. Build it on the "
             f"optimizer you pass: {type(lr_scheduler).__name__}(optimizer, ...)."
+        )
+
+
+def check_closure_free(optimizer: Optimizer) -> None:
+    """Refuse an optimizer whose ``step`` needs a closure (LBFGS): the built-in step calls
+    ``step()`` once, without one."""
+    closure = inspect.signature(optimizer.step).parameters.get("closure")
+    if closure is not None and closure.default is inspect.Parameter.empty:
+        name = type(optimizer).__name__
+        raise TypeError(
+            f"optimizer is a {name}, whose step() needs a closure that re-evaluates the loss, "
+            "and the built-in step calls step() once without one. Subclass Trainer and "
+            "override train_one_iter:\n"
+            "    def train_one_iter(self):\n"
+            "        batch = self.next_batch()\n"
+            "        def closure():\n"
+            "            self.optimizer.zero_grad()\n"
+            "            loss, self.losses = self.compute_losses(batch)\n"
+            "            self.backward(loss)\n"
+            "            return loss\n"
+            "        self.optimizer.step(closure)\n"
+            "        self.log_losses(**self.losses)"
         )
 
 

@@ -153,13 +153,19 @@ class MetricStorage(Mapping):
         elif self._smooth[name] != smooth:
             raise ValueError(
                 f"Metric {name!r} was first logged with smooth={self._smooth[name]} and now "
-                f"with smooth={smooth}; log each metric with one smooth setting."
+                f"with smooth={smooth}; log each metric with one smooth setting. If two sources "
+                "log it (training's losses and an evaluation's results, say), give them "
+                "different names."
             )
         return self._buffers[name]
 
     def latest_iter(self, name: str) -> int:
         """The iteration of the latest value of ``name``."""
         return self._latest_iter[name]
+
+    def smoothed(self, name: str) -> bool:
+        """Whether ``name`` is logged smoothed (losses, by default) or as its latest value."""
+        return self._smooth[name]
 
     def value_maybe_smooth(self, name: str) -> float:
         """The window mean of ``name`` if it is smoothed, else its latest value."""
@@ -211,6 +217,8 @@ class _Series(NamedTuple):
 
 # Reduced across ranks by max (the slowest rank sets the pace); the other metrics by mean.
 _MAX_REDUCED = frozenset({"data_time", "iter_time", "amp_skipped_steps"})
+#: The metrics the trainer logs itself (the losses a model returns aside).
+TRAINER_METRICS = frozenset({"total_loss", "lr", "grad_norm", *_MAX_REDUCED})
 
 
 class PendingMetrics:

@@ -145,6 +145,8 @@ class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
     ) -> None:
         arguments = dict(locals())  # every argument, by name
         self.epoch_len = args.check_arguments(arguments)
+        if type(self).train_one_iter is Trainer.train_one_iter:  # the built-in step
+            args.check_closure_free(optimizer)
         self.data_loader = data_loader
         # absolute now: a chdir before train() must not split the outputs across two folders
         self.work_dir = os.path.abspath(work_dir)
@@ -372,6 +374,14 @@ class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
         self._checkpointer.remove_temp_files()
         if path is not None or auto_resume:
             self.load_checkpoint(path, auto_resume)
+        elif self.cur_iter + 1 >= self.max_iters:
+            raise RuntimeError(
+                f"This Trainer has trained to the end already (iteration {self.cur_iter + 1} of "
+                f"{self.max_iters}): its model and optimizer hold that state, so "
+                "train(auto_resume=False) cannot start afresh, and there is nothing left to "
+                "train. To train again from scratch, build a new model, optimizer and Trainer; "
+                "to train longer, build the Trainer with a larger max_epochs or max_iters."
+            )
         if self.progress.stay_stopped(continue_after_stop):  # (LoggerHook tells other starts)
             logger.info(
                 f"The run was ended by stop() at iteration {self.start_iter}: not training "

@@ -71,3 +71,33 @@ def test_bad_arguments_are_refused():
         EMAHook(period=0)
     with pytest.raises(TypeError, match="period must be a positive int, got bool True"):
         EMAHook(period=True)
+
+
+class TiedModel(torch.nn.Module):
+    """An embedding and an output layer sharing one weight, as language models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(6, 4)
+        self.head = torch.nn.Linear(4, 6, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, batch):
+        (tokens,) = batch
+        return torch.nn.functional.cross_entropy(self.head(self.embed(tokens[:, 0])), tokens[:, 1])
+
+
+def test_the_average_of_tied_weights_exports_under_every_name(make_trainer):
+    data = torch.utils.data.TensorDataset(torch.randint(0, 6, (16, 2)))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    trainer = make_trainer(model=TiedModel(), loader=loader, max_epochs=1)
+    ema = EMAHook(decay=0.5)
+    trainer.register_hook(ema)
+    trainer.train()
+    exported = ema.ema_state_dict()
+    assert exported.keys() == {"embed.weight", "head.weight"}
+    assert torch.equal(exported["embed.weight"], exported["head.weight"])
+    fresh = TiedModel()
+    fresh.load_state_dict(exported)
+    with ema.swapped():
+        assert torch.equal(fresh.embed.weight, trainer.model.embed.weight)

@@ -102,3 +102,41 @@ def test_period_0_evaluates_at_the_end_only(make_trainer):
 def test_a_bad_period_is_refused(period, error, message):
     with pytest.raises(error, match=message):
         EvalHook(period, lambda: None)
+
+
+@pytest.mark.parametrize("name", ["total_loss", "lr", "iter_time", "loss_cls"])
+def test_results_named_like_the_trainers_own_metrics_are_refused_when_first_logged(
+    make_trainer, name
+):
+    class TwoLosses(torch.nn.Module):  # logs "loss_cls" in training
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 1)
+
+        def forward(self, batch):
+            x, y = batch
+            return {"loss_cls": torch.nn.functional.mse_loss(self.linear(x), y)}
+
+    trainer = make_trainer(model=TwoLosses(), max_epochs=3)
+    trainer.register_hook(EvalHook(1, lambda: {name: 0.5}))
+    expected = f"eval_func returned '{name}', and the trainer logs it in training: the two"
+    with pytest.raises(ValueError, match=expected):
+        trainer.train()
+    assert trainer.cur_iter == 7  # at the first evaluation, not later
+
+
+def test_two_eval_hooks_returning_one_name_are_refused(make_trainer):
+    trainer = make_trainer(max_epochs=2)
+    trainer.register_hooks([EvalHook(1, lambda: {"acc": 0.5}), EvalHook(1, lambda: {"acc": 0.7})])
+    with pytest.raises(ValueError, match="'acc', and another EvalHook returns it"):
+        trainer.train()
+
+
+def test_an_eval_hook_logs_its_own_names_again_after_a_resume(make_trainer):
+    first = make_trainer(max_epochs=1)
+    first.register_hook(EvalHook(1, lambda: {"val_acc": 0.5}))
+    first.train()
+    resumed = make_trainer(max_epochs=2)
+    resumed.register_hook(EvalHook(1, lambda: {"val_acc": 0.75}))
+    resumed.train()
+    assert resumed.metric_storage["val_acc"].latest == 0.75

@@ -83,8 +83,14 @@ class EMAHook(HookBase):
         to load into a model: ``model.load_state_dict(ema.ema_state_dict())``."""
         if self._ema is None:
             raise RuntimeError("EMAHook has no average yet: call it after train() started.")
-        names = self.trainer.model_or_module.state_dict().keys()
-        return {name: self._ema[name].detach().clone() for name in names}
+        # By identity: a tied weight has one name in the average and several in state_dict()
+        key_of = {id(tensor): key for key, tensor in self._model_tensors().items()}
+        state = self.trainer.model_or_module.state_dict(keep_vars=True)
+        return {
+            name: self._ema[key_of[id(tensor)]].detach().clone()
+            for name, tensor in state.items()
+            if id(tensor) in key_of
+        }
 
     @contextlib.contextmanager
     def swapped(self) -> Iterator[None]:

@@ -9,6 +9,7 @@ import torch
 
 from ..checks import check_int
 from ..distributed import all_gather, get_world_size
+from ..metric_storage import TRAINER_METRICS
 from .hookbase import HookBase, Priority
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ class EvalHook(HookBase):
         check_int("period", period, minimum=0, note="0 evaluates at the end only")
         self._period = period
         self._eval_func = eval_func
+        self._names: set[str] = set()  # the names its results had in this run
 
     def handles(self, event: str) -> bool:
         """In epoch-based training, it has nothing to do after an iteration."""
@@ -80,10 +82,37 @@ class EvalHook(HookBase):
             results = _mean_over_ranks(results, self.trainer.cpu_group)
         if results is None:
             return
+        self._refuse_clashes(results)
         line = "  ".join(f"{k}: {v:.5g}" for k, v in results.items())
         logger.info(f"Evaluation after iteration {self.trainer.cur_iter + 1}: {line}")
         self.trainer.log(self.trainer.cur_iter, smooth=False, **results)
         self.trainer.call_hooks("after_eval", results)
+
+    def _refuse_clashes(self, results: dict[str, float]) -> None:
+        """Refuse result names that another series has: mixed into it, they would log neither
+        what was evaluated nor what was trained."""
+        new = results.keys() - self._names
+        if not new:
+            return
+        storage = self.trainer.metric_storage
+        others = {
+            name
+            for hook in self.trainer.hooks
+            if isinstance(hook, EvalHook) and hook is not self
+            for name in hook._names
+        }
+        for name in sorted(new):
+            if name in TRAINER_METRICS or (name in storage and storage.smoothed(name)):
+                whose = "the trainer logs it in training"
+            elif name in others:
+                whose = "another EvalHook returns it"
+            else:
+                continue
+            raise ValueError(
+                f"eval_func returned {name!r}, and {whose}: the two would mix into one series. "
+                f"Rename the result (e.g. 'val_{name}')."
+            )
+        self._names |= new
 
 
 def _check_results(results: object) -> dict[str, float]:
