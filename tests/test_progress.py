@@ -5,9 +5,17 @@ import logging
 import multiprocessing
 import os
 
+import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, Sampler
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    RandomSampler,
+    Sampler,
+)
 
 from trainer import HookBase
 
@@ -198,6 +206,89 @@ def test_a_mid_epoch_resume_skips_the_consumed_batches_without_loading_them(
             caplog.text
         )
         assert first_step.loads == 7 * 4  # the 6 consumed batches are loaded again
+
+
+class CrashAtEpochEnd(HookBase):
+    priority = 100  # after CheckpointHook's save
+
+    def __init__(self, epoch):
+        self.epoch = epoch
+
+    def after_epoch(self):
+        if self.trainer.cur_epoch == self.epoch:
+            raise KeyboardInterrupt
+
+
+def samplers_generator_loader(dataset, workers):
+    """A batch sampler over a RandomSampler with a generator of its own, as a script builds it
+    (seeded the same in every run)."""
+    g = torch.Generator().manual_seed(1)
+    batches = BatchSampler(RandomSampler(dataset, generator=g), batch_size=4, drop_last=False)
+    return DataLoader(dataset, batch_sampler=batches, num_workers=workers)
+
+
+def persistent_loader(dataset, workers):
+    return DataLoader(dataset, batch_size=4, shuffle=True, num_workers=workers,
+                      persistent_workers=True)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "make_loader, workers",
+    [(persistent_loader, 2), (samplers_generator_loader, 0), (samplers_generator_loader, 2)],
+)
+@pytest.mark.parametrize("crash", ["mid-epoch", "epoch end"])
+def test_resume_replays_the_data_order_of_an_uninterrupted_run(
+    tmp_path, caplog, make_loader, workers, crash
+):
+    caplog.set_level(logging.INFO, logger="trainer")
+    torch.manual_seed(0)  # the same initial weights in both runs
+    seen = Recording()
+    build(tmp_path / "whole", model=seen, loader=make_loader(tiny_dataset(), workers),
+          max_epochs=3).train()  # fmt: skip
+    torch.manual_seed(0)
+    first = Recording()
+    at_end = crash == "epoch end"
+    part = build(
+        tmp_path / "part", model=first, loader=make_loader(tiny_dataset(), workers), max_epochs=3,
+        checkpoint_by_epoch=at_end, checkpoint_period=1 if at_end else 7,
+    )  # fmt: skip
+    part.register_hook(CrashAtEpochEnd(1) if at_end else CrashAfter(13))
+    with pytest.raises(KeyboardInterrupt):
+        part.train()
+    resumed = Recording()
+    rerun = build(tmp_path / "part", model=resumed, loader=make_loader(tiny_dataset(), workers),
+                  max_epochs=3)  # fmt: skip
+    rerun.train()
+    start = 16 if at_end else 14
+    assert rerun.start_iter == start
+    assert resumed.seen == seen.seen[start * 4 :]  # the samples, in the uninterrupted order
+    for name, value in seen.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[name]), name
+
+
+class NumpyShuffled(Sampler):
+    """Batches of 4 in an order drawn from a NumPy generator of the sampler's own."""
+
+    def __init__(self, n):
+        self.n, self.rng = n, np.random.default_rng(0)
+
+    def __iter__(self):
+        order = self.rng.permutation(self.n).tolist()
+        return iter([order[i : i + 4] for i in range(0, self.n, 4)])
+
+    def __len__(self):
+        return self.n // 4
+
+
+def test_a_sampler_generator_that_checkpoints_cannot_save_is_named_on_resume(make_trainer,
+                                                                             caplog):  # fmt: skip
+    dataset = tiny_dataset()
+    make_trainer(max_epochs=1, loader=DataLoader(dataset, batch_sampler=NumpyShuffled(32))).train()
+    make_trainer(max_epochs=2, loader=DataLoader(dataset, batch_sampler=NumpyShuffled(32))).train()
+    assert (
+        "sampler holds NumpyShuffled.rng (a Generator), whose state checkpoints do not save: its "
+        "order after this resume may differ" in caplog.text
+    )
 
 
 # Streams: data loaders without a length

@@ -4,9 +4,11 @@ the data iteration that a mid-epoch resume continues exactly."""
 import collections
 import dataclasses
 import logging
+import random
 import time
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
@@ -202,6 +204,13 @@ class DataStream:
         self._stateful = all(
             callable(getattr(data_loader, name, None)) for name in ("state_dict", "load_state_dict")
         )
+        self._generators, self._foreign_rngs = _generators_of(data_loader)
+        # A loader with persistent workers makes its iterator once, drawing the workers' base
+        # seed then; its later passes draw only what the sampler draws.
+        self._persistent = bool(getattr(data_loader, "persistent_workers", False)) and (
+            getattr(data_loader, "num_workers", 0) > 0
+        )
+        self._persistent_made = False  # this stream made the persistent iterator
 
     def next_batch(self) -> Any:
         """The next batch of the current pass (a new pass starts when there is none)."""
@@ -270,6 +279,13 @@ class DataStream:
 
     def _start_pass(self) -> Any:
         generators = self.generators()
+        if self._persistent and not self._persistent_made:
+            # Made now and the RNG state put back, so that every pass draws what a later pass of
+            # a persistent loader draws: the first of a run, and the first after a resume alike.
+            now = get_rng_state(generators)
+            iter(self.data_loader)
+            set_rng_state(now, generators)
+            self._persistent_made = True
         self._restored_pass = self._restored
         if self._to_skip or self._restored:
             # the interrupted pass again: what starting it drew (a shuffle, the worker seeds) is
@@ -307,6 +323,8 @@ class DataStream:
         if loader.num_workers == 0:
             options.pop("prefetch_factor", None)  # refused without workers
         options["persistent_workers"] = False  # this loader serves one pass
+        if self._persistent:  # a later pass of the persistent loader draws no base seed
+            options["generator"] = torch.Generator()
         if batched:
             clone = DataLoader(loader.dataset, batch_sampler=index_sampler, **options)
         else:
@@ -318,13 +336,9 @@ class DataStream:
         return data_iter
 
     def generators(self) -> tuple[torch.Generator, ...]:
-        """The loader's and its sampler's own generators, if they have any."""
-        found: list[torch.Generator] = []
-        for owner in (self.data_loader, getattr(self.data_loader, "sampler", None)):
-            g = getattr(owner, "generator", None)
-            if isinstance(g, torch.Generator) and all(g is not f for f in found):
-                found.append(g)
-        return tuple(found)
+        """The generators of the loader, its sampler and batch sampler, and the samplers these
+        wrap (a ``BatchSampler`` over a ``RandomSampler(generator=g)``, say)."""
+        return self._generators
 
     def rng_state(self, mid_pass: bool) -> dict[str, Any]:
         """Every RNG's state now, the state the pass started with when ``mid_pass``, and then
@@ -344,6 +358,13 @@ class DataStream:
         ``batches_to_skip`` batches of the interrupted one (``remapped``: that number was mapped
         to another world or batch size). A loader that keeps its own state is given it back."""
         rank, world_size = get_rank(), get_world_size()
+        if self._foreign_rngs:
+            logger.warning(
+                f"The data loader's sampler holds {', '.join(self._foreign_rngs)}, whose state "
+                "checkpoints do not save: its order after this resume may differ from an "
+                "uninterrupted run's. For an exact resume, draw from torch's RNG or from a "
+                "torch.Generator held as the sampler's `generator`."
+            )
         if len(per_rank) != world_size:
             logger.warning(
                 f"Checkpoint {path} was saved by {len(per_rank)} ranks, resuming with "
@@ -376,6 +397,35 @@ class DataStream:
 
 
 _END = object()  # what next() returns at the end of a pass
+
+
+# Random number generators that a sampler may hold and checkpoints do not save.
+_FOREIGN_RNGS = (random.Random, np.random.RandomState, np.random.Generator)
+
+
+def _generators_of(data_loader: Any) -> tuple[tuple[torch.Generator, ...], list[str]]:
+    """The ``generator`` of ``data_loader`` and of its ``sampler`` and ``batch_sampler``, and of
+    theirs, breadth first, each once; and the other kinds of generators these samplers hold, as
+    ``Sampler.attribute (type)``."""
+    found: list[torch.Generator] = []
+    foreign: list[str] = []
+    owners, seen = [data_loader], set()
+    while owners:
+        owner = owners.pop(0)
+        if owner is None or id(owner) in seen:
+            continue
+        seen.add(id(owner))
+        g = getattr(owner, "generator", None)
+        if isinstance(g, torch.Generator) and all(g is not f for f in found):
+            found.append(g)
+        if owner is not data_loader:
+            foreign += [
+                f"{type(owner).__name__}.{name} (a {type(value).__name__})"
+                for name, value in getattr(owner, "__dict__", {}).items()
+                if isinstance(value, _FOREIGN_RNGS)
+            ]
+        owners += [getattr(owner, name, None) for name in ("sampler", "batch_sampler")]
+    return tuple(found), foreign
 
 
 def loader_length(data_loader: Any) -> Optional[int]:
