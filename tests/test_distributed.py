@@ -1,6 +1,7 @@
 """Rank helpers and the trainer's metric reduction, in one process and in two real gloo
 processes launched by torchrun."""
 
+import os
 import re
 import subprocess
 import textwrap
@@ -19,6 +20,7 @@ from trainer.distributed import (
     is_main_process,
     reduce_dict,
 )
+from trainer.lock import WorkDirLock
 
 from conftest import communicate, cpu_env, torchrun_command
 
@@ -112,12 +114,14 @@ class RankLoss(nn.Module):
         return loss * float("nan") if rank == 1 and self.calls - 1 == nan_at else loss
 
 
-class Batches:  # rank 1's batches take 50 ms each
+class Batches:  # rank 1's batches take 50 ms each; with SHORT=1, rank 1 has 6, not 8
+    n = 6 if rank == 1 and os.environ.get("SHORT") else 8
+
     def __len__(self):
-        return 8
+        return self.n
 
     def __iter__(self):
-        for _ in range(8):
+        for _ in range(self.n):
             if rank == 1:
                 time.sleep(0.05)
             yield torch.zeros(1)
@@ -292,6 +296,27 @@ def test_a_failed_checkpoint_write_on_rank_0_ends_every_rank_promptly(tmp_path):
     assert "Rank 0 could not write a checkpoint (its log names the file and the reason); every " \
         "rank stops after iteration" in log1  # fmt: skip
     assert "Timed out" not in result.stderr
+
+
+def test_ranks_whose_data_loaders_differ_in_length_fail_at_once_naming_both(tmp_path):
+    start = time.monotonic()
+    result = run_failing_worker(tmp_path, SHORT=1, PG_TIMEOUT=60)
+    assert result.returncode == 1
+    assert time.monotonic() - start < 45, result.stderr[-3000:]  # not the 60 s timeout
+    message = "The ranks' data loaders differ in length per epoch (rank 0 8 iterations, rank 1 6"
+    assert result.stderr.count(message) >= 2, result.stderr[-3000:]  # both ranks raise it
+
+
+def test_a_work_dir_in_use_refuses_every_rank_through_rank_0s_lock(tmp_path):
+    (tmp_path / "work").mkdir()
+    with WorkDirLock(str(tmp_path / "work")).held():  # as another run would
+        start = time.monotonic()
+        result = run_failing_worker(tmp_path, PG_TIMEOUT=60)
+    assert result.returncode == 1
+    assert time.monotonic() - start < 45, result.stderr[-3000:]
+    assert f"{tmp_path / 'work'} is in use by another run (pid {os.getpid()}" in result.stderr
+    assert "Rank 0: " + str(tmp_path / "work") + " is in use by another run" in result.stderr
+    assert not os.path.exists(tmp_path / "work" / "checkpoints" / "iter_16.pth")
 
 
 def test_a_stalled_rank_makes_the_others_fail_after_the_process_group_timeout(tmp_path):

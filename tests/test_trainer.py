@@ -1,4 +1,5 @@
 import gc
+import io
 import os
 import weakref
 
@@ -165,7 +166,7 @@ class StopAt(HookBase):
 def train_interrupted(make, crash_iter, **kwargs):
     trainer = make(**kwargs)
     trainer.register_hook(StopAt(crash_iter))
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit):
         trainer.train()
     resumed = make(**kwargs)
     resumed.train()
@@ -257,7 +258,7 @@ def test_after_train_runs_when_training_raises(make_trainer):
     trainer = make_trainer()
     trainer.register_hook(Record())
     trainer.register_hook(StopAt(3))
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(SystemExit):
         trainer.train()
     assert calls == ["after_train"]
 
@@ -416,7 +417,7 @@ def test_a_relative_work_dir_is_resolved_when_the_trainer_is_built(tmp_path, mon
     trainer.train()
     assert trainer.work_dir == str(tmp_path / "runs" / "exp")
     assert sorted(os.listdir(tmp_path / "runs" / "exp")) == [
-        "checkpoints", "log.txt", "metrics.jsonl", "run.json", "tb_logs",
+        ".lock", "checkpoints", "log.txt", "metrics.jsonl", "run.json", "tb_logs",
     ]  # fmt: skip
     assert not os.path.exists(tmp_path.parent / "runs")
 
@@ -439,3 +440,51 @@ def test_no_output_is_written_through_a_symbolic_link_in_work_dir(tmp_path, name
     with pytest.raises(RuntimeError, match=f"{name} is a symbolic link .*remove it"):
         trainer.train()
     assert outside.read_text() == "untouched"
+
+
+# ---- failures and Ctrl-C ------------------------------------------------------------------
+
+
+class FailAt(HookBase):
+    def __init__(self, iteration, error):
+        self.iteration, self.error = iteration, error
+
+    def after_iter(self):
+        if self.trainer.cur_iter == self.iteration:
+            raise self.error
+
+
+def test_a_failed_train_releases_the_data_loader_workers(make_trainer):
+    import multiprocessing
+
+    before = set(multiprocessing.active_children())
+    trainer = make_trainer(loader=tiny_loader(shuffle=True, num_workers=2))
+    trainer.register_hook(FailAt(3, RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom") as e:
+        trainer.train()
+    kept = e.value  # as a notebook keeps the last error, and its traceback
+    assert set(multiprocessing.active_children()) == before  # now, not with the Trainer
+    assert kept.__traceback__ is not None and trainer.cur_iter == 3
+
+
+class Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_ctrl_c_logs_one_line_exits_130_and_erases_the_progress_bar(make_trainer, tmp_path):
+    from trainer.hooks import ProgressBarHook
+
+    terminal = Terminal()
+    trainer = make_trainer(max_epochs=2)
+    trainer.register_hooks([ProgressBarHook(interval=1e-9, stream=terminal),
+                            FailAt(10, KeyboardInterrupt())])  # fmt: skip
+    with pytest.raises(SystemExit) as e:
+        trainer.train()
+    assert e.value.code == 130
+    log = (tmp_path / "work" / "log.txt").read_text()
+    line = "Interrupted (Ctrl-C) in iteration 11 of 16: not saved. Rerun to resume from the last "
+    assert log.count(line) == 1
+    assert f"checkpoint ({trainer.ckpt_dir}/epoch_1.pth)" in log
+    assert "Traceback" not in log
+    assert terminal.getvalue().endswith("\r\x1b[K")  # the bar's line erased, not left standing

@@ -104,6 +104,11 @@ class LiveLine:
         if self.stream is not None and self._text:
             self.stream.write("\r\x1b[K")
 
+    def erase(self) -> None:
+        """Clear the line and forget it: nothing is drawn again until :meth:`show`."""
+        self.clear()
+        self._text = ""
+
     def redraw(self) -> None:
         if self.stream is not None and self._text:
             self.show(self._text)

@@ -211,6 +211,7 @@ class DataStream:
             getattr(data_loader, "num_workers", 0) > 0
         )
         self._persistent_made = False  # this stream made the persistent iterator
+        self._cloned = False  # the pass runs on a clone of the loader (a mid-pass replay)
 
     def next_batch(self) -> Any:
         """The next batch of the current pass (a new pass starts when there is none)."""
@@ -272,6 +273,17 @@ class DataStream:
         dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=self._cpu.group)
         return bool(everyone.item())
 
+    def release(self) -> None:
+        """Drop the pass in progress and shut its worker processes down now (after a failure:
+        a rerun resumes from a checkpoint). A loader with persistent workers keeps its own."""
+        data_iter, self._iter = self._iter, None
+        self._ahead.clear()
+        if data_iter is not None and not (self._persistent and not self._cloned):
+            # what the iterator's __del__ does, which a traceback holding it would delay
+            shutdown = getattr(data_iter, "_shutdown_workers", None)
+            if callable(shutdown):
+                shutdown()
+
     def end_pass(self) -> None:
         """Forget the current pass: the next batch starts a new one."""
         self._iter, self.pass_ended, self._drawn = None, False, 0
@@ -286,7 +298,7 @@ class DataStream:
             iter(self.data_loader)
             set_rng_state(now, generators)
             self._persistent_made = True
-        self._restored_pass = self._restored
+        self._restored_pass, self._cloned = self._restored, False
         if self._to_skip or self._restored:
             # the interrupted pass again: what starting it drew (a shuffle, the worker seeds) is
             # drawn from the state it started with, then the checkpoint's state goes on
@@ -330,6 +342,7 @@ class DataStream:
         else:
             clone = DataLoader(loader.dataset, batch_size=None, sampler=index_sampler, **options)
         data_iter = iter(clone)
+        self._cloned = True
         index_sampler.skip_now()  # without workers the sampler draws at the first batch: now
         logger.info(f"Resuming in mid-epoch: skipped the {n} batches already trained on by index, "
                     "without loading them.")  # fmt: skip

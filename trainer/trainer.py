@@ -6,10 +6,13 @@ the Trainer's checkpoint methods) and ``hooks/`` (the hooks, and in ``registry.p
 order, timing and the Trainer's hook methods).
 """
 
+import contextlib
 import logging
 import math
 import os
+import signal
 import time
+from collections.abc import Iterator
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -21,10 +24,17 @@ from torch.utils.data import DataLoader
 from . import arguments as args
 from .checkpoint import Checkpointer, CheckpointMethods
 from .cuda_graph import GraphedStep, check_graphable
-from .distributed import CpuGroup, get_rank
+from .distributed import CpuGroup, all_gather, get_rank, get_world_size, is_main_process
 from .env import collect_env
 from .hooks.registry import HookMethods, HookRegistry
-from .logger import TRACEBACK_FOLLOWS, ensure_console_logging, log_to_file, rank_log_file
+from .lock import WorkDirLock
+from .logger import (
+    TRACEBACK_FOLLOWS,
+    ensure_console_logging,
+    live_line,
+    log_to_file,
+    rank_log_file,
+)
 from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import MetricMethods, MetricStorage, PendingMetrics
 from .preemption import WRITE_FAILED, Preemption
@@ -174,6 +184,7 @@ class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
             check_graphable(model, optimizer, self.device, self.grad_scaler.is_enabled())
             self._graphed_step = GraphedStep(self.forward_backward_step, optimizer, self.device)
         self._cpu = CpuGroup()  # under torchrun, a gloo group of the trainer's while it trains
+        self._lock = WorkDirLock(self.work_dir)  # rank 0's, while it trains
         self._data = DataStream(data_loader, self._cpu)
         self._hooks = HookRegistry(self)
         self._storage = MetricStorage()
@@ -291,8 +302,8 @@ class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
                 such a run stays stopped.
         """
         ensure_console_logging("trainer", get_rank())
-        # Signals are caught from the start: one during start-up exits after the first iteration.
-        with log_to_file("trainer", self.log_file), self._cpu.open(), self._preemption.catching():
+        with self._session():
+            self._agree_at_start()
             self._start(resume_from_checkpoint, auto_resume, continue_after_stop)
             try:
                 self.call_hooks("before_train")
@@ -302,7 +313,18 @@ class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
                         pass
                 if self.progress.stopped and not self.progress.is_saved:
                     self.save_checkpoint(self.checkpoint_name())  # a rerun stays stopped
+            except KeyboardInterrupt:
+                live_line.erase()  # the progress bar's line, with the ^C in it
+                self._data.release()
+                logger.warning(
+                    f"Interrupted (Ctrl-C) in iteration {self.cur_iter + 1} of {self.max_iters}: "
+                    "not saved. Rerun to resume from the last checkpoint "
+                    f"({self.last_checkpoint or 'none yet: from the start'})."
+                )
+                raise SystemExit(128 + signal.SIGINT) from None  # what a shell reports for it
             except Exception as e:
+                live_line.erase()
+                self._data.release()  # its worker processes, now rather than with the Trainer
                 # the traceback in this rank's log file; on the console Python prints it, once
                 logger.exception(
                     f"Training failed in iteration {self.cur_iter}: {type(e).__name__}: {e}",
@@ -362,6 +384,40 @@ class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
             path = self.save_checkpoint(self.checkpoint_name())
             self.wait_for_checkpoint()
             self._preemption.exit(signum, path, it + 1)
+
+    @contextlib.contextmanager
+    def _session(self) -> Iterator[None]:
+        """What :meth:`train` holds while it runs: rank 0's lock on ``work_dir``, this rank's log
+        file, the trainer's gloo group, and the preemption signals (caught from the start: one
+        during start-up exits after the first iteration)."""
+        with contextlib.ExitStack() as stack:
+            if is_main_process():
+                stack.enter_context(self._lock.held())
+            stack.enter_context(log_to_file("trainer", self.log_file))
+            stack.enter_context(self._cpu.open())
+            stack.enter_context(self._preemption.catching())
+            yield
+
+    def _agree_at_start(self) -> None:
+        """Refuse to train where the ranks would part ways: another run holds ``work_dir``
+        (rank 0's lock), or the ranks' data loaders differ in length (they would disagree on
+        the run's length and hang in mismatched collectives). Under torchrun every rank learns
+        it at once, in one small gather."""
+        mine = (self._lock.problem if is_main_process() else None, self.epoch_len)
+        everyone = [mine] if get_world_size() == 1 else all_gather(mine, group=self.cpu_group)
+        if everyone[0][0]:
+            raise RuntimeError(everyone[0][0] if is_main_process() else f"Rank 0: {everyone[0][0]}")
+        lengths = [epoch_len for _, epoch_len in everyone]
+        if len(set(lengths)) > 1:
+            each = ", ".join(
+                f"rank {rank} {'a stream' if n is None else f'{n} iterations'}"
+                for rank, n in enumerate(lengths)
+            )
+            raise RuntimeError(
+                f"The ranks' data loaders differ in length per epoch ({each}), so the ranks would "
+                "disagree on when epochs and training end. Give every rank as many batches: a "
+                "DistributedSampler does (drop_last=True on the loader, or an equal split)."
+            )
 
     def _start(self, path: Optional[str], auto_resume: bool, continue_after_stop: bool) -> None:
         self._hooks.start()  # this run's hook times, and which events each hook handles

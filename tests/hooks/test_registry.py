@@ -14,7 +14,7 @@ def test_default_outputs_are_one_argument_away(make_trainer, tmp_path):
     )
     trainer.train()
     work = tmp_path / "work"
-    assert sorted(os.listdir(work)) == ["checkpoints", "log.txt", "run.json"]
+    assert sorted(os.listdir(work)) == [".lock", "checkpoints", "log.txt", "run.json"]
     assert os.listdir(work / "checkpoints") == []
     assert "CheckpointHook (priority 80)" not in trainer.hook_info
     assert trainer.metric_storage["total_loss"].count == 8  # logging goes on
@@ -22,7 +22,7 @@ def test_default_outputs_are_one_argument_away(make_trainer, tmp_path):
     with_all = make_trainer(max_epochs=1, work_dir=tmp_path / "all")
     with_all.train()
     assert sorted(os.listdir(tmp_path / "all")) == [
-        "checkpoints", "log.txt", "metrics.jsonl", "run.json", "tb_logs",
+        ".lock", "checkpoints", "log.txt", "metrics.jsonl", "run.json", "tb_logs",
     ]  # fmt: skip
 
 

@@ -1,0 +1,76 @@
+"""One live run per ``work_dir``: a lock that rank 0 holds while ``train()`` runs."""
+
+import contextlib
+import datetime
+import os
+import socket
+from collections.abc import Iterator
+from typing import Optional
+
+try:
+    import fcntl
+except ImportError:  # Windows: no flock, no lock
+    fcntl = None  # type: ignore[assignment]
+
+
+# The lock descriptors this process holds. A forked child (a data loader's worker) closes its
+# copies: an flock belongs to the open file, so a worker that outlived a failed run (persistent
+# workers, say) would otherwise keep its folder locked.
+_HELD: set[int] = set()
+
+
+def _close_in_child() -> None:
+    for fd in _HELD:
+        os.close(fd)
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_close_in_child)
+
+
+class WorkDirLock:
+    """An ``flock`` on ``work_dir/.lock``: a second run in the same folder, which would resume
+    the live run's checkpoints and interleave its logs, is refused. The kernel releases the lock
+    when the process ends however it ends (SIGKILL included), so a killed run blocks nothing.
+
+    Args:
+        work_dir: The folder of the run.
+    """
+
+    def __init__(self, work_dir: str) -> None:
+        self.path = os.path.join(work_dir, ".lock")
+        #: Why the lock could not be taken (another run holds it), or None.
+        self.problem: Optional[str] = None
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Hold the lock for the block; :attr:`problem` says if another run has it."""
+        fd = self._acquire() if fcntl is not None else None
+        try:
+            yield
+        finally:
+            if fd is not None:
+                _HELD.discard(fd)
+                os.close(fd)  # releases the lock
+
+    def _acquire(self) -> Optional[int]:
+        self.problem = None
+        # O_NOFOLLOW: a link planted in work_dir must not make this write elsewhere
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+            os.close(fd)
+            self.problem = (
+                f"{os.path.dirname(self.path)} is in use by another run ({holder}): two runs in "
+                "one work_dir would resume each other's checkpoints and mix their logs. Wait for "
+                "it to end, stop it, or pass another work_dir."
+            )
+            return None
+        started = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}, since {started}".encode(), 0)
+        _HELD.add(fd)
+        return fd
