@@ -2,6 +2,7 @@ import os
 import socket
 import time
 
+import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from trainer import writers
@@ -52,7 +53,7 @@ def test_tensorboard_events_are_handed_over_in_batches_with_their_own_wall_time(
     assert [e.wall_time for e in acc.Scalars("train/lr")] == [w for _, w in handed]
 
 
-def test_a_new_run_in_the_same_second_sorts_after_the_old_one_and_purges_it(tmp_path):
+def test_a_new_run_replaces_the_trainers_old_events_whatever_their_names_sort_as(tmp_path):
     # TensorBoard reads event files in name order; an old run's file from this very second whose
     # counter sorts after the new one's (9 after 10) would be read last and its curves kept
     old = TensorBoardWriter(str(tmp_path))
@@ -60,13 +61,35 @@ def test_a_new_run_in_the_same_second_sorts_after_the_old_one_and_purges_it(tmp_
         old.write(None, step, {"loss": 1.0})
     old.close()
     (old_file,) = os.listdir(tmp_path)
+    assert old_file.endswith(".trainer")
     # as if made in the coming second, by this process, with a counter that sorts last
-    old_name = f"events.out.tfevents.{int(time.time()) + 1}.{socket.gethostname()}.{os.getpid()}.z"
-    os.rename(tmp_path / old_file, tmp_path / old_name)
+    old_name = f"events.out.tfevents.{int(time.time()) + 1}.{socket.gethostname()}.{os.getpid()}"
+    os.rename(tmp_path / old_file, tmp_path / f"{old_name}.z.trainer")
     new = TensorBoardWriter(str(tmp_path), start_iter=0)
     new.write(None, 0, {"loss": 2.0})
     new.close()
-    assert sorted(os.listdir(tmp_path))[0] == old_name
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
     assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(0, 2.0)]
+    assert len(os.listdir(tmp_path)) == 1  # the old file, left without events, is gone
+
+
+def test_a_resumed_run_keeps_the_steps_before_it_and_other_writers_events(tmp_path):
+    from torch.utils.tensorboard import SummaryWriter
+
+    old = TensorBoardWriter(str(tmp_path))
+    for step in range(6):
+        old.write(None, step, {"loss": float(step)})
+    old.close()
+    own = SummaryWriter(str(tmp_path))  # a user's writer in the same folder
+    own.add_histogram("weights", torch.arange(4.0), 5)
+    own.close()
+    resumed = TensorBoardWriter(str(tmp_path), start_iter=4)
+    resumed.write(None, 4, {"loss": 40.0})
+    resumed.write(None, 5, {"loss": 50.0})
+    resumed.close()
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    steps = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    assert steps == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
+    assert [e.step for e in acc.Histograms("weights")] == [5]

@@ -425,6 +425,7 @@ class CheckpointMethods:
 
     _checkpointer: Checkpointer
     _pending: Any  # PendingMetrics
+    call_hooks: Callable[..., None]
     progress: Progress
     train_by_epoch: bool
     cur_iter: int
@@ -450,6 +451,7 @@ class CheckpointMethods:
     ) -> Optional[str]:
         """Save the whole state as ``ckpt_dir/file_name``; see :meth:`Checkpointer.save`."""
         self._pending.flush(every_rank=True)  # so a non-finite loss raises before it is saved
+        self.call_hooks("before_save_checkpoint")  # the logs it covers reach the disk first
         return self._checkpointer.save(file_name, then)
 
     def wait_for_checkpoint(self) -> None:

@@ -8,7 +8,7 @@ import os
 import tempfile
 import time
 from collections.abc import Collection
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -40,6 +40,10 @@ class MetricWriter:
         ``trainer.cur_iter`` and TensorBoard's steps are."""
         raise NotImplementedError
 
+    def flush(self) -> None:
+        """Put what was written on disk; called before every checkpoint is saved, so that a run
+        resumed from it has every row that the checkpoint covers."""
+
     def close(self) -> None:
         """Flush and release what the writer holds; called when training ends."""
 
@@ -56,25 +60,21 @@ def check_writers(name: str, writers: Any) -> None:
 
 
 class ConsoleWriter(MetricWriter):
-    """The log line: progress, ETA, LR, metrics (times with their units), peak CUDA memory and
-    the checkpoint saved since the previous line, if any, to the console and ``log.txt``. The
-    ETA spreads the time of everything since training started (evaluation and checkpoints
-    included) over the iterations done.
+    """The log line: progress, ETA, LR, metrics (times with their units) and peak CUDA memory,
+    to the console and ``log.txt`` (each save has a line of its own). The ETA spreads the time
+    of everything since training started (evaluation and checkpoints included) over the
+    iterations done.
 
     Args:
         start_time: ``time.perf_counter()`` when training started.
         start_iter: The iteration it started from.
-        last_checkpoint: The checkpoint it resumed from (not to be named as saved).
     """
 
     log_points_only = True
 
-    def __init__(
-        self, start_time: float, start_iter: int, last_checkpoint: Optional[str] = None
-    ) -> None:
+    def __init__(self, start_time: float, start_iter: int) -> None:
         self._start_time = start_time
         self._start_iter = start_iter
-        self._shown_checkpoint = last_checkpoint
 
     def write(self, trainer: Any, iter: int, metrics: dict[str, float]) -> None:
         if not logger.isEnabledFor(logging.INFO):
@@ -106,10 +106,6 @@ class ConsoleWriter(MetricWriter):
             # reads the allocator's counters: no device sync
             peak = torch.cuda.max_memory_allocated(trainer.device) / 2**20
             parts.append(f"max_mem {peak:.0f}M")
-        checkpoint = trainer.last_checkpoint
-        if checkpoint != self._shown_checkpoint:  # saved since the previous line
-            parts.append(f"saved {os.path.basename(checkpoint)}")
-            self._shown_checkpoint = checkpoint
         logger.info("  ".join(parts))
 
 
@@ -125,17 +121,21 @@ class TensorBoardWriter(MetricWriter):
     ``/`` already keeps it.
 
     Each log point becomes one event holding all its scalars, and the events go to
-    ``SummaryWriter`` in batches, at most every ``handoff_secs`` seconds (and at :meth:`close`).
-    Handing an event over wakes the writer's thread, which computes checksums in Python while
-    training waits for the GIL: hundreds of microseconds each time, so once per log point was a
-    percent of a small model's training time. What TensorBoard shows lags by at most
-    ``handoff_secs`` more than its own ``flush_secs`` (120 s).
+    ``SummaryWriter`` in batches, at most every ``handoff_secs`` seconds (and at :meth:`flush`,
+    before every checkpoint, and :meth:`close`). Handing an event over wakes the writer's thread,
+    which computes checksums in Python while training waits for the GIL: hundreds of
+    microseconds each time, so once per log point was a percent of a small model's training
+    time. What TensorBoard shows lags by at most ``handoff_secs`` more than its own
+    ``flush_secs`` (120 s).
+
+    The trainer's event files end in ``.trainer``. A run starting from ``start_iter`` removes
+    the events from that step on from them (those a resumed run repeats, or all of them for a
+    fresh run), so that no step shows twice and two runs' curves never mix. Other event files in
+    ``log_dir`` (your own ``SummaryWriter``'s) are never changed.
 
     Args:
         log_dir: Where the event files go.
-        start_iter: The iteration this run starts from: TensorBoard drops the events of earlier
-            runs from it on (``purge_step``), which a resumed run repeats or a fresh one
-            replaces, so no step shows twice and two runs' curves never mix.
+        start_iter: The iteration this run starts from.
         handoff_secs: Seconds between hand-overs to ``SummaryWriter``.
         eval_names: The names of evaluation results (a set or dict, read at each write).
     """
@@ -151,8 +151,9 @@ class TensorBoardWriter(MetricWriter):
         from torch.utils.tensorboard import SummaryWriter
 
         self._summary = Summary
+        _drop_events_from(log_dir, start_iter)
         _wait_for_a_later_file_name(log_dir)
-        self._writer = SummaryWriter(log_dir=log_dir, max_queue=1000, purge_step=start_iter)
+        self._writer = SummaryWriter(log_dir=log_dir, max_queue=1000, filename_suffix=_SUFFIX)
         self._handoff_secs = handoff_secs
         self._next_handoff = time.monotonic() + handoff_secs
         self._events: list[tuple[Any, int, float]] = []  # (summary, step, wall time)
@@ -183,9 +184,49 @@ class TensorBoardWriter(MetricWriter):
         """Text (Markdown) under ``tag`` in TensorBoard's text tab."""
         self._writer.add_text(tag, text, step)
 
+    def flush(self) -> None:
+        self._hand_over()
+        self._writer.flush()  # waits for the event file's queue, then flushes the file
+
     def close(self) -> None:
         self._hand_over()
         self._writer.close()
+
+
+_SUFFIX = ".trainer"  # the end of the trainer's event file names
+
+
+def _drop_events_from(log_dir: str, step: int) -> None:
+    """Remove the events of ``step`` and later from the trainer's event files in ``log_dir``
+    (with TensorBoard's own reader and record writer); a file left with none is deleted."""
+    from tensorboard.backend.event_processing.event_file_loader import RawEventFileLoader
+    from tensorboard.compat.proto.event_pb2 import Event
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    if not os.path.isdir(log_dir):
+        return
+    for name in sorted(os.listdir(log_dir)):
+        path = os.path.join(log_dir, name)
+        if not name.endswith(_SUFFIX) or not os.path.isfile(path) or os.path.islink(path):
+            continue
+        records = list(RawEventFileLoader(path).Load())  # a record cut short by a kill: dropped
+        kept = [r for r in records if Event.FromString(r).step < step]
+        if len(kept) == len(records) and os.path.getsize(path) == _size(records):
+            continue
+        if all(Event.FromString(r).HasField("file_version") for r in kept):  # no data left
+            os.remove(path)
+            continue
+        fd, temp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=log_dir)
+        with os.fdopen(fd, "wb") as f:
+            writer = RecordWriter(f)
+            for record in kept:
+                writer.write(record)
+        os.replace(temp, path)
+
+
+def _size(records: list[bytes]) -> int:
+    """The bytes ``records`` take in an event file: each with a 16-byte header and footer."""
+    return sum(len(r) + 16 for r in records)
 
 
 def _wait_for_a_later_file_name(log_dir: str) -> None:

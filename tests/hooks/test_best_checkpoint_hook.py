@@ -42,3 +42,17 @@ def test_best_checkpoint_in_iteration_based_training_resumes_exactly(make_traine
     resumed.train(resume_from_checkpoint=os.path.join(first.ckpt_dir, "best.pth"))
     for a, b in zip(resumed.model.parameters(), first.model.parameters()):
         assert torch.equal(a, b)
+
+
+def test_every_save_is_named_once_and_a_new_best_names_its_file(make_trainer, caplog):
+    trainer = evaluating(make_trainer(max_epochs=3), [0.5, 0.7, 0.6], BestCheckpointHook("acc"))
+    trainer.train()
+    messages = [r.getMessage() for r in caplog.records]
+    saves = [m.split(" (")[0].removeprefix("Saving checkpoint ") for m in messages
+             if m.startswith("Saving checkpoint")]  # fmt: skip
+    names = ["epoch_1.pth", "best.pth", "epoch_2.pth", "best.pth", "epoch_3.pth"]
+    assert saves == [os.path.join(trainer.ckpt_dir, name) for name in names]
+    assert "New best acc: 0.5: saving best.pth." in messages
+    assert "New best acc: 0.7 (was 0.5): saving best.pth." in messages
+    log = open(trainer.log_file).read()
+    assert log.count("Saving checkpoint") == 5

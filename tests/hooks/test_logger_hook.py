@@ -2,6 +2,9 @@ import json
 import logging
 import os
 import re
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,7 +14,7 @@ from trainer import HookBase
 from trainer.hooks import EvalHook
 from trainer.writers import MetricWriter
 
-from conftest import FakeClock, Tick
+from conftest import FakeClock, Tick, communicate, cpu_env
 
 
 def read_scalars(log_dir):
@@ -42,19 +45,26 @@ def test_console_and_log_file_lines(make_trainer, caplog, tmp_path):
     lines = [r.getMessage() for r in caplog.records if r.name == "trainer.hooks.logger_hook"]
     progress = [line for line in lines if line.startswith("epoch")]
     assert len(progress) == 4
-    # times with their units; the checkpoint saved at epoch 1's end named in the next line
+    # times with their units
     number, ms = r"[\d.e-]+", r"[\d.e-]+ m?s"
     pattern = (
         rf"epoch 2/2 \[4/8\]  iter 12/16  ETA 0:00:00  lr 0\.05  total_loss {number}  "
-        rf"data_time {ms}  iter_time {ms}  saved epoch_1\.pth"
+        rf"data_time {ms}  iter_time {ms}"
     )
     assert re.fullmatch(pattern, progress[2]), progress[2]
-    assert "saved" not in progress[3]  # nothing saved since
     log_text = (tmp_path / "work" / "log.txt").read_text()
     assert progress[-1] in log_text
     assert "Run summary" in log_text
-    # no line of its own for a save or a deletion
-    assert "Saved checkpoint" not in log_text and "Deleted" not in log_text
+    # each save has a line of its own, after the log point it covers; deletions have none
+    ckpt_dir = tmp_path / "work" / "checkpoints"
+    saves = [line for line in lines if line.startswith("Saving")]
+    assert saves == []  # LoggerHook's logger writes the metric lines; the trainer logs saves
+    messages = [r.getMessage() for r in caplog.records]
+    for n, it in ((1, 8), (2, 16)):
+        line = f"Saving checkpoint {ckpt_dir}/epoch_{n}.pth (after iteration {it})."
+        assert messages.count(line) == 1 and line in log_text
+        assert messages.index(line) > messages.index(progress[2 * n - 1])
+    assert "Deleted" not in log_text
 
 
 class Recorder(MetricWriter):
@@ -235,3 +245,72 @@ def test_the_run_settings_go_to_run_json_and_tensorboard(make_trainer, tmp_path)
     (event,) = acc.Tensors("run/text_summary")
     text = event.tensor_proto.string_val[0].decode()
     assert '| optimizer | "SGD" |' in text and "| accumulation_steps | 1 |" in text
+
+
+class OwnWriter(HookBase):
+    """Logs a histogram each epoch with a SummaryWriter of its own in trainer.tb_log_dir."""
+
+    def before_train(self):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(self.trainer.tb_log_dir)
+
+    def after_epoch(self):
+        weight = self.trainer.model_or_module.linear.weight.detach()
+        self.writer.add_histogram("weights", weight, self.trainer.cur_iter)
+
+    def after_train(self):
+        self.writer.close()
+
+
+def test_your_own_events_in_tb_logs_survive_fresh_and_resumed_runs(make_trainer):
+    trainer = make_trainer(max_epochs=2, log_period=4)
+    trainer.register_hook(OwnWriter())
+    trainer.train()
+    resumed = make_trainer(max_epochs=3, log_period=4)
+    resumed.register_hook(OwnWriter())
+    resumed.train()
+    acc = EventAccumulator(resumed.tb_log_dir, size_guidance={"histograms": 0})  # keep all
+    acc.Reload()
+    assert [e.step for e in acc.Histograms("weights")] == [7, 15, 23]
+    steps = [step for step, _ in read_scalars(resumed.tb_log_dir)["train/total_loss"]]
+    assert steps == [3, 7, 11, 15, 19, 23]
+
+
+KILLED_AT_AN_EPOCH_END = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from conftest import build
+from trainer import HookBase
+
+class Kill(HookBase):
+    priority = 100  # after the epoch's checkpoint
+
+    def after_epoch(self):
+        if self.trainer.cur_epoch == 2:
+            self.trainer.wait_for_checkpoint()  # durable, and latest
+            os.kill(os.getpid(), signal.SIGKILL)
+
+trainer = build({work!r}, max_epochs=5, log_period=2)
+trainer.register_hook(Kill())
+trainer.train()
+"""
+
+
+def test_tensorboard_keeps_every_log_point_once_after_a_kill(make_trainer, tmp_path):
+    script = tmp_path / "killed.py"
+    tests = os.path.dirname(os.path.dirname(__file__))
+    work = str(tmp_path / "work")
+    script.write_text(KILLED_AT_AN_EPOCH_END.format(tests=tests, work=work))
+    proc = subprocess.Popen([sys.executable, str(script)], env=cpu_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    communicate(proc, timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    resumed = make_trainer(max_epochs=5, log_period=2)
+    resumed.train()
+    assert resumed.start_iter == 24
+    whole = make_trainer(max_epochs=5, log_period=2, work_dir=tmp_path / "whole")
+    whole.train()
+    losses = read_scalars(resumed.tb_log_dir)["train/total_loss"]
+    assert [step for step, _ in losses] == list(range(1, 40, 2))  # every log point, once
+    assert losses == read_scalars(whole.tb_log_dir)["train/total_loss"]

@@ -43,8 +43,11 @@ class BestCheckpointHook(HookBase):
     def after_eval(self, results: dict[str, float]) -> None:
         """Note a new best; it is saved when the state is complete."""
         value = results.get(self._watch.metric)
+        previous = self._watch.best
         if value is not None and self._watch.improves(value):
-            logger.info(f"New best {self._watch.metric}: {value:.5g}.")
+            was = "" if previous is None else f" (was {previous:.5g})"
+            name = self._watch.metric
+            logger.info(f"New best {name}: {value:.5g}{was}: saving {self._file_name}.")
             self._due = True
 
     def after_iter(self) -> None:

@@ -35,7 +35,8 @@ class HookBase:
         hook.after_train()  # also when training raises
 
     and ``hook.after_eval(results)`` whenever an :class:`EvalHook` has evaluated (inside its
-    ``after_iter`` or ``after_epoch``). A hook may end training with ``self.trainer.stop()``.
+    ``after_iter`` or ``after_epoch``), and ``hook.before_save_checkpoint()`` before each
+    checkpoint the trainer saves. A hook may end training with ``self.trainer.stop()``.
 
     ``self.trainer`` is a ``weakref.proxy`` to the trainer, set by ``register_hook``.
 
@@ -69,6 +70,9 @@ class HookBase:
 
     def after_eval(self, results: dict[str, float]) -> None:
         """Called with the numbers an ``EvalHook`` just logged (the same on every rank)."""
+
+    def before_save_checkpoint(self) -> None:
+        """Called on every rank before a checkpoint is saved: put on disk what it covers."""
 
     def handles(self, event: str) -> bool:
         """Whether the trainer calls this hook's ``event`` handler; asked when the hook is

@@ -24,10 +24,11 @@ logger = logging.getLogger(__name__)
 
 class LoggerHook(HookBase):
     """Every ``period`` iterations, writes the new metrics to its writers: the console line
-    (progress, ETA, LR, losses, data and iteration time, peak CUDA memory, the checkpoint saved
-    since the last line; every rank, to its console and log file), and on rank 0 TensorBoard
-    (``trainer.tb_log_dir``), the JSON Lines file ``work_dir/metrics.jsonl`` and the ``writers``
-    you pass. Each evaluation's results are written as they come, in a row of their own. At the
+    (progress, ETA, LR, losses, data and iteration time, peak CUDA memory; every rank, to its
+    console and log file), and on rank 0 TensorBoard (``trainer.tb_log_dir``), the JSON Lines
+    file ``work_dir/metrics.jsonl`` and the ``writers`` you pass. Each evaluation's results are
+    written as they come, in a row of their own; before each checkpoint, every writer flushes
+    what the checkpoint covers. At the
     start, rank 0 writes the run's settings (``trainer.run_config``) to ``work_dir/run.json``
     and TensorBoard; at the end every rank logs a summary table: time, speed, time per hook and
     in data loading, the evaluated metrics' final and best values, checkpoints and logs.
@@ -73,9 +74,7 @@ class LoggerHook(HookBase):
         self._log_start()
         self._train_start = time.perf_counter()
         self._written = {name: buffer.count for name, buffer in trainer.metric_storage.items()}
-        self._writers = [
-            ConsoleWriter(self._train_start, trainer.start_iter, trainer.last_checkpoint)
-        ]
+        self._writers = [ConsoleWriter(self._train_start, trainer.start_iter)]
         if is_main_process():
             config = trainer.run_config
             with open_no_follow(os.path.join(trainer.work_dir, "run.json"), append=False) as f:
@@ -119,6 +118,16 @@ class LoggerHook(HookBase):
         done = self.trainer.cur_iter + 1
         if done % self._period == 0 or done == self.trainer.max_iters:
             self._write(log_point=True)
+
+    def before_save_checkpoint(self) -> None:
+        """Write this iteration's log point, if it is one (the checkpoint covers it, and a run
+        resumed from it starts after it), and put every writer's rows on disk, so that a kill
+        after the save loses no row that the resumed run will not write again."""
+        done = self.trainer.cur_iter + 1
+        if done % self._period == 0 or done == self.trainer.max_iters:
+            self._write(log_point=True)
+        for writer in self._writers:
+            writer.flush()
 
     def after_eval(self, results: dict[str, float]) -> None:
         """Write an evaluation's results, in a row of their own (not the console line: the

@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from .hookbase import HookBase
 
 EVENTS = ("before_train", "after_train", "before_epoch", "after_epoch", "before_iter",
-          "after_iter", "after_eval")  # fmt: skip
+          "after_iter", "after_eval", "before_save_checkpoint")  # fmt: skip
 
 
 class HookRegistry:
