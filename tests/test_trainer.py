@@ -225,6 +225,10 @@ def test_a_finished_trainer_refuses_to_train_afresh_without_advising_the_same_ca
         trainer.train(auto_resume=False)
     assert "build a new model, optimizer and Trainer" in str(e.value)
     assert "pass train(auto_resume=False)" not in str(e.value)
+    loaded = make_trainer(max_epochs=1)
+    loaded.train()  # resumes the finished run: nothing to train
+    with pytest.raises(RuntimeError, match="has trained to the end already"):
+        loaded.train(auto_resume=False)
 
 
 def test_checkpoint_holds_plain_data_only(make_trainer):
@@ -465,6 +469,37 @@ def test_a_failed_train_releases_the_data_loader_workers(make_trainer):
     kept = e.value  # as a notebook keeps the last error, and its traceback
     assert set(multiprocessing.active_children()) == before  # now, not with the Trainer
     assert kept.__traceback__ is not None and trainer.cur_iter == 3
+
+
+def test_a_trainer_that_failed_part_way_resumes_or_refuses_but_never_restarts_in_place(
+    make_trainer, tmp_path
+):
+    """Its model and optimizer hold the failed run's state: training on from them logged the
+    iterations as a fresh run's and replaced the old curves."""
+    trainer = make_trainer()  # 2 epochs of 8 iterations, a checkpoint at each epoch's end
+    trainer.register_hook(FailAt(3, RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.train()
+    rows = open(os.path.join(trainer.work_dir, "metrics.jsonl")).read()
+    with pytest.raises(RuntimeError, match="trained up to iteration 4 of 16") as e:
+        trainer.train(auto_resume=False)
+    assert "cannot start afresh. To go on from the last checkpoint, call train()" in str(e.value)
+    with pytest.raises(RuntimeError, match="holds no checkpoint to resume from") as e:
+        trainer.train()  # none saved yet
+    assert "auto_resume" not in str(e.value)
+    assert open(os.path.join(trainer.work_dir, "metrics.jsonl")).read() == rows
+
+    trainer = make_trainer(work_dir=tmp_path / "late")
+    fail = FailAt(10, RuntimeError("boom"))
+    trainer.register_hook(fail)
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.train()
+    fail.iteration = None
+    trainer.train()  # resumes from epoch_1.pth, the state of iteration 8
+    assert trainer.start_iter == 8
+    full = make_trainer(work_dir=tmp_path / "full")
+    full.train()
+    assert_bit_equal(weights(trainer), weights(full))
 
 
 class Terminal(io.StringIO):

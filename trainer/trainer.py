@@ -326,8 +326,10 @@ class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
                 live_line.erase()
                 self._data.release()  # its worker processes, now rather than with the Trainer
                 # the traceback in this rank's log file; on the console Python prints it, once
+                started = self.cur_iter >= self.start_iter
+                where = f"in iteration {self.cur_iter}" if started else "as it started"
                 logger.exception(
-                    f"Training failed in iteration {self.cur_iter}: {type(e).__name__}: {e}",
+                    f"Training failed {where}: {type(e).__name__}: {e}",
                     extra={TRACEBACK_FOLLOWS: True},
                 )
                 raise
@@ -428,21 +430,40 @@ class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
         if self._stream_notice:
             logger.warning(self._stream_notice)
         self._checkpointer.remove_temp_files()
-        if path is not None or auto_resume:
-            self.load_checkpoint(path, auto_resume)
-        elif self.cur_iter + 1 >= self.max_iters:
-            raise RuntimeError(
-                f"This Trainer has trained to the end already (iteration {self.cur_iter + 1} of "
-                f"{self.max_iters}): its model and optimizer hold that state, so "
-                "train(auto_resume=False) cannot start afresh, and there is nothing left to "
-                "train. To train again from scratch, build a new model, optimizer and Trainer; "
-                "to train longer, build the Trainer with a larger max_epochs or max_iters."
-            )
+        # Trained by an earlier train() since built or resumed, or to the end: the model and
+        # optimizer hold that state, which only a checkpoint can replace.
+        trained = self.start_iter < self.cur_iter + 1 or self.cur_iter + 1 >= self.max_iters
+        if (path is not None or auto_resume) and self.load_checkpoint(path, auto_resume):
+            trained = False
+        if trained:
+            self._refuse_restart(auto_resume)
         if self.progress.stay_stopped(continue_after_stop):  # (LoggerHook tells other starts)
             logger.info(
                 f"The run was ended by stop() at iteration {self.start_iter}: not training "
                 "on. Pass train(continue_after_stop=True) to go on."
             )
+
+    def _refuse_restart(self, auto_resume: bool) -> None:
+        """Raise for a Trainer that trained before and has no checkpoint to resume from now:
+        training on from its live state would log iterations as if run afresh."""
+        done = f"iteration {self.cur_iter + 1} of {self.max_iters}"
+        if auto_resume:
+            why = f"and {self.ckpt_dir} holds no checkpoint to resume from"
+        else:
+            why = "so train(auto_resume=False) cannot start afresh"
+        if self.cur_iter + 1 >= self.max_iters:
+            raise RuntimeError(
+                f"This Trainer has trained to the end already ({done}): its model and optimizer "
+                f"hold that state, {why}, and there is nothing left to train. To train again "
+                "from scratch, build a new model, optimizer and Trainer; to train longer, build "
+                "the Trainer with a larger max_epochs or max_iters."
+            )
+        go_on = "" if auto_resume else "To go on from the last checkpoint, call train(). "
+        raise RuntimeError(
+            f"This Trainer has trained up to {done} in an earlier train(): its model and "
+            f"optimizer hold that state, {why}. {go_on}To train again from scratch, build a new "
+            "model, optimizer and Trainer."
+        )
 
     def _log_point(self, it: int) -> None:
         """Every ``log_period`` iterations and at the last: the times per iteration over the
