@@ -114,6 +114,22 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
 
 
+def tensorboard_tag(name: str, evaluated: bool) -> str:
+    """The TensorBoard tag of metric ``name``: ``eval/`` for an evaluation's result, ``time/``
+    for a time, ``train/`` for the rest; a name with a ``/`` is its own tag.
+
+    Example::
+
+        >>> tensorboard_tag("val_acc", evaluated=True), tensorboard_tag("lr", evaluated=False)
+        ('eval/val_acc', 'train/lr')
+    """
+    if "/" in name:
+        return name
+    if evaluated:
+        return f"eval/{name}"
+    return f"time/{name}" if name.endswith("_time") else f"train/{name}"
+
+
 class TensorBoardWriter(MetricWriter):
     """Scalars in TensorBoard event files under ``log_dir``, grouped by their tag's prefix:
     ``eval/`` for evaluation results (the names in ``eval_names``), ``time/`` for times
@@ -161,11 +177,7 @@ class TensorBoardWriter(MetricWriter):
 
     def tag(self, name: str) -> str:
         """The TensorBoard tag of metric ``name``."""
-        if "/" in name:
-            return name
-        if name in self._eval_names:
-            return f"eval/{name}"
-        return f"time/{name}" if name.endswith("_time") else f"train/{name}"
+        return tensorboard_tag(name, evaluated=name in self._eval_names)
 
     def write(self, trainer: Any, iter: int, metrics: dict[str, float]) -> None:
         summary_value = self._summary.Value

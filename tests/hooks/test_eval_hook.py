@@ -1,6 +1,10 @@
+import os
+import re
+
 import pytest
 import torch
 
+from trainer import HookBase
 from trainer.hooks import EvalHook
 
 
@@ -130,6 +134,57 @@ def test_two_eval_hooks_returning_one_name_are_refused(make_trainer):
     trainer.register_hooks([EvalHook(1, lambda: {"acc": 0.5}), EvalHook(1, lambda: {"acc": 0.7})])
     with pytest.raises(ValueError, match="'acc', and another EvalHook returns it"):
         trainer.train()
+
+
+class LogsStat(HookBase):
+    """Logs ``stat`` as its latest value, as a user's own training metric."""
+
+    def after_iter(self):
+        self.trainer.log(self.trainer.cur_iter, smooth=False, stat=1.0)
+
+
+@pytest.mark.parametrize(
+    "name, message",
+    [
+        ("train/total_loss", "the trainer logs 'total_loss' under the TensorBoard tag"),
+        ("time/iter_time", "the trainer logs 'iter_time' under the TensorBoard tag"),
+        ("stat", "the trainer logs it in training"),  # logged unsmoothed
+        ("train/stat", "the trainer logs 'stat' under the TensorBoard tag 'train/stat'"),
+    ],
+)
+def test_results_whose_tensorboard_tag_training_has_are_refused(make_trainer, name, message):
+    trainer = make_trainer(max_epochs=2)
+    trainer.register_hooks([LogsStat(), EvalHook(1, lambda: {name: 0.5})])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        trainer.train()
+
+
+def test_two_eval_hooks_sharing_a_tensorboard_tag_are_refused(make_trainer):
+    trainer = make_trainer(max_epochs=2)
+    trainer.register_hooks(
+        [EvalHook(1, lambda: {"val_acc": 0.5}), EvalHook(1, lambda: {"eval/val_acc": 0.7})]
+    )
+    with pytest.raises(ValueError, match="another EvalHook returns 'val_acc' under the Tens"):
+        trainer.train()
+
+
+def test_after_a_resume_results_are_told_from_training_metrics(make_trainer, tmp_path):
+    first = make_trainer(max_epochs=1)
+    first.register_hooks([LogsStat(), EvalHook(1, lambda: {"val_acc": 0.5})])
+    first.train()
+    clash = make_trainer(max_epochs=2)
+    clash.register_hooks([LogsStat(), EvalHook(1, lambda: {"val_acc": 0.5, "stat": 2.0})])
+    with pytest.raises(ValueError, match="'stat', and the trainer logs it in training"):
+        clash.train()
+    # A checkpoint from before EvalHook saved its names: its latest values may be results
+    path = os.path.join(first.ckpt_dir, "epoch_1.pth")
+    data = torch.load(path, weights_only=True)
+    del data["hooks"]["EvalHook"]
+    torch.save(data, path)
+    older = make_trainer(max_epochs=2)
+    older.register_hooks([LogsStat(), EvalHook(1, lambda: {"val_acc": 0.75})])
+    older.train()
+    assert older.start_iter == 8 and older.metric_storage["val_acc"].latest == 0.75
 
 
 def test_an_eval_hook_logs_its_own_names_again_after_a_resume(make_trainer):

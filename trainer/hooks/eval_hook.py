@@ -10,6 +10,7 @@ import torch
 from ..checks import check_int
 from ..distributed import all_gather, get_world_size
 from ..metric_storage import TRAINER_METRICS
+from ..writers import tensorboard_tag
 from .hookbase import HookBase, Priority
 
 logger = logging.getLogger(__name__)
@@ -46,7 +47,24 @@ class EvalHook(HookBase):
         check_int("period", period, minimum=0, note="0 evaluates at the end only")
         self._period = period
         self._eval_func = eval_func
-        self._names: set[str] = set()  # the names its results had in this run
+        self._names: set[str] = set()  # the names of its results, in the runs it resumes too
+        self._loaded = False
+        self._names_known = True
+
+    def state_dict(self) -> dict[str, Any]:
+        """The names of the results so far, so that a resumed run tells them from others."""
+        return {"names": sorted(self._names)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        self._names = set(state["names"])
+        self._loaded = True
+
+    def before_train(self) -> None:
+        """Know whether the names of this hook's earlier results are known: a checkpoint from
+        before they were saved holds results of its that are not in them."""
+        self._names_known = self._loaded or self.trainer.start_iter == 0
+        self._loaded = False
 
     def handles(self, event: str) -> bool:
         """In epoch-based training, it has nothing to do after an iteration."""
@@ -89,28 +107,37 @@ class EvalHook(HookBase):
         self.trainer.call_hooks("after_eval", results)
 
     def _refuse_clashes(self, results: dict[str, float]) -> None:
-        """Refuse result names that another series has: mixed into it, they would log neither
-        what was evaluated nor what was trained."""
+        """Refuse result names that another series has, or whose TensorBoard tag another
+        series has: mixed into it, they would log neither what was evaluated nor what was
+        trained."""
         new = results.keys() - self._names
         if not new:
             return
         storage = self.trainer.metric_storage
-        others = {
+        evaluated = {
             name
             for hook in self.trainer.hooks
             if isinstance(hook, EvalHook) and hook is not self
             for name in hook._names
         }
+        others = {*TRAINER_METRICS, *evaluated} | {
+            name
+            for name in storage
+            # an older checkpoint does not say which results were this hook's: its latest values
+            if name not in self._names and (self._names_known or storage.smoothed(name))
+        }
+        by_tag = {tensorboard_tag(name, name in evaluated): name for name in others}
         for name in sorted(new):
-            if name in TRAINER_METRICS or (name in storage and storage.smoothed(name)):
-                whose = "the trainer logs it in training"
-            elif name in others:
-                whose = "another EvalHook returns it"
-            else:
+            tag = tensorboard_tag(name, evaluated=True)
+            clash = name if name in others else by_tag.get(tag)
+            if clash is None:
                 continue
+            whose = "another EvalHook returns" if clash in evaluated else "the trainer logs"
+            what = "it" if clash == name else f"{clash!r} under the TensorBoard tag {tag!r}"
             raise ValueError(
-                f"eval_func returned {name!r}, and {whose}: the two would mix into one series. "
-                f"Rename the result (e.g. 'val_{name}')."
+                f"eval_func returned {name!r}, and {whose} {what}"
+                f"{' in training' if clash not in evaluated else ''}: the two would mix into one "
+                f"series. Rename the result (e.g. 'val_{name.rsplit('/', 1)[-1]}')."
             )
         self._names |= new
 
