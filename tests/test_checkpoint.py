@@ -203,6 +203,10 @@ class Opaque:
     pass
 
 
+class Tagged(torch.Tensor):
+    """A tensor subclass: saved as such, its type would not load with weights_only=True."""
+
+
 @pytest.mark.parametrize(
     "state, what",
     [
@@ -211,6 +215,7 @@ class Opaque:
         ({"nested": [1, Opaque()]}, "a test_checkpoint.Opaque"),
         (np.float32(0.5), "a numpy.float32"),
         (np.arange(3), "a numpy.ndarray"),
+        (torch.zeros(2).as_subclass(Tagged), "a test_checkpoint.Tagged"),
     ],
 )
 def test_state_that_would_not_load_is_refused_when_saved_naming_its_owner(

@@ -416,7 +416,7 @@ def _unloadable_message(file_name: str, error: UnloadableState) -> str:
         "state_dict() (dicts, lists, tuples, str, numbers, None, tensors) and rebuild the "
         "object in load_state_dict(): e.g. dict(x) for a defaultdict, tuple(x) or x._asdict() "
         "for a namedtuple, x.tolist() or torch.from_numpy(x) for a NumPy array, float(x) for a "
-        "NumPy float32."
+        "NumPy float32, x.as_subclass(torch.Tensor) for a tensor subclass."
     )
 
 

@@ -13,6 +13,8 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
+from .fsdp import is_dtensor
+
 logger = logging.getLogger(__name__)
 
 LATEST_POINTER = "latest.txt"
@@ -134,6 +136,9 @@ _ATOMS = frozenset({str, bytes, int, float, complex, bool, type(None), torch.dty
 # Mappings that load as themselves. Any other one (a defaultdict, say) is refused: copied to a
 # dict it would come back without its behaviour.
 _MAPPINGS = (dict, collections.OrderedDict, collections.Counter)
+# Tensors that load as what they are: a Parameter is saved as the plain tensor it holds, and a
+# sharded model's DTensors load too; another subclass's type would not load.
+_TENSORS = (torch.Tensor, torch.nn.Parameter)
 # NumPy scalars that become Python numbers computing the same (np.float64 is a Python float).
 _NUMPY_AS_PYTHON = (np.bool_, np.integer, np.float64)
 
@@ -197,7 +202,7 @@ def _plain(obj: Any, path: tuple, tensor: Callable[[torch.Tensor], Any]) -> Any:
     kind = type(obj)
     if kind in _ATOMS:
         return obj
-    if isinstance(obj, torch.Tensor):
+    if kind in _TENSORS or (isinstance(obj, torch.Tensor) and is_dtensor(obj)):
         return tensor(obj)
     if kind in _MAPPINGS:
         items = {}

@@ -18,14 +18,15 @@ from torch.optim import Optimizer
 _DTENSOR_MODULE = "torch.distributed.tensor"
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (a shard of a ``fully_shard``-ed model's state)."""
     dtensor = getattr(sys.modules.get(_DTENSOR_MODULE), "DTensor", None)
     return dtensor is not None and isinstance(tensor, dtensor)
 
 
 def is_sharded(model: nn.Module) -> bool:
     """Whether any parameter of ``model`` is a DTensor (sharded by ``fully_shard``)."""
-    return any(_is_dtensor(p) for p in model.parameters())
+    return any(is_dtensor(p) for p in model.parameters())
 
 
 def full_state_dicts(model: nn.Module, optimizer: Optimizer) -> tuple[dict, dict]:
@@ -85,4 +86,4 @@ def no_gradient_sync(model: nn.Module) -> Iterator[None]:
 
 def local_value(tensor: torch.Tensor) -> torch.Tensor:
     """A plain tensor for a replicated DTensor (the gradient norm of sharded parameters)."""
-    return tensor.full_tensor() if _is_dtensor(tensor) else tensor
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor
