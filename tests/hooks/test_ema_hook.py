@@ -1,6 +1,8 @@
 """EMAHook: the average against a reference computation, resume, evaluation, export."""
 
+import gc
 import os
+import weakref
 
 import pytest
 import torch
@@ -101,3 +103,21 @@ def test_the_average_of_tied_weights_exports_under_every_name(make_trainer):
     fresh.load_state_dict(exported)
     with ema.swapped():
         assert torch.equal(fresh.embed.weight, trainer.model.embed.weight)
+
+
+def test_the_average_is_exported_and_evaluated_after_the_trainer_is_gone(make_trainer):
+    def train():  # returns what a training function would, the Trainer itself freed
+        trainer = make_trainer(max_epochs=1)
+        ema = EMAHook(decay=0.5)
+        trainer.register_hook(ema)
+        trainer.train()
+        return trainer.model, ema, weakref.ref(trainer)
+
+    model, ema, trainer = train()
+    gc.collect()
+    assert trainer() is None
+    exported = ema.ema_state_dict()
+    assert exported.keys() == model.state_dict().keys()
+    with ema.swapped():
+        assert all(torch.equal(exported[k], v) for k, v in model.state_dict().items())
+    assert ema.evaluate(lambda: model.linear.weight.clone()).equal(exported["linear.weight"])

@@ -42,15 +42,22 @@ class EMAHook(HookBase):
         self.decay = decay
         self._period = period
         self._ema: Optional[dict[str, torch.Tensor]] = None
+        # The model, held from train() on: the average is exported and evaluated once the
+        # Trainer, which hooks hold through a weak proxy only, may be gone.
+        self._model: Optional[torch.nn.Module] = None
         # (averages, weights, copies, sources): the foreach operands, built once per train()
         self._operands: Optional[tuple[list, list, list, list]] = None
 
+    def _module(self) -> torch.nn.Module:
+        return self._model if self._model is not None else self.trainer.model_or_module
+
     def _model_tensors(self) -> dict[str, torch.Tensor]:
-        module = self.trainer.model_or_module
+        module = self._module()
         return {**dict(module.named_parameters()), **dict(module.named_buffers())}
 
     def before_train(self) -> None:
         """Start the average at the current weights, unless a checkpoint restored it."""
+        self._model = self.trainer.model_or_module
         if self._ema is None:
             self._ema = {k: t.detach().clone() for k, t in self._model_tensors().items()}
         averaged, weights, copied, sources = [], [], [], []
@@ -85,7 +92,7 @@ class EMAHook(HookBase):
             raise RuntimeError("EMAHook has no average yet: call it after train() started.")
         # By identity: a tied weight has one name in the average and several in state_dict()
         key_of = {id(tensor): key for key, tensor in self._model_tensors().items()}
-        state = self.trainer.model_or_module.state_dict(keep_vars=True)
+        state = self._module().state_dict(keep_vars=True)
         return {
             name: self._ema[key_of[id(tensor)]].detach().clone()
             for name, tensor in state.items()
