@@ -163,6 +163,21 @@ class SetLRAt(HookBase):
                 group["lr"] = self.lr
 
 
+@pytest.mark.parametrize("tensor_lr", [False, True])
+@pytest.mark.parametrize("with_scheduler", [False, True])
+def test_the_run_config_gives_the_optimizers_lrs_not_the_warmups_first(
+    tmp_path, tensor_lr, with_scheduler
+):
+    model = TinyModel()
+    lr = torch.tensor(0.1) if tensor_lr else 0.1  # one per test: the warmup sets it in place
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+    scheduler = StepLR(optimizer, step_size=1) if with_scheduler else None
+    trainer = Trainer(model, optimizer, scheduler, tiny_loader(), max_epochs=1, warmup_t=4,
+                      warmup_init_lr=0.001, work_dir=tmp_path)  # fmt: skip
+    assert float(optimizer.param_groups[0]["lr"]) == pytest.approx(0.001)  # warming up
+    assert trainer.run_config["base_lrs"] == [pytest.approx(0.1)]
+
+
 @pytest.mark.parametrize("warmup_t", [0, 4])
 def test_an_lr_set_by_hand_is_kept_without_a_scheduler(make_trainer, warmup_t):
     trainer = make_trainer(scheduler=None, max_epochs=3, warmup_t=warmup_t, warmup_init_lr=0.05)

@@ -117,8 +117,11 @@ def run_config(args: dict[str, Any], trainer: Any) -> dict[str, Any]:
         "compile": args["compile"] if isinstance(args["compile"], bool) else str(args["compile"]),
         "model": type(unwrapped(args["model"])).__name__,
         "optimizer": type(optimizer).__name__,
-        "base_lrs": [  # float(): an LR may be a tensor
-            float(group.get("initial_lr", group["lr"])) for group in optimizer.param_groups
+        # The LRs the optimizer was given: a torch scheduler keeps them as initial_lr, the
+        # warmup (which has set its first LRs already) as its base_lrs; float(): may be tensors
+        "base_lrs": [
+            float(group.get("initial_lr", base))
+            for group, base in zip(optimizer.param_groups, trainer.lr_scheduler.base_lrs)
         ],
         "lr_scheduler": type(args["lr_scheduler"]).__name__,
         "data_loader": type(loader).__name__,
