@@ -224,9 +224,9 @@ def _check_types(model: Any, optimizer: Any, lr_scheduler: Any, data_loader: Any
 
 
 def _check_wiring(model: nn.Module, optimizer: Optimizer, lr_scheduler: Any) -> None:
-    if not optimizer.param_groups:
+    if not any(group["params"] for group in optimizer.param_groups):
         raise ValueError(
-            f"optimizer has no parameter groups: {type(optimizer).__name__} would step nothing. "
+            f"optimizer holds no parameters: {type(optimizer).__name__} would step nothing. "
             f"Build it on the model's parameters: torch.optim.{type(optimizer).__name__}("
             "model.parameters(), ...)."
         )
