@@ -434,7 +434,7 @@ def test_a_work_dir_named_like_a_log_file_works(tmp_path):
     assert os.path.exists(tmp_path / "exp1.log" / "checkpoints" / "epoch_2.pth")
 
 
-@pytest.mark.parametrize("name", ["log.txt", "run.json", "metrics.jsonl"])
+@pytest.mark.parametrize("name", ["log.txt", "run.json", "metrics.jsonl", ".lock"])
 def test_no_output_is_written_through_a_symbolic_link_in_work_dir(tmp_path, name):
     outside = tmp_path / "outside"
     outside.write_text("untouched")

@@ -7,6 +7,8 @@ import socket
 from collections.abc import Iterator
 from typing import Optional
 
+from .logger import open_fd_no_follow
+
 try:
     import fcntl
 except ImportError:  # Windows: no flock, no lock
@@ -56,8 +58,8 @@ class WorkDirLock:
 
     def _acquire(self) -> Optional[int]:
         self.problem = None
-        # O_NOFOLLOW: a link planted in work_dir must not make this write elsewhere
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        # a link planted in work_dir must not make this write elsewhere
+        fd = open_fd_no_follow(self.path, os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

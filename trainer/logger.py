@@ -159,9 +159,15 @@ def _file_handler(path: str) -> logging.Handler:
 def open_no_follow(path: str, append: bool) -> Any:
     """Open the text file ``path`` for writing (appending, or from empty), refusing a symbolic
     link: a link planted in ``work_dir`` must not make the trainer write outside it."""
-    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+    fd = open_fd_no_follow(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC))
+    return os.fdopen(fd, "a" if append else "w", encoding="utf-8")
+
+
+def open_fd_no_follow(path: str, flags: int) -> int:
+    """``os.open(path, flags)`` (a new file readable by all, as the umask allows), refusing a
+    symbolic link with an error that names it."""
     try:
-        fd = os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o666)
+        return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o666)
     except OSError as e:
         if not os.path.islink(path):
             raise
@@ -169,7 +175,6 @@ def open_no_follow(path: str, append: bool) -> Any:
             f"{path} is a symbolic link (to {os.readlink(path)}), and the trainer does not write "
             "through links: remove it, or pick another work_dir."
         ) from e
-    return os.fdopen(fd, "a" if append else "w", encoding="utf-8")
 
 
 def ensure_console_logging(name: str, rank: int) -> None:
