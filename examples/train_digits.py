@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from trainer import Trainer, set_random_seed, setup_logger
-from trainer.distributed import get_world_size, init_distributed
+from trainer.distributed import destroy_distributed, get_world_size, init_distributed
 from trainer.hooks import EvalHook
 
 logger = logging.getLogger("train_digits")
@@ -112,8 +112,4 @@ def main() -> float:
 
 if __name__ == "__main__":
     main()
-    # Every rank done talking, then tear down, as torch asks, once main() has freed the model
-    # (README: a rank that aborts or hangs at exit).
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    destroy_distributed()  # after main() returned (README: a rank that aborts or hangs at exit)
