@@ -219,6 +219,8 @@ class _Series(NamedTuple):
 _MAX_REDUCED = frozenset({"data_time", "iter_time", "amp_skipped_steps"})
 #: The metrics the trainer logs itself (the losses a model returns aside).
 TRAINER_METRICS = frozenset({"total_loss", "lr", "grad_norm", *_MAX_REDUCED})
+#: The times the trainer logs as each log period's own mean, never smoothed.
+PERIOD_TIMES = ("data_time", "iter_time")
 
 
 class PendingMetrics:
@@ -272,7 +274,12 @@ class PendingMetrics:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace the storage's content, and drop what is pending."""
-        self.storage.load_state_dict(state)
+        # Checkpoints from before the times were the period's own means hold them as smoothed.
+        metrics = {
+            name: {**entry, "smooth": False} if name in PERIOD_TIMES else entry
+            for name, entry in state["metrics"].items()
+        }
+        self.storage.load_state_dict({**state, "metrics": metrics})
         self._series.clear()
 
     def flush(self, every_rank: bool = False) -> None:
