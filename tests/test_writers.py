@@ -1,6 +1,7 @@
 import os
 import socket
 import time
+import types
 
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -93,3 +94,25 @@ def test_a_resumed_run_keeps_the_steps_before_it_and_other_writers_events(tmp_pa
     steps = [(e.step, e.value) for e in acc.Scalars("train/loss")]
     assert steps == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
     assert [e.step for e in acc.Histograms("weights")] == [5]
+
+
+def test_files_a_resumed_run_rewrites_keep_the_permissions_open_gives(tmp_path):
+    """Rewritten through a temporary file (0o600), they stayed private to the user."""
+    umask = os.umask(0o022)
+    try:
+        old = TensorBoardWriter(str(tmp_path / "tb"))
+        rows = writers.JSONLinesWriter(str(tmp_path / "metrics.jsonl"))
+        for step in range(6):
+            old.write(None, step, {"loss": float(step)})
+            rows.write(types.SimpleNamespace(cur_epoch=0), step, {"loss": float(step)})
+        old.close()
+        rows.close()
+        TensorBoardWriter(str(tmp_path / "tb"), start_iter=4).close()
+        writers.JSONLinesWriter(str(tmp_path / "metrics.jsonl"), start_iter=4).close()
+    finally:
+        os.umask(umask)
+    rewritten, new = sorted(os.listdir(tmp_path / "tb"))  # no temporary file left either
+    assert sorted(os.listdir(tmp_path)) == ["metrics.jsonl", "tb"]
+    for path in (tmp_path / "tb" / rewritten, tmp_path / "tb" / new, tmp_path / "metrics.jsonl"):
+        assert os.stat(path).st_mode & 0o777 == 0o644, path
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4

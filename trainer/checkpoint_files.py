@@ -281,7 +281,12 @@ def load_checkpoint_file(path: str) -> dict[str, Any]:
     return data
 
 
-def _atomic_write(path: str, write: Callable[[Any], Any], mode: Optional[int]) -> None:
+def atomic_write(path: str, write: Callable[[Any], Any], mode: Optional[int] = None) -> None:
+    """Write ``path`` through ``write(binary file)`` so that it is either untouched or complete:
+    a fresh temporary file in its folder (never one planted there), flushed to disk, then one
+    ``os.replace`` and a sync of the folder. The file gets permissions ``mode``, by default what
+    ``open()`` would give (0o666 less the umask), not a temporary file's 0o600. A failed write
+    removes the temporary file and raises."""
     folder = os.path.dirname(os.path.abspath(path))
     tmp = None
     try:
@@ -299,9 +304,17 @@ def _atomic_write(path: str, write: Callable[[Any], Any], mode: Optional[int]) -
             os.fsync(dir_fd)  # makes the rename itself durable
         finally:
             os.close(dir_fd)
-    except BaseException as e:
+    except BaseException:
         if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
+        raise
+
+
+def _atomic_write(path: str, write: Callable[[Any], Any], mode: Optional[int]) -> None:
+    """:func:`atomic_write` for a checkpoint file, whose failure says what is kept."""
+    try:
+        atomic_write(path, write, mode)
+    except BaseException as e:
         # torch.save reports a failed write (a full disk) as a RuntimeError of its own, with
         # the OSError as its context
         cause = next((c for c in _chain(e) if isinstance(c, OSError)), None)

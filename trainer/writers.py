@@ -5,13 +5,13 @@ import datetime
 import json
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Collection
 from typing import Any
 
 import torch
 
+from .checkpoint_files import atomic_write
 from .logger import open_no_follow
 
 logger = logging.getLogger("trainer.hooks.logger_hook")
@@ -228,12 +228,13 @@ def _drop_events_from(log_dir: str, step: int) -> None:
         if all(Event.FromString(r).HasField("file_version") for r in kept):  # no data left
             os.remove(path)
             continue
-        fd, temp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=log_dir)
-        with os.fdopen(fd, "wb") as f:
+
+        def write(f: Any, kept: list[bytes] = kept) -> None:
             writer = RecordWriter(f)
             for record in kept:
                 writer.write(record)
-        os.replace(temp, path)
+
+        atomic_write(path, write)
 
 
 def _size(records: list[bytes]) -> int:
@@ -300,8 +301,4 @@ def _keep_lines_before(path: str, start_iter: int) -> None:
         except (ValueError, KeyError, TypeError):
             break  # a line cut short by a crash, and whatever follows it
     if len(kept) < len(lines):
-        # a fresh temporary file (never one planted there), then one rename
-        fd, temp = tempfile.mkstemp(prefix=".metrics.", suffix=".tmp", dir=os.path.dirname(path))
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-        os.replace(temp, path)
+        atomic_write(path, lambda f: f.write("".join(kept).encode("utf-8")))
