@@ -266,6 +266,51 @@ def test_resume_replays_the_data_order_of_an_uninterrupted_run(
         assert torch.equal(value, resumed.state_dict()[name]), name
 
 
+class SeedsOfWorkers(torch.utils.data.Dataset):
+    """Index i, with the base seed of the data loader's workers (their seed less their id)."""
+
+    def __len__(self):
+        return 32
+
+    def __getitem__(self, i):
+        info = torch.utils.data.get_worker_info()
+        return torch.tensor(i), torch.tensor(info.seed - info.id)
+
+
+def test_the_workers_base_seed_is_not_the_first_passs_shuffle_seed(make_trainer):
+    """A persistent loader's iterator is made ahead of the first pass with the RNG put back:
+    its workers' seed was then the first number the pass drew, the seed of its shuffle, and
+    worker 0's torch RNG replayed the stream that ordered the data."""
+
+    class Indices(TinyModel):
+        def forward(self, batch):
+            index, base_seed = batch
+            self.order.extend(index.tolist())
+            self.base_seeds.add(int(base_seed[0]))
+            return self.linear.weight.sum() * 0
+
+    model = Indices()
+    model.order, model.base_seeds = [], set()
+    loader = DataLoader(SeedsOfWorkers(), batch_size=4, shuffle=True, num_workers=2,
+                        persistent_workers=True)  # fmt: skip
+    torch.manual_seed(0)
+    make_trainer(model=model, loader=loader, max_epochs=1).train()
+    (base_seed,) = model.base_seeds
+    torch.manual_seed(0)
+    assert sorted(model.order) == list(range(32))
+    assert (
+        model.order
+        == torch.randperm(
+            32,
+            generator=torch.Generator().manual_seed(
+                int(torch.empty((), dtype=torch.int64).random_())
+            ),
+        ).tolist()
+    )  # the pass's shuffle
+    replayed = torch.randperm(32, generator=torch.Generator().manual_seed(base_seed)).tolist()
+    assert model.order != replayed
+
+
 class NumpyShuffled(Sampler):
     """Batches of 4 in an order drawn from a NumPy generator of the sampler's own."""
 

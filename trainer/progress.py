@@ -17,6 +17,8 @@ from .distributed import CpuGroup, get_rank, get_world_size
 from .seed import get_rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
+# Mixed into a number drawn from the data's RNG to seed another stream (any odd constant).
+_WORKER_STREAM = 0x5851F42D4C957F2D
 
 Position = tuple[int, int]  # (epoch, iterations done in it): where training goes on from
 
@@ -294,7 +296,12 @@ class DataStream:
         if self._persistent and not self._persistent_made:
             # Made now and the RNG state put back, so that every pass draws what a later pass of
             # a persistent loader draws: the first of a run, and the first after a resume alike.
+            # Its workers' base seed comes from a stream derived from the state: the state's own
+            # first number is the first pass's shuffle seed, which would seed worker 0's RNG.
             now = get_rng_state(generators)
+            source = getattr(self.data_loader, "generator", None) or torch.default_generator
+            drawn = int(torch.empty((), dtype=torch.int64).random_(generator=source))
+            source.manual_seed(drawn ^ _WORKER_STREAM)
             iter(self.data_loader)
             set_rng_state(now, generators)
             self._persistent_made = True
