@@ -297,6 +297,8 @@ def test_a_lambda_lr_holding_numpy_numbers_resumes_exactly(tmp_path):
         ({"inner_iter": 9}, "'progress' has 'inner_iter' = 9, expected an int from 0 to 8"),
         ({"inner_iter": -1}, "'progress' has 'inner_iter' = -1, expected an int from 0 to 8"),
         ({"iters_done": -5}, "'progress' has 'iters_done' = -5, expected an int >= 0"),
+        ({"epoch_len": 0}, "'progress' has 'epoch_len' = 0, expected an int >= 1 or None"),
+        ({"epoch": 1.0}, "'progress' has 'epoch' = 1.0, expected an int >= 0"),
     ],
 )
 def test_progress_out_of_range_is_refused_as_damage(make_trainer, tmp_path, caplog, progress,

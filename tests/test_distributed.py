@@ -280,7 +280,7 @@ def test_an_exception_on_one_rank_ends_the_job_and_names_the_rank(tmp_path):
     assert re.search(r"rank\s+: 1 \(local_rank: 1\)", root_cause), result.stderr[-3000:]
     assert "RuntimeError: injected failure on rank 1 at iteration 5" in root_cause
     log = (tmp_path / "work" / "log_rank1.txt").read_text()
-    assert "Training failed in iteration 5:" in log and "injected failure" in log
+    assert "Training failed in iteration 6 of " in log and "injected failure" in log
 
 
 def test_a_failed_checkpoint_write_on_rank_0_ends_every_rank_promptly(tmp_path):

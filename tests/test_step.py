@@ -191,7 +191,8 @@ def test_values_without_a_gradient_are_logged_not_added_to_the_loss(make_trainer
     assert storage["total_loss"].latest == storage["loss_mse"].latest
     assert 0.0 <= storage["close"].latest <= 1.0 and "close" in storage
 
-    # the same weights as a model that returns its loss alone
+    # the same weights as a model that returns its loss alone: what is backpropagated is the
+    # loss, whole (not, say, a mean over the dict's values, which would halve its gradients)
     class LossAlone(LossAndAccuracy):
         def forward(self, batch):
             return super().forward(batch)["loss_mse"]

@@ -327,7 +327,11 @@ class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
                 self._data.release()  # its worker processes, now rather than with the Trainer
                 # the traceback in this rank's log file; on the console Python prints it, once
                 started = self.cur_iter >= self.start_iter
-                where = f"in iteration {self.cur_iter}" if started else "as it started"
+                where = (
+                    f"in iteration {self.cur_iter + 1} of {self.max_iters}"
+                    if started
+                    else "as it started"
+                )
                 logger.exception(
                     f"Training failed {where}: {type(e).__name__}: {e}",
                     extra={TRACEBACK_FOLLOWS: True},

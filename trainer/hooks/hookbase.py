@@ -15,7 +15,8 @@ class Priority:
     LR_UPDATE = 70
     # Checkpoint after every hook that changes training state, so resume restarts exactly here.
     CHECKPOINT = 80
-    # Logging last, so the console and TensorBoard show what every other hook wrote.
+    # Logging last, so the console and TensorBoard show what every other hook wrote (at a save,
+    # LoggerHook writes the log point before the checkpoint, which must cover it).
     LOGGER = 90
 
 

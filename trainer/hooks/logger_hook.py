@@ -94,15 +94,16 @@ class LoggerHook(HookBase):
         """Say where training starts: afresh or from which checkpoint, in which ``work_dir``;
         or that the run is finished, and how to start afresh."""
         trainer, progress = self.trainer, self.trainer.progress
-        work_dir = os.path.abspath(trainer.work_dir)
+        work_dir = trainer.work_dir
         done = f"{trainer.start_iter} of {trainer.max_iters}"
         if progress.stopped:  # stop() ended the run; the trainer says so
             return
         if progress.finished:
             logger.info(
                 f"Nothing to train: the run in {work_dir} is finished ({trainer.last_checkpoint}, "
-                f"iteration {done}). To train again from scratch, pass train(auto_resume=False) "
-                "or another work_dir; to train longer, raise max_epochs or max_iters."
+                f"iteration {done}). To train again from scratch, build a new Trainer and pass "
+                "train(auto_resume=False) or another work_dir; to train longer, raise max_epochs "
+                "or max_iters."
             )
             return
         resumed = trainer.start_iter > 0 and trainer.last_checkpoint is not None
@@ -146,7 +147,7 @@ class LoggerHook(HookBase):
         trainer = self.trainer
         logs = [trainer.log_file]
         if is_main_process():
-            work_dir = os.path.abspath(trainer.work_dir)
+            work_dir = trainer.work_dir
             logs += [os.path.join(work_dir, "metrics.jsonl")] if self._metrics_jsonl else []
             logs += [os.path.join(work_dir, "tb_logs")] if self._tensorboard else []
         seconds = time.perf_counter() - self._train_start
