@@ -1,7 +1,9 @@
 import io
+import logging
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from trainer import set_random_seed
@@ -18,6 +20,17 @@ def test_set_random_seed_makes_runs_repeat():
     set_random_seed(7)
     assert draw() == first
     assert isinstance(set_random_seed(None), int)
+
+
+@pytest.mark.parametrize("seed", [None, -1, -5])
+def test_no_seed_or_a_negative_one_picks_a_random_seed_logs_and_returns_it(seed, caplog):
+    caplog.set_level(logging.INFO, logger="trainer")
+    used = set_random_seed(seed)
+    assert 0 <= used < 2**31 and torch.initial_seed() == used
+    assert f"Using a random seed: {used}" in caplog.text
+    first = draw()
+    set_random_seed(used)  # the logged seed repeats the run
+    assert draw() == first
 
 
 def test_rng_state_round_trips_through_weights_only_load():

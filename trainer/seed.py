@@ -15,7 +15,8 @@ def set_random_seed(seed: Optional[int] = None, deterministic: bool = False) -> 
     """Seed Python, NumPy and torch (CPU and every CUDA device).
 
     Args:
-        seed: The seed; None draws one from the OS and logs it so the run can be repeated.
+        seed: The seed; None or a negative one (core-pytorch-utils' -1) draws one from the OS
+            and logs it, so that the run can be repeated.
         deterministic: Also make cuDNN and torch pick deterministic algorithms (slower).
 
     Returns:
@@ -26,7 +27,7 @@ def set_random_seed(seed: Optional[int] = None, deterministic: bool = False) -> 
         >>> set_random_seed(0)
         0
     """
-    if seed is None:
+    if seed is None or seed < 0:
         seed = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
         logger.info(f"Using a random seed: {seed}")
     random.seed(seed)
