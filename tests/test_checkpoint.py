@@ -324,3 +324,99 @@ def test_an_optimizer_without_parameters_is_refused(tmp_path, groups):
     optimizer.param_groups[:] = [{**optimizer.defaults, **group} for group in groups]
     with pytest.raises(ValueError, match="optimizer holds no parameters: SGD would step nothing"):
         Trainer(model, optimizer, None, tiny_loader(), max_epochs=1, work_dir=tmp_path)
+
+
+# ---- pretrained weights -------------------------------------------------------------------
+
+
+def pretrained(tmp_path):
+    """A TinyModel's weights, other than a fresh one's, and a fresh trainer to load them."""
+    torch.manual_seed(1)
+    weights = TinyModel().state_dict()
+    return weights, build(tmp_path / "work", max_epochs=1)
+
+
+@pytest.mark.parametrize(
+    "wrap", [lambda w: w, lambda w: {"state_dict": w, "meta": {}}, lambda w: {"model": w}]
+)
+def test_pretrained_weights_load_from_a_state_dict_or_a_dict_holding_one(tmp_path, wrap):
+    weights, trainer = pretrained(tmp_path)
+    torch.save(wrap(weights), tmp_path / "weights.pth")
+    assert trainer.load_checkpoint(str(tmp_path / "weights.pth"), resume=False)
+    for name, value in trainer.model.state_dict().items():
+        assert torch.equal(value, weights[name]), name
+    assert trainer.start_iter == 0  # weights alone: the training state is the trainer's own
+
+
+def test_revise_keys_renames_a_ddp_checkpoints_keys_before_loading(tmp_path):
+    weights, trainer = pretrained(tmp_path)
+    torch.save({f"module.{k}": v for k, v in weights.items()}, tmp_path / "ddp.pth")
+    path = str(tmp_path / "ddp.pth")
+    rename = "revise_keys=[('^module\\\\.', '')]) renames them."
+    with pytest.raises(RuntimeError, match="does not match the model") as e:
+        trainer.load_checkpoint(path, resume=False)
+    assert str(e.value).endswith(rename)
+    # not one key matches: an error naming both sides and the renaming (it was a success that
+    # had loaded nothing)
+    with pytest.raises(RuntimeError) as e:
+        trainer.load_checkpoint(path, resume=False, strict=False)
+    assert str(e.value) == (
+        f"Checkpoint {path!r} holds no weight that matches the model in name and shape: its "
+        "keys begin ['module.linear.weight', 'module.linear.bias'] (2 in all), the model's "
+        "['linear.weight', 'linear.bias'] (2 in all). The keys differ by a prefix: "
+        "load_checkpoint(path, resume=False, " + rename
+    )
+    assert trainer.load_checkpoint(path, resume=False, revise_keys=[(r"^module\.", "")])
+    assert torch.equal(trainer.model.linear.weight, weights["linear.weight"])
+
+
+def test_strict_false_loads_what_matches_in_name_and_shape_and_says_what_it_skipped(
+    tmp_path, caplog
+):
+    weights, trainer = pretrained(tmp_path)
+    weights["linear.bias"] = torch.zeros(3)  # another head's shape
+    weights["head.weight"] = torch.zeros(2)
+    torch.save(weights, tmp_path / "other.pth")
+    bias = trainer.model.linear.bias.clone()
+    trainer.load_checkpoint(str(tmp_path / "other.pth"), resume=False, strict=False)
+    assert torch.equal(trainer.model.linear.weight, weights["linear.weight"])
+    assert torch.equal(trainer.model.linear.bias, bias)
+    assert "loaded 1 of the model's 2 entries and skipped:" in caplog.text
+    assert "not in the model: head.weight" in caplog.text
+    assert "shapes differ: linear.bias (3,) vs (1,)" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "revise_keys, resume, error, message",
+    [
+        ([(r"^module\.", "")], True, ValueError, "a resumed run loads its own checkpoint"),
+        ("^module", False, TypeError, "a list of (regex, replacement) pairs of strings"),
+        ([("^module",)], False, TypeError, "a list of (regex, replacement) pairs"),
+        ([("(", "")], False, ValueError, "holds '(', not a regular expression"),
+        ([(r"\.(weight|bias)$", "")], False, ValueError, "renames two keys of"),
+    ],
+)
+def test_revise_keys_is_checked(tmp_path, revise_keys, resume, error, message):
+    weights, trainer = pretrained(tmp_path)
+    torch.save(weights, tmp_path / "weights.pth")
+    with pytest.raises(error, match=re.escape(message)):
+        trainer.load_checkpoint(
+            str(tmp_path / "weights.pth"), resume=resume, revise_keys=revise_keys
+        )
+
+
+def test_a_file_without_weights_is_refused_and_pickled_code_never_runs(tmp_path):
+    _, trainer = pretrained(tmp_path)
+    torch.save({"epoch": 3, "note": "no weights"}, tmp_path / "meta.pth")
+    with pytest.raises(RuntimeError, match="holds no weights: expected a model's state_dict"):
+        trainer.load_checkpoint(str(tmp_path / "meta.pth"), resume=False)
+    marker = tmp_path / "payload-ran"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    torch.save({"linear.weight": Payload()}, tmp_path / "evil.pth")
+    with pytest.raises(RuntimeError, match="could not be loaded safely"):
+        trainer.load_checkpoint(str(tmp_path / "evil.pth"), resume=False)
+    assert not marker.exists()

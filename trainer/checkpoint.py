@@ -6,8 +6,10 @@ what makes a checkpoint usable (keys, types, finite values, a matching configura
 
 import logging
 import os
-from typing import Any, Callable, Optional
+import re
+from typing import Any, Callable, Optional, Sequence
 
+import torch
 from torch import nn
 from torch.optim import Optimizer
 
@@ -227,7 +229,14 @@ class Checkpointer:
         }
         return {key: type(obj).__name__ for key, obj in objects.items()}
 
-    def load(self, path: Optional[str], auto_resume: bool, resume: bool, strict: bool) -> bool:
+    def load(
+        self,
+        path: Optional[str],
+        auto_resume: bool,
+        resume: bool,
+        strict: bool,
+        revise_keys: Optional[Sequence[tuple[str, str]]] = None,
+    ) -> bool:
         """Load a checkpoint: the whole training state, or only the model's weights.
 
         Args:
@@ -237,13 +246,21 @@ class Checkpointer:
                 loads, this raises rather than start from scratch.
             resume: Restore everything (optimizer, LR schedule, GradScaler, progress, RNG,
                 metrics, hooks, registered extras) to continue the run exactly. False loads the
-                model's weights only, for fine-tuning or evaluation.
+                model's weights only, for fine-tuning or evaluation, from a trainer checkpoint
+                or any file of weights: a ``state_dict``, or a dict holding one under
+                ``"state_dict"`` or ``"model"``.
             strict: The model's keys and shapes must match the checkpoint's. False loads the
-                weights that match and logs what it skipped (fine-tuning a changed head, say).
+                weights that match in name and shape and logs what it skipped (fine-tuning a
+                changed head, say); a file of which none matches is refused.
+            revise_keys: ``[(regex, replacement), ...]`` applied in order to the file's keys
+                with ``re.sub`` before loading, with ``resume=False``: ``[("^module[.]", "")]``
+                drops the prefix of a checkpoint saved from a DDP model.
 
         Returns:
             Whether a checkpoint was loaded.
         """
+        if revise_keys is not None:
+            check_revise_keys(revise_keys, resume)
         self.wait()  # a write in flight may be the newest checkpoint
         if path is None:
             if not auto_resume:
@@ -253,13 +270,18 @@ class Checkpointer:
                 logger.debug(f"No checkpoint in {self.ckpt_dir}: training from scratch.")
                 return False
             path, data = found
-        else:
+            weights = data["model"]
+        elif resume:
             data = load_checkpoint_file(path)
-            keys = RESUME_KEYS if resume else ("model",)
-            check_keys(data, path, keys)
-            check_structure(data, path, keys)
+            check_keys(data, path, RESUME_KEYS)
+            check_structure(data, path, RESUME_KEYS)
             check_finite(data, path)
-        load_model_state(self._module, data["model"], path, strict, self._sharded)
+            weights = data["model"]
+        else:
+            weights = model_weights(load_checkpoint_file(path), path)
+            check_finite({"model": weights}, path)
+        weights = revised(weights, revise_keys or (), path)
+        load_model_state(self._module, weights, path, strict, self._sharded)
         if not resume:
             logger.info(f"Loaded model weights from {path}; the training state is not restored.")
             return True
@@ -362,20 +384,112 @@ def load_model_state(
         ]
         if keys
     )
+    matching = [k for k in state if k in own and k not in wrong_shape]
+    hint = _prefix_hint(list(state), list(own)) if problems else ""
     if problems and strict:
         raise RuntimeError(
             f"Checkpoint {path!r} does not match the model:{problems}\nIf the model changed on "
             "purpose, train it in a new work_dir, or pass train(auto_resume=False) to start "
             "afresh in this one. To fine-tune from these weights instead, loading those that "
-            "match: load_checkpoint(path, resume=False, strict=False)."
+            f"match: load_checkpoint(path, resume=False, strict=False).{hint}"
+        )
+    if problems and not matching:  # strict=False would load nothing, and say it succeeded
+        raise RuntimeError(
+            f"Checkpoint {path!r} holds no weight that matches the model in name and shape: its "
+            f"keys begin {_first(state)}, the model's {_first(own)}.{hint}"
         )
     if problems:
-        logger.warning(f"Loading {path} with strict=False skipped:{problems}")
-        state = {k: v for k, v in state.items() if k in own and k not in wrong_shape}
+        logger.warning(
+            f"Loading {path} with strict=False loaded {len(matching)} of the model's {len(own)} "
+            f"entries and skipped:{problems}"
+        )
+        state = {k: state[k] for k in matching}
     if sharded:
         load_full_model_state(module, state, strict)
     else:
         module.load_state_dict(state, strict=strict)
+
+
+def model_weights(data: dict[str, Any], path: str) -> dict[str, Any]:
+    """The model's ``state_dict`` in a file of weights: a dict holding it under
+    ``"state_dict"`` or ``"model"`` (a trainer checkpoint), or the file's dict itself."""
+    for key in ("state_dict", "model"):
+        if isinstance(data.get(key), dict):
+            data = data[key]
+            break
+    if not any(isinstance(value, torch.Tensor) for value in data.values()):
+        raise RuntimeError(
+            f"Checkpoint {path!r} holds no weights: expected a model's state_dict (names to "
+            f"tensors), or a dict holding one under 'state_dict' or 'model'; its keys are "
+            f"{_first(data)}."
+        )
+    return data
+
+
+def check_revise_keys(revise_keys: Any, resume: bool) -> None:
+    """Refuse ``revise_keys`` that are not ``(regex, replacement)`` pairs of strings, or that
+    come with ``resume=True``, whose checkpoint is loaded as it was saved."""
+    if resume:
+        raise ValueError(
+            "revise_keys renames the weights of a file loaded with resume=False (fine-tuning, "
+            "evaluation); a resumed run loads its own checkpoint as saved. Pass resume=False."
+        )
+    pairs = list(revise_keys) if isinstance(revise_keys, (list, tuple)) else None
+    if pairs is None or not all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, str) for x in p)
+        for p in pairs
+    ):
+        raise TypeError(
+            f"revise_keys must be a list of (regex, replacement) pairs of strings, got "
+            f"{revise_keys!r}; e.g. revise_keys=[(r'^module\\.', '')]."
+        )
+    for pattern, _ in pairs:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(
+                f"revise_keys holds {pattern!r}, not a regular expression: {e}."
+            ) from None
+
+
+def revised(
+    state: dict[str, Any], revise_keys: Sequence[tuple[str, str]], path: str
+) -> dict[str, Any]:
+    """``state`` with its keys renamed by ``revise_keys``, in order; two keys renamed alike
+    are refused (one would be lost)."""
+    for pattern, replacement in revise_keys:
+        renamed: dict[str, Any] = {}
+        for key, value in state.items():
+            new = re.sub(pattern, replacement, key)
+            if new in renamed:
+                raise ValueError(
+                    f"revise_keys ({pattern!r} -> {replacement!r}) renames two keys of "
+                    f"{path!r} to {new!r}: one would be lost. Make the renaming one to one."
+                )
+            renamed[new] = value
+        state = renamed
+    return state
+
+
+def _first(keys: Any, n: int = 3) -> str:
+    keys = list(keys)
+    return f"{keys[:n]}{' ...' if len(keys) > n else ''} ({len(keys)} in all)"
+
+
+def _prefix_hint(theirs: list[str], ours: list[str]) -> str:
+    """A ``revise_keys`` that would match the file's keys to the model's, if they differ by a
+    prefix (``module.`` of a DDP checkpoint, say)."""
+    for keys, others, add in ((theirs, ours, False), (ours, theirs, True)):
+        common = os.path.commonprefix(keys)
+        for end in (i + 1 for i, c in enumerate(common) if c == "."):
+            if {k[end:] for k in keys} & set(others):
+                prefix = common[:end]
+                pair = ("^", prefix) if add else ("^" + re.escape(prefix), "")
+                return (
+                    " The keys differ by a prefix: load_checkpoint(path, resume=False, "
+                    f"revise_keys=[{pair!r}]) renames them."
+                )
+    return ""
 
 
 def load_optimizer_state(
@@ -465,8 +579,10 @@ class CheckpointMethods:
         *,
         resume: bool = True,
         strict: bool = True,
+        revise_keys: Optional[Sequence[tuple[str, str]]] = None,
     ) -> bool:
         """Load the whole state (``resume``) or the weights alone from ``path``, or with
         ``auto_resume`` from the newest checkpoint that loads; see :meth:`Checkpointer.load`.
-        ``load_checkpoint(path, resume=False, strict=False)`` fine-tunes from other weights."""
-        return self._checkpointer.load(path, auto_resume, resume, strict)
+        ``load_checkpoint(path, resume=False)`` loads pretrained weights (a plain
+        ``state_dict`` file too), ``strict=False`` those that match, ``revise_keys`` renamed."""
+        return self._checkpointer.load(path, auto_resume, resume, strict, revise_keys)
