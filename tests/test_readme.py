@@ -23,9 +23,9 @@ def run(script, cwd):
         [sys.executable, str(script)], cwd=cwd, env=cpu_env(), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
-    _, stderr = communicate(proc, timeout=120)
+    stdout, stderr = communicate(proc, timeout=120)
     assert proc.returncode == 0, stderr[-3000:]
-    return stderr
+    return stdout + stderr
 
 
 def test_the_usage_snippet_trains_in_work_dir_and_a_rerun_says_it_is_finished(tmp_path):
@@ -37,8 +37,10 @@ def test_the_usage_snippet_trains_in_work_dir_and_a_rerun_says_it_is_finished(tm
         "epoch_10.pth", "epoch_8.pth", "epoch_9.pth", "latest.txt",
     ]  # fmt: skip
     rows = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
-    accuracies = [row["val_acc"] for row in rows if "val_acc" in row]
+    accuracies = [row["acc"] for row in rows if "acc" in row]
     assert len(accuracies) == 10 and accuracies[-1] > 0.9
+    test_accuracy = float(re.search(r"test accuracy: ([\d.]+)", log).group(1))
+    assert test_accuracy > 0.9
     assert f"Start training from iteration 0 of 480 in {work}, afresh." in log
     # the summary's paths are absolute, though work_dir was relative
     assert re.search(rf"last checkpoint +{re.escape(str(work))}/checkpoints/epoch_10\.pth\n", log)

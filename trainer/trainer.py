@@ -13,7 +13,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -492,6 +492,38 @@ class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
         if not self.progress.stopped:
             logger.info(f"Stopping after iteration {self.cur_iter + 1}, as stop() asked.")
         self.progress.stopped = True
+
+    def evaluate(
+        self, data_loader: Any, metric_fn: Callable[[nn.Module, Any], dict[str, torch.Tensor]]
+    ) -> dict[str, float]:
+        """The mean of ``metric_fn(model, batch)``'s per-sample values over every sample of
+        ``data_loader``, each counted once, with the model in eval mode and autograd off (every
+        module is put back in its mode after, also when ``metric_fn`` raises).
+
+        ``metric_fn`` returns ``{name: tensor of shape [batch]}`` and moves the batch to the
+        model's device itself. Under torchrun every rank calls this and gets the same numbers,
+        equal to one process's evaluation of the whole set: a ``DistributedSampler`` gives
+        each rank its shard (the samples it repeats to even them out are not counted), and any
+        other loader is shared, each rank evaluating every world_size-th batch. Sums and
+        counts stay on the device until one small gather at the end, over :attr:`cpu_group`.
+        A DDP model is evaluated through its module, whose forward waits for no other rank;
+        an FSDP2 model, whose forward does, runs as many forwards on every rank.
+
+        Example::
+
+            def accuracy(model, batch):
+                x, y = batch
+                return {"acc": (model(x).argmax(1) == y).float()}
+
+            trainer.evaluate(test_loader, accuracy)  # {"acc": 0.97}
+        """
+        from .evaluation import evaluate  # an extra: a run that does not evaluate skips it
+
+        model = self.model_or_module if self._ddp is not None else self.model
+        with contextlib.ExitStack() as stack:
+            if self._cpu.group is None:  # outside train(): a group for this evaluation
+                stack.enter_context(self._cpu.open())
+            return evaluate(model, data_loader, metric_fn, self._cpu.group)
 
     # ----------------------------------------------------------------------------------------
     # The step, and the public building blocks it is made of

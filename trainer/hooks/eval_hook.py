@@ -17,36 +17,66 @@ logger = logging.getLogger(__name__)
 
 
 class EvalHook(HookBase):
-    """Calls ``eval_func()`` every ``period`` epochs (epoch-based training) or iterations
-    (iteration-based), and at the end of training, with the model in eval mode; logs the dict of
-    numbers it returns under their names, then puts the model back in train mode. ``eval_func``
-    still disables gradients itself (``torch.no_grad()``), as it may need them.
+    """Evaluates every ``period`` epochs (epoch-based training) or iterations (iteration-based),
+    and at the end of training, and logs the results under their names.
 
-    Results land in ``trainer.metric_storage`` (not smoothed), TensorBoard and the console, where
-    ``LRUpdateHook`` finds the metric that ``ReduceLROnPlateau`` judges.
+    Two forms:
 
-    Under torchrun every rank calls ``eval_func`` and every rank logs the mean of the results
-    over the ranks that returned some, so decisions taken on them agree. Either evaluate a shard
-    per rank and return its numbers, or evaluate on rank 0 and return None elsewhere (the other
-    ranks wait in the collective that shares rank 0's results).
+    - ``EvalHook(period, data_loader=..., metric_fn=...)`` evaluates exactly, through
+      :meth:`Trainer.evaluate`: the mean of ``metric_fn(model, batch)``'s per-sample values
+      over every sample of ``data_loader``, each counted once, also under torchrun.
+    - ``EvalHook(period, eval_func)`` calls ``eval_func()``, with the model in eval mode (put
+      back in train mode after), and logs the dict of numbers it returns. ``eval_func`` turns
+      off autograd itself (``torch.no_grad()``). Under torchrun every rank calls it and logs
+      the mean of the results over the ranks that returned some, each rank's numbers weighing
+      alike (exact for equal shards): evaluate a shard per rank and return its numbers, or
+      evaluate on rank 0 and return None elsewhere (the others wait in the collective that
+      shares rank 0's results).
+
+    Results land in ``trainer.metric_storage`` (not smoothed), TensorBoard (``eval/<name>``) and
+    the console, where ``LRUpdateHook`` finds the metric that ``ReduceLROnPlateau`` judges, and
+    ``after_eval`` hooks (best checkpoint, early stopping) get them.
 
     Args:
         period: Epochs or iterations between evaluations; 0 evaluates at the end only.
         eval_func: A callable with no arguments returning ``{name: number}`` (or None).
+        data_loader: The batches to evaluate (with ``metric_fn``, instead of ``eval_func``).
+        metric_fn: ``metric_fn(model, batch) -> {name: tensor of shape [batch]}``.
 
     Example::
 
         >>> hook = EvalHook(1, lambda: {"val_acc": 0.9})
+        >>> def accuracy(model, batch):
+        ...     x, y = batch
+        ...     return {"val_acc": (model(x).argmax(1) == y).float()}
+        >>> hook = EvalHook(1, data_loader=[(torch.randn(4, 2), torch.ones(4))],
+        ...                 metric_fn=accuracy)
     """
 
     priority = Priority.EVAL
 
-    def __init__(self, period: int, eval_func: Callable[[], Optional[dict]]) -> None:
-        if not callable(eval_func):
-            raise TypeError(f"eval_func must be callable, got {type(eval_func).__name__}.")
+    def __init__(
+        self,
+        period: int,
+        eval_func: Optional[Callable[[], Optional[dict]]] = None,
+        *,
+        data_loader: Any = None,
+        metric_fn: Optional[Callable[[Any, Any], dict[str, torch.Tensor]]] = None,
+    ) -> None:
         check_int("period", period, minimum=0, note="0 evaluates at the end only")
+        exact = data_loader is not None or metric_fn is not None
+        if (eval_func is None) == (not exact) or (exact and None in (data_loader, metric_fn)):
+            raise TypeError(
+                "Pass EvalHook either eval_func, or data_loader and metric_fn (got "
+                f"eval_func={_named(eval_func)}, data_loader={_named(data_loader)}, "
+                f"metric_fn={_named(metric_fn)})."
+            )
+        for name, value in (("eval_func", eval_func), ("metric_fn", metric_fn)):
+            if value is not None and not callable(value):
+                raise TypeError(f"{name} must be callable, got {type(value).__name__}.")
         self._period = period
         self._eval_func = eval_func
+        self._data_loader, self._metric_fn = data_loader, metric_fn
         self._names: set[str] = set()  # the names of its results, in the runs it resumes too
         self._loaded = False
         self._names_known = True
@@ -88,6 +118,21 @@ class EvalHook(HookBase):
             self._evaluate()
 
     def _evaluate(self) -> None:
+        if self._eval_func is None:  # the same numbers on every rank
+            results: Optional[dict[str, float]] = self.trainer.evaluate(
+                self._data_loader, self._metric_fn
+            )
+        else:
+            results = self._call_eval_func()
+        if results is None:
+            return
+        self._refuse_clashes(results)
+        line = "  ".join(f"{k}: {v:.5g}" for k, v in results.items())
+        logger.info(f"Evaluation after iteration {self.trainer.cur_iter + 1}: {line}")
+        self.trainer.log(self.trainer.cur_iter, smooth=False, **results)
+        self.trainer.call_hooks("after_eval", results)
+
+    def _call_eval_func(self) -> Optional[dict[str, float]]:
         model = self.trainer.model
         model.eval()  # dropout off, batch norm on its running statistics
         try:
@@ -98,13 +143,7 @@ class EvalHook(HookBase):
             results = _check_results(results)
         if get_world_size() > 1:
             results = _mean_over_ranks(results, self.trainer.cpu_group)
-        if results is None:
-            return
-        self._refuse_clashes(results)
-        line = "  ".join(f"{k}: {v:.5g}" for k, v in results.items())
-        logger.info(f"Evaluation after iteration {self.trainer.cur_iter + 1}: {line}")
-        self.trainer.log(self.trainer.cur_iter, smooth=False, **results)
-        self.trainer.call_hooks("after_eval", results)
+        return results
 
     def _refuse_clashes(self, results: dict[str, float]) -> None:
         """Refuse result names that another series has, or whose TensorBoard tag another
@@ -140,6 +179,10 @@ class EvalHook(HookBase):
                 f"series. Rename the result (e.g. 'val_{name.rsplit('/', 1)[-1]}')."
             )
         self._names |= new
+
+
+def _named(value: Any) -> str:
+    return "None" if value is None else f"a {type(value).__name__}"
 
 
 def _check_results(results: object) -> dict[str, float]:

@@ -1,0 +1,257 @@
+"""Trainer.evaluate: the exact mean over a data set, in one process and on two torchrun ranks
+(both loader shapes, plain, DDP and FSDP2 models), eval mode, no per-batch host read."""
+
+import json
+import os
+import re
+import subprocess
+import textwrap
+from subprocess import PIPE
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from trainer import HookBase
+from trainer.hooks import BestCheckpointHook, EvalHook
+
+from conftest import communicate, cpu_env, torchrun_command
+
+
+def squared_error(model, batch):
+    x, y = batch
+    return {"se": ((model.linear(x) - y) ** 2).squeeze(1), "one": torch.ones(len(x))}
+
+
+def data(n=10):
+    g = torch.Generator().manual_seed(1)
+    return TensorDataset(torch.randn(n, 4, generator=g), torch.randn(n, 1, generator=g))
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 4, 10])
+def test_the_mean_counts_every_sample_once_whatever_the_batch_size(make_trainer, batch_size):
+    trainer = make_trainer()
+    x, y = data().tensors
+    exact = ((trainer.model.linear(x) - y) ** 2).double().mean().item()
+    results = trainer.evaluate(DataLoader(data(), batch_size=batch_size), squared_error)
+    assert results == {"se": pytest.approx(exact, rel=1e-6), "one": 1.0}
+
+
+def test_eval_mode_and_no_autograd_inside_every_module_back_in_its_mode_after(make_trainer):
+    trainer = make_trainer()
+    model = trainer.model
+    model.dropout.eval()  # a frozen part stays as it was put
+    seen = []
+
+    def metric_fn(m, batch):
+        seen.append((m.training, m.dropout.training, torch.is_grad_enabled()))
+        return squared_error(m, batch)
+
+    trainer.evaluate(DataLoader(data(), batch_size=5), metric_fn)
+    assert seen == [(False, False, False)] * 2
+    assert model.training and not model.dropout.training
+
+    def fails(m, batch):
+        raise RuntimeError("metric_fn failed")
+
+    model.dropout.train()
+    with pytest.raises(RuntimeError, match="metric_fn failed"):
+        trainer.evaluate(DataLoader(data()), fails)
+    assert model.training and model.dropout.training
+
+
+def test_no_host_read_until_the_end(make_trainer, monkeypatch):
+    """One read per metric at the end, however many batches: the sums stay on the device."""
+    trainer = make_trainer()
+    batches = list(DataLoader(data(), batch_size=1))  # 10 (a DataLoader reads its seed once)
+    reads = []
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _real=real, _name=name, **kwargs):
+            reads.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    trainer.evaluate(batches, squared_error)
+    assert sorted(reads) == ["__float__", "__float__"]  # "se" and "one"
+
+
+@pytest.mark.parametrize(
+    "returned, error, message",
+    [
+        (lambda x: (x.sum(1) > 0).float().mean(), TypeError, "must return a non-empty dict"),
+        (lambda x: {}, TypeError, "non-empty dict of per-sample tensors, got dict (empty)"),
+        (lambda x: {"acc": x.sum(1).mean()}, ValueError, "'acc' as shape (); expected a tensor"),
+        (lambda x: {"acc": 0.5}, ValueError, "'acc' as <class 'float'>; expected a tensor"),
+        (lambda x: {"a": x[:, 0], "b": x[:-1, 0]}, ValueError, "different lengths [1, 2]"),
+        (lambda x: {f"n{len(x)}": x[:, 0]}, ValueError, "['n1'] for a batch and ['n2'] for the"),
+    ],
+)
+def test_what_metric_fn_returns_is_checked(make_trainer, returned, error, message):
+    trainer = make_trainer()
+    with pytest.raises(error, match=re.escape(message)):
+        trainer.evaluate(DataLoader(data(3), batch_size=2), lambda m, b: returned(b[0]))
+
+
+def test_loaders_that_would_leave_samples_out_are_refused(make_trainer):
+    trainer = make_trainer()
+    with pytest.raises(ValueError, match="drop_last=True and drops a last, smaller batch"):
+        trainer.evaluate(DataLoader(data(10), batch_size=4, drop_last=True), squared_error)
+    sampler = DistributedSampler(data(10), num_replicas=3, rank=0)
+    with pytest.raises(ValueError, match="num_replicas=3 and rank=0, and this is rank 0 of 1"):
+        trainer.evaluate(DataLoader(data(10), sampler=sampler), squared_error)
+    with pytest.raises(ValueError, match="yielded no samples"):
+        trainer.evaluate([], squared_error)
+    # a DistributedSampler of this one process is fine: the whole set, in its order
+    one = DistributedSampler(data(10), num_replicas=1, rank=0)
+    assert trainer.evaluate(DataLoader(data(10), sampler=one), squared_error)["one"] == 1.0
+
+
+def test_eval_hook_logs_exact_results_and_best_checkpoint_judges_them(make_trainer, tmp_path):
+    def accuracy(model, batch):  # "close": an error under 1 counts as right
+        se = squared_error(model, batch)["se"]
+        return {"val_close": (se < 1).float(), "val_se": se}
+
+    trainer = make_trainer(max_epochs=3)
+    loader = DataLoader(data(), batch_size=3)
+    hook = EvalHook(1, data_loader=loader, metric_fn=accuracy)
+    trainer.register_hooks([hook, BestCheckpointHook("val_se", mode="min")])
+    trainer.train()
+    rows = [json.loads(r) for r in open(os.path.join(trainer.work_dir, "metrics.jsonl"))]
+    evals = [r for r in rows if "val_se" in r]
+    assert [r["iter"] for r in evals] == [7, 15, 23]
+    assert evals[-1]["val_se"] == pytest.approx(trainer.evaluate(loader, accuracy)["val_se"])
+    assert os.path.exists(os.path.join(trainer.ckpt_dir, "best.pth"))
+    # test after training, with the best weights first: one line each
+    trainer.load_checkpoint(os.path.join(trainer.ckpt_dir, "best.pth"), resume=False)
+    best = min(r["val_se"] for r in evals)
+    assert trainer.evaluate(loader, accuracy)["val_se"] == pytest.approx(best)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({}, "Pass EvalHook either eval_func, or data_loader and metric_fn"),
+        ({"data_loader": []}, "got eval_func=None, data_loader=a list, metric_fn=None"),
+        ({"eval_func": dict, "data_loader": [], "metric_fn": dict}, "Pass EvalHook either"),
+        ({"data_loader": [], "metric_fn": 3}, "metric_fn must be callable, got int"),
+    ],
+)
+def test_eval_hook_takes_one_form(kwargs, message):
+    with pytest.raises(TypeError, match=message):
+        EvalHook(1, **kwargs)
+
+
+class Evaluates(HookBase):
+    """Evaluates through the trainer from a hook of its own, while training runs."""
+
+    def __init__(self, loader):
+        self.loader, self.results = loader, []
+
+    def after_epoch(self):
+        self.results.append(self.trainer.evaluate(self.loader, squared_error))
+
+
+def test_a_hook_evaluates_while_training_and_training_goes_on_in_train_mode(make_trainer):
+    trainer = make_trainer(max_epochs=2)
+    hook = Evaluates(DataLoader(data(), batch_size=4))
+    trainer.register_hook(hook)
+    trainer.train()
+    assert len(hook.results) == 2 and trainer.model.training
+
+
+# ---- two torchrun ranks -------------------------------------------------------------------
+
+WORKER = """
+import json, sys
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.fsdp import fully_shard
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from trainer import Trainer
+from trainer.distributed import destroy_distributed, init_distributed
+from trainer.hooks import EvalHook
+
+rank, world = init_distributed(timeout_s=30)  # a hang fails in 30 s
+
+
+class Classifier(nn.Module):
+    # sample i of x = arange(5) has label i % 2; the model gets every one right but sample 0
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Linear(1, 1)
+        with torch.no_grad():
+            self.scale.weight.fill_(1.0)
+            self.scale.bias.zero_()
+
+    def logits(self, x):
+        label = x.long() % 2
+        predicted = torch.where(x == 0, 1 - label, label)
+        return nn.functional.one_hot(predicted, 2).float() * self.scale(torch.ones_like(x)[:, None])
+
+    def forward(self, batch):  # the loss of a batch, or the logits of inputs alone
+        if isinstance(batch, torch.Tensor):
+            return self.logits(batch)
+        x, y = batch
+        return nn.functional.cross_entropy(self.logits(x), y)
+
+
+def accuracy(model, batch):
+    x, y = batch
+    return {"acc": (model(x).argmax(1) == y).float()}
+
+
+data = TensorDataset(torch.arange(5.0), torch.arange(5) % 2)
+train = DataLoader(data, batch_size=5)
+results = {}
+for wrapper in ("plain", "ddp", "fsdp"):
+    net = model = Classifier()
+    if wrapper == "ddp":
+        model = DistributedDataParallel(net)
+    elif wrapper == "fsdp":
+        fully_shard(net.scale)  # gathers its weights in every forward, a collective
+        model = fully_shard(net)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    trainer = Trainer(model, optimizer, None, train, max_iters=1, work_dir=sys.argv[1] + wrapper)
+    for batch_size in (1, 2, 5):  # uneven: rank 0 evaluates 3, 2, 1 batches, rank 1 2, 1, 0
+        results[f"{wrapper} shared {batch_size}"] = trainer.evaluate(
+            DataLoader(data, batch_size=batch_size), accuracy)["acc"]
+    sharded = DataLoader(data, batch_size=2, sampler=DistributedSampler(data, shuffle=False))
+    results[f"{wrapper} sampler"] = trainer.evaluate(sharded, accuracy)["acc"]
+    if wrapper == "ddp":  # the two EvalHook forms, in a run: their logged numbers
+
+        def shard_mean():
+            x, y = sharded.dataset[list(sharded.sampler)]
+            return {"mean_of_means": (net.logits(x).argmax(1) == y).float().mean().item()}
+
+        trainer.register_hooks([EvalHook(1, shard_mean),
+                                EvalHook(1, data_loader=sharded, metric_fn=accuracy)])
+        trainer.train()
+        storage = trainer.metric_storage
+        results["eval_func form"] = storage["mean_of_means"].latest
+        results["exact form"] = storage["acc"].latest
+print(f"rank {rank}: {json.dumps(results)}", flush=True)
+del trainer, model, net
+destroy_distributed()
+"""
+
+
+def test_two_ranks_evaluate_five_samples_exactly_with_both_loader_shapes(tmp_path):
+    """5 samples on 2 ranks, 4 of them right: 0.8, as one process evaluates them, with a plain
+    model, a DDP one and an FSDP2 one, whose ranks see different numbers of batches (rank 1
+    none, with batches of 5) and run as many forwards. The eval_func form, averaging each
+    rank's mean over its padded shard, logs 0.6667."""
+    script = tmp_path / "worker.py"
+    script.write_text(textwrap.dedent(WORKER))
+    cmd = torchrun_command("--nproc_per_node", "2", str(script), str(tmp_path / "work"))
+    proc = subprocess.Popen(cmd, stdout=PIPE, stderr=PIPE, text=True, env=cpu_env())
+    stdout, stderr = communicate(proc, timeout=120)
+    assert proc.returncode == 0, stderr[-3000:]
+    for rank in (0, 1):
+        line = next(x for x in stdout.splitlines() if x.startswith(f"rank {rank}: "))
+        results = json.loads(line.split(": ", 1)[1])
+        assert results.pop("eval_func form") == pytest.approx(2 / 3)
+        assert results == {name: pytest.approx(0.8) for name in results}, results
+        assert len(results) == 13

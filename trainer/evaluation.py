@@ -1,0 +1,186 @@
+"""Exact evaluation: the mean of per-sample metrics over a data set, each sample counted once,
+in one process or shared among the ranks under torchrun."""
+
+import contextlib
+import math
+from collections.abc import Iterator
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import DistributedSampler, IterableDataset
+
+from .distributed import all_gather, get_rank, get_world_size
+from .fsdp import is_sharded
+
+MetricFn = Callable[[nn.Module, Any], dict[str, torch.Tensor]]
+
+
+def evaluate(
+    model: nn.Module, data_loader: Any, metric_fn: MetricFn, group: Any = None
+) -> dict[str, float]:
+    """The mean of ``metric_fn(model, batch)``'s per-sample values over every sample of
+    ``data_loader``, each counted once; see :meth:`Trainer.evaluate`.
+
+    Under torchrun every rank calls it. A ``DistributedSampler`` gives each rank its shard, and
+    the samples it repeats to make the shards equal are not counted; any other loader is shared:
+    rank r evaluates batches r, r + world_size, ... . The sums and counts stay on the device
+    until one gather over ``group`` (None: the default group) at the end, and every rank gets
+    the same numbers.
+
+    Args:
+        model: What ``metric_fn`` is given: the model to evaluate, unwrapped from DDP (whose
+            forward would wait for the other ranks at every batch).
+        data_loader: An iterable of batches.
+        metric_fn: ``metric_fn(model, batch) -> {name: tensor of shape [batch]}``.
+        group: The group of every rank that reduces the results.
+
+    Example::
+
+        >>> model = nn.Linear(2, 2)
+        >>> batches = [(torch.randn(3, 2), torch.tensor([0, 1, 1]))] * 2
+        >>> def accuracy(model, batch):
+        ...     x, y = batch
+        ...     return {"acc": (model(x).argmax(1) == y).float()}
+        >>> sorted(evaluate(model, batches, accuracy))
+        ['acc']
+    """
+    rank, world_size = get_rank(), get_world_size()
+    shard = _shard_size(data_loader, rank, world_size)  # samples of this rank, or None: shared
+    sums: dict[str, torch.Tensor] = {}
+    count = 0  # the samples counted, known on the host from the values' shapes: no sync
+    seen = 0  # the samples of this rank's shard met so far, padding included
+    batches, forwards, spare = 0, 0, None
+    with torch.no_grad(), _eval_mode(model):
+        for batch in data_loader:
+            mine = shard is not None or batches % world_size == rank
+            batches += 1
+            if not mine:
+                spare = batch  # another rank's
+                continue
+            values = _checked(metric_fn(model, batch), sums.keys() or None)
+            forwards += 1
+            n = next(iter(values.values())).shape[0]
+            keep = n if shard is None else max(0, min(n, shard - seen))
+            seen += n
+            for name, value in values.items():
+                total = value[:keep].sum(dtype=torch.float64)  # a DistributedSampler's padding
+                sums[name] = sums[name] + total if name in sums else total
+            count += keep
+            spare = batch
+        if is_sharded(model) and world_size > 1:
+            # FSDP2 gathers weights in every forward, a collective: each rank runs as many
+            if shard is None:
+                most = math.ceil(batches / world_size)
+            else:
+                most = forwards  # a DistributedSampler gives every rank as many batches
+            for _ in range(most - forwards):
+                if spare is not None:
+                    metric_fn(model, spare)  # not counted
+    local = ({name: float(total) for name, total in sums.items()}, count)
+    everyone = [local] if world_size == 1 else all_gather(local, group=group)
+    return _means(everyone)
+
+
+def _shard_size(data_loader: Any, rank: int, world_size: int) -> Optional[int]:
+    """How many samples of a ``DistributedSampler``'s shard are real, not padding, for this
+    rank (None for another loader, which the ranks share); refuse what would count a sample
+    twice or not at all."""
+    loader_drops = getattr(data_loader, "drop_last", False)
+    sampler = getattr(getattr(data_loader, "batch_sampler", None), "sampler", None)
+    if isinstance(sampler, DistributedSampler):
+        n, replicas = len(sampler.dataset), sampler.num_replicas  # type: ignore[arg-type]
+        if (replicas, sampler.rank) != (world_size, rank):
+            raise ValueError(
+                f"data_loader's DistributedSampler has num_replicas={replicas} and "
+                f"rank={sampler.rank}, and this is rank {rank} of {world_size}: its shards would "
+                "not cover the data set once. Build it with the defaults (the process group's), "
+                "or pass a loader without one, which the ranks share."
+            )
+        if sampler.drop_last and n % replicas:
+            raise ValueError(
+                f"data_loader's DistributedSampler has drop_last=True and leaves {n % replicas} of "
+                f"{n} samples out of evaluation. Build it with drop_last=False: evaluation "
+                "counts each sample once and leaves its padding out."
+            )
+        shard = len(range(rank, n, replicas))
+        if loader_drops and math.ceil(n / replicas) % data_loader.batch_size:
+            _refuse_dropped_batch(data_loader)
+        return shard
+    dataset = getattr(data_loader, "dataset", None)
+    if world_size > 1 and isinstance(dataset, IterableDataset):
+        raise ValueError(
+            f"data_loader is over an IterableDataset ({type(dataset).__name__}), which may give "
+            "each rank a part of its own: evaluation cannot share its batches among the ranks "
+            "without counting some samples twice or not at all. Evaluate a map-style dataset, "
+            "with a DistributedSampler or without."
+        )
+    if loader_drops and dataset is not None and len(dataset) % data_loader.batch_size:
+        _refuse_dropped_batch(data_loader)
+    return None
+
+
+def _refuse_dropped_batch(data_loader: Any) -> None:
+    raise ValueError(
+        "data_loader has drop_last=True and drops a last, smaller batch, whose samples "
+        "evaluation would leave out. Build the evaluation loader with drop_last=False."
+    )
+
+
+@contextlib.contextmanager
+def _eval_mode(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode for the block, then every module back in the mode it was in."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def _checked(values: Any, names: Optional[Any]) -> dict[str, torch.Tensor]:
+    """``metric_fn``'s result, checked: a dict of same-length 1-D tensors, under the names of
+    the first batch (shapes only: no host-device sync)."""
+    if not isinstance(values, dict) or not values:
+        raise TypeError(
+            f"metric_fn must return a non-empty dict of per-sample tensors, got "
+            f"{type(values).__name__}{'' if values else ' (empty)'}. Example: "
+            "{'acc': (logits.argmax(1) == y).float()}."
+        )
+    lengths = set()
+    for name, value in values.items():
+        if not isinstance(value, torch.Tensor) or value.dim() != 1:
+            got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value)
+            raise ValueError(
+                f"metric_fn returned {name!r} as {got}; expected a tensor of shape [batch], one "
+                "value per sample, e.g. (logits.argmax(1) == y).float() (not its mean: batches "
+                "of different sizes would weigh alike)."
+            )
+        lengths.add(value.shape[0])
+    if len(lengths) > 1:
+        raise ValueError(
+            f"metric_fn returned values of different lengths {sorted(lengths)} for one batch; "
+            "return one value per sample of the batch for every name."
+        )
+    if names is not None and values.keys() != names:
+        raise ValueError(
+            f"metric_fn returned {sorted(values)} for a batch and {sorted(names)} for the "
+            "first: return the same names for every batch."
+        )
+    return values
+
+
+def _means(everyone: list[tuple[dict[str, float], int]]) -> dict[str, float]:
+    """Every rank's sums and counts, as one mean per name."""
+    names = next((sums.keys() for sums, count in everyone if count), None)
+    count = sum(count for _, count in everyone)
+    if names is None or not count:
+        raise ValueError("data_loader yielded no samples to evaluate.")
+    for rank, (sums, n) in enumerate(everyone):
+        if n and sums.keys() != names:
+            raise ValueError(
+                f"metric_fn returned {sorted(sums)} on rank {rank} and {sorted(names)} on "
+                "another: return the same names on every rank."
+            )
+    return {name: sum(s.get(name, 0.0) for s, _ in everyone) / count for name in names}
