@@ -8,7 +8,8 @@
 
 The same file runs in one process or under torchrun: ``init_distributed`` joins the process group
 torchrun describes (gloo on CPU, nccl on GPUs), the model is wrapped in DistributedDataParallel and
-the training set is split between ranks by a DistributedSampler. It trains on the GPU when there is
+the training set is split between ranks by a DistributedSampler; ``Trainer.evaluate`` shares the
+test batches between them and counts every test sample once. It trains on the GPU when there is
 one. Rerunning resumes from the latest checkpoint in ``--work-dir``.
 """
 
@@ -63,11 +64,10 @@ def load_data(seed: int, device: torch.device) -> tuple[TensorDataset, TensorDat
     )
 
 
-@torch.no_grad()
-def accuracy(model: DigitsNet, data: TensorDataset) -> float:
-    model.eval()
-    images, labels = data.tensors
-    return (model.logits(images).argmax(1) == labels).float().mean().item()
+def accuracy(model: DigitsNet, batch: tuple[torch.Tensor, torch.Tensor]) -> dict:
+    """Per sample, for Trainer.evaluate: 1.0 where the digit is recognised."""
+    images, labels = batch
+    return {"test_acc": (model.logits(images).argmax(1) == labels).float()}
 
 
 @record  # under torchrun: a failing rank's traceback goes into torchrun's error summary
@@ -102,10 +102,13 @@ def main() -> float:
         work_dir=args.work_dir, log_period=20, max_num_checkpoints=2,
         warmup_t=len(loader), warmup_init_lr=args.lr / 10,
     )  # fmt: skip
-    trainer.register_hook(EvalHook(5, lambda: {"test_acc": accuracy(net, test_set)}))
+    # Exact under torchrun too: the ranks share the test batches, and every test sample
+    # counts once, as in one process.
+    test_loader = DataLoader(test_set, batch_size=256)
+    trainer.register_hook(EvalHook(5, data_loader=test_loader, metric_fn=accuracy))
     trainer.train()
 
-    acc = accuracy(net, test_set)
+    acc = trainer.evaluate(test_loader, accuracy)["test_acc"]
     logger.info(f"Final test accuracy: {acc:.4f} (world size {get_world_size()})")
     return acc
 

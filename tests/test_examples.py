@@ -49,6 +49,10 @@ def test_train_digits_under_torchrun_with_two_processes(tmp_path):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == [
         "epoch_14.pth", "epoch_15.pth", "latest.txt"
     ]  # fmt: skip
+    # the two ranks' evaluation is one process's, of the same weights (the rerun resumes them)
+    one = run([sys.executable, script, "--work-dir", str(tmp_path)], cwd=tmp_path)
+    assert "Nothing to train" in one and "world size 1" in one
+    assert final_accuracy(one) == final_accuracy(output)
 
 
 def test_train_digits_as_two_torchrun_nodes_on_localhost(tmp_path):
