@@ -49,6 +49,33 @@ def test_non_finite_weights_are_never_saved_and_the_rerun_resumes_the_last_good_
     assert all(torch.isfinite(v).all() for v in weights.values())
 
 
+class Masked(TinyModel):
+    """With a buffer that holds -inf on purpose, as a causal attention mask does."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mask", torch.full((3, 3), float("-inf")).triu(1))
+
+
+def test_a_buffer_that_holds_infinities_on_purpose_saves_resumes_and_loads(make_trainer, tmp_path):
+    """Only the parameters and the optimizer state must be finite: every save of such a model
+    was refused ('1 tensors hold NaN or infinite values (model.mask)')."""
+    make_trainer(model=Masked(), max_epochs=1).train()
+    resumed = make_trainer(model=Masked(), max_epochs=2)
+    resumed.train()
+    assert resumed.start_iter == 8
+    path = os.path.join(resumed.ckpt_dir, "epoch_2.pth")
+    fresh = build(tmp_path / "fresh", model=Masked(), max_epochs=1)
+    assert fresh.load_checkpoint(path, resume=False)
+    weights = load(path)["model"]
+    weights["linear.weight"][0, 0] = float("nan")
+    torch.save(weights, tmp_path / "nan.pth")
+    with pytest.raises(
+        RuntimeError, match=r"\(model\.linear\.weight\): training or evaluating from"
+    ):
+        fresh.load_checkpoint(str(tmp_path / "nan.pth"), resume=False)
+
+
 def test_a_non_finite_gradient_norm_fails_like_a_non_finite_loss(make_trainer):
     trainer = make_trainer(max_epochs=2, model=NaNGradientAt(5), clip_grad_norm=1.0)
     expected = r"The gradient norm \(the loss was not\) became NaN or infinite at iteration 5 "

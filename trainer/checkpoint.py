@@ -7,13 +7,21 @@ what makes a checkpoint usable (keys, types, finite values, a matching configura
 import logging
 import os
 import re
+from collections.abc import Collection
 from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from .checkpoint_checks import check_config, check_finite, check_keys, check_structure, non_finite
+from .checkpoint_checks import (
+    check_config,
+    check_finite,
+    check_keys,
+    check_structure,
+    learned,
+    non_finite,
+)
 from .checkpoint_files import (
     BackgroundWriter,
     UnloadableState,
@@ -178,8 +186,8 @@ class Checkpointer:
         every rank raises alike (with rank 0's last write failure, if any)."""
         # One host read per device: a checkpoint with NaN weights would become `latest` and
         # make every rerun fail at the same iteration.
-        bad = non_finite({"model": state["model"], "optimizer": state["optimizer"]["state"],
-                          "extra": state["extra"]})  # fmt: skip
+        bad = non_finite(learned({**state, "optimizer": state["optimizer"]["state"]},
+                                 self._parameter_names()))  # fmt: skip
         try:
             check_plain(state)
             unloadable = None
@@ -220,6 +228,10 @@ class Checkpointer:
         if is_main_process():
             for stray in remove_temp_files(self.ckpt_dir):
                 logger.info(f"Removed {stray}, left by an interrupted checkpoint write.")
+
+    def _parameter_names(self) -> set[str]:
+        """The names of the model's parameters in its ``state_dict``, which must be finite."""
+        return {name for name, _ in self._module.named_parameters()}
 
     def _classes(self) -> dict[str, str]:
         # What resuming needs unchanged: an optimizer's state does not fit another class's.
@@ -265,7 +277,7 @@ class Checkpointer:
         if path is None:
             if not auto_resume:
                 raise ValueError("Pass a checkpoint path, or auto_resume=True to use the latest.")
-            found = load_newest(self.ckpt_dir)
+            found = load_newest(self.ckpt_dir, self._parameter_names())
             if found is None:
                 logger.debug(f"No checkpoint in {self.ckpt_dir}: training from scratch.")
                 return False
@@ -275,12 +287,13 @@ class Checkpointer:
             data = load_checkpoint_file(path)
             check_keys(data, path, RESUME_KEYS)
             check_structure(data, path, RESUME_KEYS)
-            check_finite(data, path)
+            check_finite(data, path, self._parameter_names())
             weights = data["model"]
         else:
             weights = model_weights(load_checkpoint_file(path), path)
-            check_finite({"model": weights}, path)
         weights = revised(weights, revise_keys or (), path)
+        if not resume:
+            check_finite({"model": weights}, path, self._parameter_names())
         load_model_state(self._module, weights, path, strict, self._sharded)
         if not resume:
             logger.info(f"Loaded model weights from {path}; the training state is not restored.")
@@ -334,17 +347,18 @@ def checkpoint_name(by_epoch: bool, position: tuple[int, int], iters_done: int) 
     return f"iter_{iters_done}.pth"
 
 
-def load_newest(ckpt_dir: str) -> Optional[tuple[str, dict[str, Any]]]:
+def load_newest(ckpt_dir: str, parameters: Collection[str]) -> Optional[tuple[str, dict[str, Any]]]:
     """The newest checkpoint in ``ckpt_dir`` that loads and can resume a run, ``latest.txt``'s
-    first, as ``(path, data)``; None when there is none. One that fails to load is skipped with
-    a warning; if none loads, this raises rather than let training start from scratch."""
+    first, as ``(path, data)``; None when there is none. One that fails to load (its model's
+    ``parameters`` not finite, say) is skipped with a warning; if none loads, this raises rather
+    than let training start from scratch."""
     failures = []
     for path in list_checkpoints(ckpt_dir):
         try:
             data = load_checkpoint_file(path)
             check_keys(data, path, RESUME_KEYS)
             check_structure(data, path, RESUME_KEYS)
-            check_finite(data, path)
+            check_finite(data, path, parameters)
         except (RuntimeError, OSError) as e:
             logger.warning(f"Skipping a checkpoint that does not load: {e}")
             failures.append(str(e))

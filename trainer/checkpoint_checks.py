@@ -3,7 +3,7 @@ save and on load), and a training configuration that matches the trainer resumin
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any, Optional
 
 import torch
@@ -112,15 +112,28 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_finite(data: dict[str, Any], path: str) -> None:
-    """Raise a RuntimeError naming ``path`` when its weights or optimizer state hold a NaN or an
-    infinity (a checkpoint written before saves refused them)."""
-    bad = non_finite({key: data[key] for key in ("model", "optimizer", "extra") if key in data})
+def learned(data: dict[str, Any], parameters: Collection[str]) -> dict[str, Any]:
+    """What must be finite in a checkpoint's ``data``: the model's ``parameters`` (its buffers
+    may hold an infinity on purpose, as a causal mask's -inf does), the optimizer's state and
+    the registered objects'."""
+    state = {key: data[key] for key in ("model", "optimizer", "extra") if key in data}
+    if "model" in state:
+        state["model"] = {k: v for k, v in state["model"].items() if k in parameters}
+    return state
+
+
+def check_finite(data: dict[str, Any], path: str, parameters: Collection[str]) -> None:
+    """Raise a RuntimeError naming ``path`` when the model's ``parameters`` in it or its
+    optimizer state hold a NaN or an infinity (a checkpoint written before saves refused them,
+    or weights from elsewhere)."""
+    bad = non_finite(learned(data, parameters))
     if bad:
+        what = "resuming it would fail at once. Resume from an older checkpoint."
+        if "optimizer" not in data:  # weights alone
+            what = "training or evaluating from them would give NaN. Load other weights."
         raise RuntimeError(
             f"Checkpoint {path!r} holds NaN or infinite values in {len(bad)} tensors "
-            f"({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}): resuming it would fail "
-            "at once. Resume from an older checkpoint."
+            f"({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}): {what}"
         )
 
 
