@@ -10,7 +10,13 @@ from subprocess import PIPE
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import (
+    BatchSampler,
+    DataLoader,
+    DistributedSampler,
+    SequentialSampler,
+    TensorDataset,
+)
 
 from trainer import HookBase
 from trainer.hooks import BestCheckpointHook, EvalHook
@@ -101,6 +107,9 @@ def test_loaders_that_would_leave_samples_out_are_refused(make_trainer):
     sampler = DistributedSampler(data(10), num_replicas=3, rank=0)
     with pytest.raises(ValueError, match="num_replicas=3 and rank=0, and this is rank 0 of 1"):
         trainer.evaluate(DataLoader(data(10), sampler=sampler), squared_error)
+    batches = BatchSampler(SequentialSampler(data(10)), batch_size=4, drop_last=True)
+    with pytest.raises(ValueError, match=re.escape("drops a last, smaller batch (2 of 10")):
+        trainer.evaluate(DataLoader(data(10), batch_sampler=batches), squared_error)
     with pytest.raises(ValueError, match="yielded no samples"):
         trainer.evaluate([], squared_error)
     # a DistributedSampler of this one process is fine: the whole set, in its order
@@ -232,6 +241,30 @@ for wrapper in ("plain", "ddp", "fsdp"):
         storage = trainer.metric_storage
         results["eval_func form"] = storage["mean_of_means"].latest
         results["exact form"] = storage["acc"].latest
+
+# DDP with BatchNorm: each rank's running statistics drift after DDP's last broadcast (here set
+# apart by hand); evaluation uses rank 0's, as checkpoints and DDP's next forward do
+class Normed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.BatchNorm1d(1)  # its weight 1 and bias 0
+
+    def forward(self, x):
+        return self.norm(x[:, None])[:, 0]
+
+
+normed = Normed()
+ddp = DistributedDataParallel(normed)
+normed.norm.running_mean.fill_(float(rank))
+trainer = Trainer(ddp, torch.optim.SGD(ddp.parameters(), lr=0.0), None, train, max_iters=1,
+                  work_dir=sys.argv[1] + "bn")
+normalized = lambda model, batch: {"x": model(batch[0])}
+results["ddp buffers"] = trainer.evaluate(DataLoader(data, batch_size=2), normalized)["x"]
+results["own buffer kept"] = normed.norm.running_mean.item() == rank
+try:
+    trainer.evaluate(DataLoader(data, batch_size=2, shuffle=True), normalized)
+except ValueError as e:
+    results["shuffled"] = str(e)
 print(f"rank {rank}: {json.dumps(results)}", flush=True)
 del trainer, model, net
 destroy_distributed()
@@ -242,7 +275,8 @@ def test_two_ranks_evaluate_five_samples_exactly_with_both_loader_shapes(tmp_pat
     """5 samples on 2 ranks, 4 of them right: 0.8, as one process evaluates them, with a plain
     model, a DDP one and an FSDP2 one, whose ranks see different numbers of batches (rank 1
     none, with batches of 5) and run as many forwards. The eval_func form, averaging each
-    rank's mean over its padded shard, logs 0.6667."""
+    rank's mean over its padded shard, logs 0.6667. A DDP model's buffers are rank 0's while it
+    is evaluated; a shuffling loader, which orders the data by each rank's RNG, is refused."""
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent(WORKER))
     cmd = torchrun_command("--nproc_per_node", "2", str(script), str(tmp_path / "work"))
@@ -253,5 +287,9 @@ def test_two_ranks_evaluate_five_samples_exactly_with_both_loader_shapes(tmp_pat
         line = next(x for x in stdout.splitlines() if x.startswith(f"rank {rank}: "))
         results = json.loads(line.split(": ", 1)[1])
         assert results.pop("eval_func form") == pytest.approx(2 / 3)
+        # the mean of arange(5) normalized with rank 0's running mean (0) and variance (1)
+        assert results.pop("ddp buffers") == pytest.approx(2.0, rel=1e-4)
+        assert results.pop("own buffer kept") is True
+        assert "shuffles (its sampler is a RandomSampler)" in results.pop("shuffled")
         assert results == {name: pytest.approx(0.8) for name in results}, results
         assert len(results) == 13

@@ -7,13 +7,22 @@ from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch.utils.data import DistributedSampler, IterableDataset
+from torch.utils.data import (
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+)
 
 from .distributed import all_gather, get_rank, get_world_size
 from .fsdp import is_sharded
 
 MetricFn = Callable[[nn.Module, Any], dict[str, torch.Tensor]]
+# Samplers that draw their order from the RNG, which differs by rank.
+_SHUFFLING = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
 
 
 def evaluate(
@@ -86,8 +95,8 @@ def _shard_size(data_loader: Any, rank: int, world_size: int) -> Optional[int]:
     """How many samples of a ``DistributedSampler``'s shard are real, not padding, for this
     rank (None for another loader, which the ranks share); refuse what would count a sample
     twice or not at all."""
-    loader_drops = getattr(data_loader, "drop_last", False)
-    sampler = getattr(getattr(data_loader, "batch_sampler", None), "sampler", None)
+    batches = getattr(data_loader, "batch_sampler", None)  # a DataLoader's: drop_last is there
+    sampler = getattr(batches, "sampler", None)
     if isinstance(sampler, DistributedSampler):
         n, replicas = len(sampler.dataset), sampler.num_replicas  # type: ignore[arg-type]
         if (replicas, sampler.rank) != (world_size, rank):
@@ -103,10 +112,8 @@ def _shard_size(data_loader: Any, rank: int, world_size: int) -> Optional[int]:
                 f"{n} samples out of evaluation. Build it with drop_last=False: evaluation "
                 "counts each sample once and leaves its padding out."
             )
-        shard = len(range(rank, n, replicas))
-        if loader_drops and math.ceil(n / replicas) % data_loader.batch_size:
-            _refuse_dropped_batch(data_loader)
-        return shard
+        _refuse_a_dropped_batch(batches, math.ceil(n / replicas))
+        return len(range(rank, n, replicas))
     dataset = getattr(data_loader, "dataset", None)
     if world_size > 1 and isinstance(dataset, IterableDataset):
         raise ValueError(
@@ -115,16 +122,47 @@ def _shard_size(data_loader: Any, rank: int, world_size: int) -> Optional[int]:
             "without counting some samples twice or not at all. Evaluate a map-style dataset, "
             "with a DistributedSampler or without."
         )
-    if loader_drops and dataset is not None and len(dataset) % data_loader.batch_size:
-        _refuse_dropped_batch(data_loader)
+    if world_size > 1 and isinstance(sampler, _SHUFFLING):
+        raise ValueError(
+            f"data_loader shuffles (its sampler is a {type(sampler).__name__}): the ranks, each "
+            "with its own RNG, would order the data differently and share batches that count "
+            "some samples twice and others not at all. Build the evaluation loader with "
+            "shuffle=False, or with a DistributedSampler."
+        )
+    if dataset is not None and sampler is not None:
+        _refuse_a_dropped_batch(batches, len(sampler))
     return None
 
 
-def _refuse_dropped_batch(data_loader: Any) -> None:
-    raise ValueError(
-        "data_loader has drop_last=True and drops a last, smaller batch, whose samples "
-        "evaluation would leave out. Build the evaluation loader with drop_last=False."
-    )
+def _refuse_a_dropped_batch(batches: Any, samples: int) -> None:
+    """Refuse a batch sampler that drops the last batch of ``samples``, smaller than the rest."""
+    size = getattr(batches, "batch_size", None)
+    if getattr(batches, "drop_last", False) and size and samples % size:
+        raise ValueError(
+            f"data_loader has drop_last=True and drops a last, smaller batch ({samples % size} of "
+            f"{samples} samples), which evaluation would leave out. Build the evaluation loader "
+            "with drop_last=False."
+        )
+
+
+@contextlib.contextmanager
+def rank_0_buffers(module: nn.Module, group: Any) -> Iterator[None]:
+    """``module``'s buffers replaced by rank 0's for the block, then its own put back. DDP gives
+    every rank rank 0's buffers at each training forward, after which each rank's drift
+    (BatchNorm's running statistics, from its own batch); checkpoints hold rank 0's. A
+    broadcast per buffer, once per evaluation."""
+    buffers = list(module.buffers())
+    own = [buffer.detach().clone() for buffer in buffers]
+    source = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for buffer in buffers:
+            dist.broadcast(buffer, src=source, group=group)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in zip(buffers, own):
+                buffer.copy_(value)
 
 
 @contextlib.contextmanager

@@ -506,8 +506,9 @@ class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
         each rank its shard (the samples it repeats to even them out are not counted), and any
         other loader is shared, each rank evaluating every world_size-th batch. Sums and
         counts stay on the device until one small gather at the end, over :attr:`cpu_group`.
-        A DDP model is evaluated through its module, whose forward waits for no other rank;
-        an FSDP2 model, whose forward does, runs as many forwards on every rank.
+        A DDP model is evaluated through its module, whose forward waits for no other rank,
+        with rank 0's buffers (BatchNorm's statistics), as DDP's forward and checkpoints use
+        them; an FSDP2 model, whose forward waits, runs as many forwards on every rank.
 
         Example::
 
@@ -517,12 +518,14 @@ class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
 
             trainer.evaluate(test_loader, accuracy)  # {"acc": 0.97}
         """
-        from .evaluation import evaluate  # an extra: a run that does not evaluate skips it
+        from .evaluation import evaluate, rank_0_buffers  # imported by a run that evaluates
 
         model = self.model_or_module if self._ddp is not None else self.model
         with contextlib.ExitStack() as stack:
             if self._cpu.group is None:  # outside train(): a group for this evaluation
                 stack.enter_context(self._cpu.open())
+            if self._ddp is not None and get_world_size() > 1:  # what DDP's forward would use
+                stack.enter_context(rank_0_buffers(model, self._ddp.process_group))
             return evaluate(model, data_loader, metric_fn, self._cpu.group)
 
     # ----------------------------------------------------------------------------------------
