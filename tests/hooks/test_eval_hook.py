@@ -129,6 +129,16 @@ def test_results_named_like_the_trainers_own_metrics_are_refused_when_first_logg
     assert trainer.cur_iter == 7  # at the first evaluation, not later
 
 
+def test_the_exact_forms_clash_names_metric_fn(make_trainer):
+    def losses(model, batch):
+        return {"total_loss": torch.ones(len(batch[0]))}
+
+    trainer = make_trainer(max_epochs=1)
+    trainer.register_hook(EvalHook(1, data_loader=[(torch.zeros(2, 4),)], metric_fn=losses))
+    with pytest.raises(ValueError, match="metric_fn returned 'total_loss', and the trainer"):
+        trainer.train()
+
+
 def test_two_eval_hooks_returning_one_name_are_refused(make_trainer):
     trainer = make_trainer(max_epochs=2)
     trainer.register_hooks([EvalHook(1, lambda: {"acc": 0.5}), EvalHook(1, lambda: {"acc": 0.7})])

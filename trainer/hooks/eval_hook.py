@@ -174,7 +174,8 @@ class EvalHook(HookBase):
             whose = "another EvalHook returns" if clash in evaluated else "the trainer logs"
             what = "it" if clash == name else f"{clash!r} under the TensorBoard tag {tag!r}"
             raise ValueError(
-                f"eval_func returned {name!r}, and {whose} {what}"
+                f"{'eval_func' if self._eval_func else 'metric_fn'} returned {name!r}, and "
+                f"{whose} {what}"
                 f"{' in training' if clash not in evaluated else ''}: the two would mix into one "
                 f"series. Rename the result (e.g. 'val_{name.rsplit('/', 1)[-1]}')."
             )
