@@ -384,8 +384,8 @@ def load_model_state(
     # weights saved from a torch.compile-d model by other means carry its prefix
     state = {k.replace("_orig_mod.", ""): v for k, v in state.items()}
     own = module.state_dict()
-    shape = {k: getattr(v, "shape", None) for k, v in own.items()}
-    wrong_shape = [k for k in own if k in state and getattr(state[k], "shape", None) != shape[k]]
+    shape = {k: _shape(v) for k, v in own.items()}
+    wrong_shape = [k for k in own if k in state and _shape(state[k]) != shape[k]]
     problems = "".join(
         f"\n  {title}: {', '.join(keys)}"
         for title, keys in [
@@ -393,7 +393,7 @@ def load_model_state(
             ("not in the model", [k for k in state if k not in own]),
             (
                 "shapes differ",
-                [f"{k} {tuple(state[k].shape)} vs {tuple(shape[k])}" for k in wrong_shape],
+                [f"{k} {_shape(state[k])} vs {shape[k]}" for k in wrong_shape],
             ),
         ]
         if keys
@@ -457,12 +457,12 @@ def check_revise_keys(revise_keys: Any, resume: bool) -> None:
             f"revise_keys must be a list of (regex, replacement) pairs of strings, got "
             f"{revise_keys!r}; e.g. revise_keys=[(r'^module\\.', '')]."
         )
-    for pattern, _ in pairs:
+    for pattern, replacement in pairs:
         try:
-            re.compile(pattern)
+            re.sub(pattern, replacement, "")  # parses both: a bad group reference raises too
         except re.error as e:
             raise ValueError(
-                f"revise_keys holds {pattern!r}, not a regular expression: {e}."
+                f"revise_keys holds ({pattern!r}, {replacement!r}), which re.sub refuses: {e}."
             ) from None
 
 
@@ -483,6 +483,11 @@ def revised(
             renamed[new] = value
         state = renamed
     return state
+
+
+def _shape(value: Any) -> Any:
+    """A tensor's shape as a tuple, for comparing and naming; another value's type."""
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
 
 
 def _first(keys: Any, n: int = 3) -> str:
