@@ -1,6 +1,8 @@
 import io
 import logging
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -43,3 +45,19 @@ def test_rng_state_round_trips_through_weights_only_load():
     buffer.seek(0)
     set_rng_state(torch.load(buffer, weights_only=True), (gen,))
     assert draw() + (float(torch.rand((), generator=gen)),) == expected
+
+
+def test_a_picked_seed_is_shown_before_logging_is_set_up_and_run_json_keeps_it(tmp_path):
+    script = (
+        "import torch\n"
+        "from trainer import Trainer, set_random_seed\n"
+        "seed = set_random_seed(-1)\n"
+        "model = torch.nn.Linear(2, 1)\n"
+        "trainer = Trainer(model, torch.optim.SGD(model.parameters(), lr=0.1), None,\n"
+        f"                  [torch.zeros(2)], max_epochs=1, work_dir={str(tmp_path)!r})\n"
+        "print(seed, trainer.run_config['seed'])\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    seed, recorded = proc.stdout.split()
+    assert seed == recorded and f"Using a random seed: {seed}" in proc.stderr

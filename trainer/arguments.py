@@ -104,7 +104,7 @@ def check_arguments(args: dict[str, Any]) -> Optional[int]:
 def run_config(args: dict[str, Any], trainer: Any) -> dict[str, Any]:
     """The run's settings as JSON-ready data: the Trainer's plain arguments, then what its
     objects are (model, optimizer and its base LRs, scheduler, data), the batch size, world
-    size, AMP dtype and torch version."""
+    size, AMP dtype, torch's seed and torch version."""
     optimizer, loader = args["optimizer"], args["data_loader"]
     plain = {
         name: value if isinstance(value, (bool, int, float, str, type(None))) else str(value)
@@ -129,6 +129,7 @@ def run_config(args: dict[str, Any], trainer: Any) -> dict[str, Any]:
         "iters_per_epoch": trainer.epoch_len,
         "world_size": get_world_size(),
         "amp_dtype": str(trainer.amp_dtype).replace("torch.", "") if args["enable_amp"] else None,
+        "seed": torch.initial_seed(),  # set_random_seed's or torch.manual_seed's, to repeat the run
         "torch": torch.__version__,
     }
 

@@ -8,6 +8,9 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from .distributed import get_rank
+from .logger import ensure_console_logging
+
 logger = logging.getLogger(__name__)
 
 
@@ -29,6 +32,8 @@ def set_random_seed(seed: Optional[int] = None, deterministic: bool = False) -> 
     """
     if seed is None or seed < 0:
         seed = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+        # shown even when called before anything set up logging (run.json records it too)
+        ensure_console_logging("trainer", get_rank())
         logger.info(f"Using a random seed: {seed}")
     random.seed(seed)
     np.random.seed(seed)
