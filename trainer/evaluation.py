@@ -39,7 +39,7 @@ def evaluate(
 
     Args:
         model: What ``metric_fn`` is given: the model to evaluate, unwrapped from DDP (whose
-            forward would wait for the other ranks at every batch).
+            forward may wait for the other ranks, which see other numbers of batches).
         data_loader: An iterable of batches.
         metric_fn: ``metric_fn(model, batch) -> {name: tensor of shape [batch]}``.
         group: The group of every rank that reduces the results.
