@@ -2,6 +2,7 @@
 (both loader shapes, plain, DDP and FSDP2 models), eval mode, no per-batch host read."""
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -10,6 +11,7 @@ from subprocess import PIPE
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
@@ -117,11 +119,14 @@ def test_loaders_that_would_leave_samples_out_are_refused(make_trainer):
     assert trainer.evaluate(DataLoader(data(10), sampler=one), squared_error)["one"] == 1.0
 
 
-def test_eval_hook_logs_exact_results_and_best_checkpoint_judges_them(make_trainer, tmp_path):
+def test_eval_hook_logs_exact_results_and_best_checkpoint_judges_them(
+    make_trainer, tmp_path, caplog
+):
     def accuracy(model, batch):  # "close": an error under 1 counts as right
         se = squared_error(model, batch)["se"]
         return {"val_close": (se < 1).float(), "val_se": se}
 
+    caplog.set_level(logging.INFO, logger="trainer")
     trainer = make_trainer(max_epochs=3)
     loader = DataLoader(data(), batch_size=3)
     hook = EvalHook(1, data_loader=loader, metric_fn=accuracy)
@@ -131,6 +136,10 @@ def test_eval_hook_logs_exact_results_and_best_checkpoint_judges_them(make_train
     evals = [r for r in rows if "val_se" in r]
     assert [r["iter"] for r in evals] == [7, 15, 23]
     assert evals[-1]["val_se"] == pytest.approx(trainer.evaluate(loader, accuracy)["val_se"])
+    events = EventAccumulator(trainer.tb_log_dir)
+    events.Reload()
+    assert [e.step for e in events.Scalars("eval/val_se")] == [7, 15, 23]
+    assert re.search(r"\nval_se +final [\d.]+\n", caplog.text)  # the summary table's row
     assert os.path.exists(os.path.join(trainer.ckpt_dir, "best.pth"))
     # test after training, with the best weights first: one line each
     trainer.load_checkpoint(os.path.join(trainer.ckpt_dir, "best.pth"), resume=False)
