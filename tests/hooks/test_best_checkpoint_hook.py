@@ -1,9 +1,12 @@
 """BestCheckpointHook: best.pth at each new best, remembered across resume."""
 
 import os
+import re
+import time
 
 import torch
 
+from trainer import checkpoint_files
 from trainer.hooks import BestCheckpointHook, EvalHook
 
 from conftest import evaluating, load
@@ -56,3 +59,20 @@ def test_every_save_is_named_once_and_a_new_best_names_its_file(make_trainer, ca
     assert "New best acc: 0.7 (was 0.5): saving best.pth." in messages
     log = open(trainer.log_file).read()
     assert log.count("Saving checkpoint") == 5
+
+
+def test_the_summary_names_a_best_checkpoint_still_being_written(make_trainer, caplog,
+                                                                 monkeypatch):  # fmt: skip
+    """The first best, found at the last evaluation, is the last save, written in the
+    background while the summary is logged: the summary left out its 'best checkpoint' row."""
+    real = checkpoint_files.atomic_save
+
+    def slow(obj, path, mode=None):
+        time.sleep(0.3 if path.endswith("best.pth") else 0)
+        real(obj, path, mode)
+
+    monkeypatch.setattr(checkpoint_files, "atomic_save", slow)
+    trainer = evaluating(make_trainer(max_epochs=1), [0.7], BestCheckpointHook("acc"))
+    trainer.train()
+    best = os.path.join(trainer.ckpt_dir, "best.pth")
+    assert re.search(rf"\nbest checkpoint +{re.escape(best)}\n", caplog.text)

@@ -91,6 +91,7 @@ def _share(part: float, whole: float) -> str:
 def _best_checkpoint(trainer: Any) -> Optional[str]:
     for hook in trainer.hooks:
         path = getattr(hook, "best_checkpoint", None)
-        if isinstance(path, str) and os.path.exists(path):
+        # on disk, or the last save, which may still be written in the background
+        if isinstance(path, str) and (os.path.exists(path) or path == trainer.last_checkpoint):
             return path
     return None
