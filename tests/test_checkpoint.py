@@ -7,6 +7,7 @@ import re
 import numpy as np
 import pytest
 import torch
+from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainer import HookBase, Trainer
@@ -70,10 +71,52 @@ def test_a_buffer_that_holds_infinities_on_purpose_saves_resumes_and_loads(make_
     weights = load(path)["model"]
     weights["linear.weight"][0, 0] = float("nan")
     torch.save(weights, tmp_path / "nan.pth")
+    # saved from a compiled model: the prefix is dropped before the check, not after
+    torch.save({f"_orig_mod.{k}": v for k, v in weights.items()}, tmp_path / "compiled.pth")
+    with pytest.raises(RuntimeError, match="training or evaluating from them would give NaN"):
+        fresh.load_checkpoint(str(tmp_path / "compiled.pth"), resume=False)
     with pytest.raises(
         RuntimeError, match=r"\(model\.linear\.weight\): training or evaluating from"
     ):
         fresh.load_checkpoint(str(tmp_path / "nan.pth"), resume=False)
+
+
+class NaNStatistics(Masked):
+    """Its running statistic turns NaN after 4 iterations (a buffer, unlike the mask, that no
+    run should go on from)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("running", torch.zeros(2))
+        self.calls = 0
+
+    def forward(self, batch):
+        self.calls += 1
+        if self.calls > 4:
+            self.running.fill_(float("nan"))
+        return super().forward(batch)
+
+
+def test_a_buffer_that_turns_nan_is_never_saved(make_trainer):
+    trainer = make_trainer(model=NaNStatistics(), max_epochs=1)
+    with pytest.raises(FloatingPointError, match=r"hold NaN or infinite values \(model\.running\)"):
+        trainer.train()
+
+
+class Tied(TinyModel):
+    def __init__(self):
+        super().__init__()
+        self.head = nn.Linear(4, 1)
+        self.head.weight = self.linear.weight  # one parameter, two names in state_dict()
+
+
+def test_a_nan_under_a_tied_weights_second_name_is_refused(make_trainer, tmp_path):
+    weights = Tied().state_dict()
+    weights["head.weight"] = torch.full_like(weights["head.weight"], float("nan"))
+    torch.save(weights, tmp_path / "tied.pth")
+    trainer = make_trainer(model=Tied(), max_epochs=1)
+    with pytest.raises(RuntimeError, match=r"\(model\.head\.weight\): training or evaluating"):
+        trainer.load_checkpoint(str(tmp_path / "tied.pth"), resume=False)
 
 
 def test_a_non_finite_gradient_norm_fails_like_a_non_finite_loss(make_trainer):
@@ -364,7 +407,13 @@ def pretrained(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "wrap", [lambda w: w, lambda w: {"state_dict": w, "meta": {}}, lambda w: {"model": w}]
+    "wrap",
+    [
+        lambda w: w,
+        lambda w: {"state_dict": w, "meta": {}},  # MMEngine's, timm's
+        lambda w: {"model_state_dict": w, "epoch": 3},  # PyTorch's tutorials'
+        lambda w: {"model": w},  # the trainer's own
+    ],
 )
 def test_pretrained_weights_load_from_a_state_dict_or_a_dict_holding_one(tmp_path, wrap):
     weights, trainer = pretrained(tmp_path)
@@ -421,6 +470,7 @@ def test_strict_false_loads_what_matches_in_name_and_shape_and_says_what_it_skip
         ([("^module",)], False, TypeError, "a list of (regex, replacement) pairs"),
         ([("(", "")], False, ValueError, "holds ('(', ''), which re.sub refuses"),
         ([(r"^module\.", r"\1")], False, ValueError, "which re.sub refuses: invalid group"),
+        ([(r"^module\.", r"\g<x>")], False, ValueError, "which re.sub refuses: unknown group"),
         ([(r"\.(weight|bias)$", "")], False, ValueError, "renames two keys of"),
     ],
 )

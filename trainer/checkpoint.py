@@ -15,12 +15,11 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .checkpoint_checks import (
+    bad_tensors,
     check_config,
     check_finite,
     check_keys,
     check_structure,
-    learned,
-    non_finite,
 )
 from .checkpoint_files import (
     BackgroundWriter,
@@ -186,8 +185,9 @@ class Checkpointer:
         every rank raises alike (with rank 0's last write failure, if any)."""
         # One host read per device: a checkpoint with NaN weights would become `latest` and
         # make every rerun fail at the same iteration.
-        bad = non_finite(learned({**state, "optimizer": state["optimizer"]["state"]},
-                                 self._parameter_names()))  # fmt: skip
+        bad = bad_tensors(
+            {**state, "optimizer": state["optimizer"]["state"]}, self._parameter_names()
+        )
         try:
             check_plain(state)
             unloadable = None
@@ -230,8 +230,9 @@ class Checkpointer:
                 logger.info(f"Removed {stray}, left by an interrupted checkpoint write.")
 
     def _parameter_names(self) -> set[str]:
-        """The names of the model's parameters in its ``state_dict``, which must be finite."""
-        return {name for name, _ in self._module.named_parameters()}
+        """The names of the model's parameters in its ``state_dict`` (a tied weight's every
+        name), which must be finite."""
+        return {name for name, _ in self._module.named_parameters(remove_duplicate=False)}
 
     def _classes(self) -> dict[str, str]:
         # What resuming needs unchanged: an optimizer's state does not fit another class's.
@@ -291,6 +292,8 @@ class Checkpointer:
             weights = data["model"]
         else:
             weights = model_weights(load_checkpoint_file(path), path)
+        # weights saved from a torch.compile-d model by other means carry its prefix
+        weights = {k.replace("_orig_mod.", ""): v for k, v in weights.items()}
         weights = revised(weights, revise_keys or (), path)
         if not resume:
             check_finite({"model": weights}, path, self._parameter_names())
@@ -381,8 +384,6 @@ def load_model_state(
 ) -> None:
     """Load checkpointed weights into ``module`` (the unwrapped model), listing the keys and
     shapes that differ; ``strict=False`` loads those that match."""
-    # weights saved from a torch.compile-d model by other means carry its prefix
-    state = {k.replace("_orig_mod.", ""): v for k, v in state.items()}
     own = module.state_dict()
     shape = {k: _shape(v) for k, v in own.items()}
     wrong_shape = [k for k in own if k in state and _shape(state[k]) != shape[k]]
@@ -426,8 +427,9 @@ def load_model_state(
 
 def model_weights(data: dict[str, Any], path: str) -> dict[str, Any]:
     """The model's ``state_dict`` in a file of weights: a dict holding it under
-    ``"state_dict"`` or ``"model"`` (a trainer checkpoint), or the file's dict itself."""
-    for key in ("state_dict", "model"):
+    ``"state_dict"``, ``"model_state_dict"`` (PyTorch's tutorials) or ``"model"`` (a trainer
+    checkpoint), or the file's dict itself."""
+    for key in ("state_dict", "model_state_dict", "model"):
         if isinstance(data.get(key), dict):
             data = data[key]
             break
@@ -460,7 +462,7 @@ def check_revise_keys(revise_keys: Any, resume: bool) -> None:
     for pattern, replacement in pairs:
         try:
             re.sub(pattern, replacement, "")  # parses both: a bad group reference raises too
-        except re.error as e:
+        except (re.error, IndexError) as e:  # IndexError: an unknown group name
             raise ValueError(
                 f"revise_keys holds ({pattern!r}, {replacement!r}), which re.sub refuses: {e}."
             ) from None

@@ -11,10 +11,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def non_finite(state: Any, prefix: str = "") -> list[str]:
+def non_finite(state: Any, prefix: str = "", inf_ok: Collection[str] = ()) -> list[str]:
     """The names (``model.linear.weight``, ``optimizer.0.momentum_buffer``, ...) of the
     floating-point tensors in the nested dicts and lists of ``state`` that hold a NaN or an
-    infinity; sharded tensors are checked in this rank's shard. One host read per device."""
+    infinity (only a NaN for the names in ``inf_ok``); sharded tensors are checked in this
+    rank's shard. One host read per device."""
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
     for name, tensor in _named_tensors(state, prefix):
         local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor
@@ -22,8 +23,11 @@ def non_finite(state: Any, prefix: str = "") -> list[str]:
             by_device.setdefault(local.device, []).append((name, local))
     bad = []
     for items in by_device.values():
-        finite = torch.stack([torch.isfinite(t).all() for _, t in items]).tolist()
-        bad += [name for (name, _), ok in zip(items, finite) if not ok]
+        fine = [
+            torch.isnan(t).any().logical_not() if name in inf_ok else torch.isfinite(t).all()
+            for name, t in items
+        ]
+        bad += [name for (name, _), ok in zip(items, torch.stack(fine).tolist()) if not ok]
     return bad
 
 
@@ -112,21 +116,20 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def learned(data: dict[str, Any], parameters: Collection[str]) -> dict[str, Any]:
-    """What must be finite in a checkpoint's ``data``: the model's ``parameters`` (its buffers
-    may hold an infinity on purpose, as a causal mask's -inf does), the optimizer's state and
-    the registered objects'."""
+def bad_tensors(data: dict[str, Any], parameters: Collection[str]) -> list[str]:
+    """The tensors of a checkpoint's ``data`` that no run should go on from: the model's
+    ``parameters``, the optimizer's state and the registered objects' must be finite, the
+    model's buffers free of NaN (an infinity may be on purpose, as a causal mask's -inf is)."""
     state = {key: data[key] for key in ("model", "optimizer", "extra") if key in data}
-    if "model" in state:
-        state["model"] = {k: v for k, v in state["model"].items() if k in parameters}
-    return state
+    buffers = {f"model.{key}" for key in state.get("model", {}) if key not in parameters}
+    return non_finite(state, inf_ok=buffers)
 
 
 def check_finite(data: dict[str, Any], path: str, parameters: Collection[str]) -> None:
-    """Raise a RuntimeError naming ``path`` when the model's ``parameters`` in it or its
-    optimizer state hold a NaN or an infinity (a checkpoint written before saves refused them,
-    or weights from elsewhere)."""
-    bad = non_finite(learned(data, parameters))
+    """Raise a RuntimeError naming ``path`` when its tensors hold values no run should go on
+    from (see :func:`bad_tensors`): a checkpoint written before saves refused them, or weights
+    from elsewhere."""
+    bad = bad_tensors(data, parameters)
     if bad:
         what = "resuming it would fail at once. Resume from an older checkpoint."
         if "optimizer" not in data:  # weights alone
