@@ -16,8 +16,10 @@ from torch.utils.data import (
     BatchSampler,
     DataLoader,
     DistributedSampler,
+    RandomSampler,
     SequentialSampler,
     TensorDataset,
+    WeightedRandomSampler,
 )
 
 from trainer import HookBase
@@ -85,6 +87,17 @@ def test_no_host_read_until_the_end(make_trainer, monkeypatch):
     assert sorted(reads) == ["__float__", "__float__"]  # "se" and "one"
 
 
+def test_values_that_are_not_one_per_sample_of_a_distributed_sampler_are_refused(make_trainer):
+    """Its padding is told by position: per-token values would cut it in the wrong place."""
+    trainer = make_trainer()
+    one = DistributedSampler(data(10), num_replicas=1, rank=0, shuffle=False)
+    per_token = lambda model, batch: {"t": batch[0].flatten()}  # noqa: E731
+    with pytest.raises(ValueError, match="returned 40 values for the 10 samples of rank 0's"):
+        trainer.evaluate(DataLoader(data(10), batch_size=3, sampler=one), per_token)
+    with pytest.raises(TypeError, match="metric_fn must be callable as metric_fn"):
+        trainer.evaluate(DataLoader(data(10)), None)
+
+
 @pytest.mark.parametrize(
     "returned, error, message",
     [
@@ -114,6 +127,17 @@ def test_loaders_that_would_leave_samples_out_are_refused(make_trainer):
         trainer.evaluate(DataLoader(data(10), batch_sampler=batches), squared_error)
     with pytest.raises(ValueError, match="yielded no samples"):
         trainer.evaluate([], squared_error)
+    one = DistributedSampler(data(10), num_replicas=1, rank=0, shuffle=False)
+    with pytest.raises(ValueError, match=re.escape("drops a last, smaller batch (2 of 10")):
+        trainer.evaluate(DataLoader(data(10), 4, sampler=one, drop_last=True), squared_error)
+    for sampler in (
+        WeightedRandomSampler([1.0] * 10, num_samples=30),
+        RandomSampler(data(10), replacement=True),
+        RandomSampler(data(10), num_samples=5),
+    ):
+        with pytest.raises(ValueError, match="draws samples with replacement or another number"):
+            trainer.evaluate(DataLoader(data(10), sampler=sampler), squared_error)
+    assert trainer.evaluate(DataLoader(data(10), shuffle=True), squared_error)["one"] == 1.0
     # a DistributedSampler of this one process is fine: the whole set, in its order
     one = DistributedSampler(data(10), num_replicas=1, rank=0)
     assert trainer.evaluate(DataLoader(data(10), sampler=one), squared_error)["one"] == 1.0
@@ -275,6 +299,11 @@ try:
     trainer.evaluate(DataLoader(data, batch_size=2, shuffle=True), normalized)
 except ValueError as e:
     results["shuffled"] = str(e)
+by_hand = torch.utils.data.Subset(data, range(rank, 5, 2))  # 3 samples on rank 0, 2 on rank 1
+try:
+    trainer.evaluate(DataLoader(by_hand, batch_size=1), normalized)
+except ValueError as e:
+    results["sharded by hand"] = str(e)
 print(f"rank {rank}: {json.dumps(results)}", flush=True)
 del trainer, model, net
 destroy_distributed()
@@ -301,5 +330,6 @@ def test_two_ranks_evaluate_five_samples_exactly_with_both_loader_shapes(tmp_pat
         assert results.pop("ddp buffers") == pytest.approx(2.0, rel=1e-4)
         assert results.pop("own buffer kept") is True
         assert "shuffles (its sampler is a RandomSampler)" in results.pop("shuffled")
+        assert "data_loaders gave [3, 2] batches" in results.pop("sharded by hand")
         assert results == {name: pytest.approx(0.8) for name in results}, results
         assert len(results) == 13

@@ -54,13 +54,19 @@ def evaluate(
         >>> sorted(evaluate(model, batches, accuracy))
         ['acc']
     """
+    if not callable(metric_fn):
+        raise TypeError(
+            f"metric_fn must be callable as metric_fn(model, batch), got "
+            f"{type(metric_fn).__name__}: evaluate(data_loader, metric_fn)."
+        )
     rank, world_size = get_rank(), get_world_size()
-    shard = _shard_size(data_loader, rank, world_size)  # samples of this rank, or None: shared
+    # this rank's samples of a DistributedSampler, (real, with padding), or None: shared
+    shard = _shard(data_loader, rank, world_size)
     sums: dict[str, torch.Tensor] = {}
     count = 0  # the samples counted, known on the host from the values' shapes: no sync
-    seen = 0  # the samples of this rank's shard met so far, padding included
+    seen = 0  # the values met so far, one per sample of this rank's shard, padding included
     batches, forwards, spare = 0, 0, None
-    with torch.no_grad(), _eval_mode(model):
+    with torch.no_grad(), eval_mode(model):
         for batch in data_loader:
             mine = shard is not None or batches % world_size == rank
             batches += 1
@@ -70,31 +76,37 @@ def evaluate(
             values = _checked(metric_fn(model, batch), sums.keys() or None)
             forwards += 1
             n = next(iter(values.values())).shape[0]
-            keep = n if shard is None else max(0, min(n, shard - seen))
+            keep = n if shard is None else max(0, min(n, shard[0] - seen))
             seen += n
             for name, value in values.items():
                 total = value[:keep].sum(dtype=torch.float64)  # a DistributedSampler's padding
                 sums[name] = sums[name] + total if name in sums else total
             count += keep
             spare = batch
-        if is_sharded(model) and world_size > 1:
-            # FSDP2 gathers weights in every forward, a collective: each rank runs as many
-            if shard is None:
-                most = math.ceil(batches / world_size)
-            else:
-                most = forwards  # a DistributedSampler gives every rank as many batches
+        if is_sharded(model) and world_size > 1 and shard is None:
+            # FSDP2 gathers weights in every forward, a collective: each rank runs as many,
+            # known without asking the others (which wait in their forwards); a
+            # DistributedSampler gives every rank as many batches
+            most = math.ceil(batches / world_size)
             for _ in range(most - forwards):
                 if spare is not None:
                     metric_fn(model, spare)  # not counted
-    local = ({name: float(total) for name, total in sums.items()}, count)
+    problem = None
+    if shard is not None and seen != shard[1]:
+        problem = (
+            f"metric_fn returned {seen} values for the {shard[1]} samples of rank {rank}'s "
+            "DistributedSampler shard: return one value per sample, which tells its padding "
+            "by position."
+        )
+    local = ({name: float(total) for name, total in sums.items()}, count, batches, problem)
     everyone = [local] if world_size == 1 else all_gather(local, group=group)
-    return _means(everyone)
+    return _means(everyone, shared=shard is None)
 
 
-def _shard_size(data_loader: Any, rank: int, world_size: int) -> Optional[int]:
-    """How many samples of a ``DistributedSampler``'s shard are real, not padding, for this
-    rank (None for another loader, which the ranks share); refuse what would count a sample
-    twice or not at all."""
+def _shard(data_loader: Any, rank: int, world_size: int) -> Optional[tuple[int, int]]:
+    """The samples of a ``DistributedSampler``'s shard for this rank, ``(real ones, with the
+    padding)``, or None for another loader, which the ranks share; refuse what would count a
+    sample twice or not at all."""
     batches = getattr(data_loader, "batch_sampler", None)  # a DataLoader's: drop_last is there
     sampler = getattr(batches, "sampler", None)
     if isinstance(sampler, DistributedSampler):
@@ -112,8 +124,8 @@ def _shard_size(data_loader: Any, rank: int, world_size: int) -> Optional[int]:
                 f"{n} samples out of evaluation. Build it with drop_last=False: evaluation "
                 "counts each sample once and leaves its padding out."
             )
-        _refuse_a_dropped_batch(batches, math.ceil(n / replicas))
-        return len(range(rank, n, replicas))
+        _refuse_a_dropped_batch(batches, sampler.num_samples)
+        return len(range(rank, n, replicas)), sampler.num_samples
     dataset = getattr(data_loader, "dataset", None)
     if world_size > 1 and isinstance(dataset, IterableDataset):
         raise ValueError(
@@ -121,6 +133,16 @@ def _shard_size(data_loader: Any, rank: int, world_size: int) -> Optional[int]:
             "each rank a part of its own: evaluation cannot share its batches among the ranks "
             "without counting some samples twice or not at all. Evaluate a map-style dataset, "
             "with a DistributedSampler or without."
+        )
+    drawn = isinstance(sampler, WeightedRandomSampler) or (
+        isinstance(sampler, RandomSampler)
+        and (sampler.replacement or sampler.num_samples != len(sampler.data_source))
+    )
+    if drawn:
+        raise ValueError(
+            f"data_loader's sampler, a {type(sampler).__name__}, draws samples with replacement "
+            "or another number of them than the data set holds, so evaluation could not count "
+            "each sample once. Evaluate with shuffle=False (or a plain RandomSampler)."
         )
     if world_size > 1 and isinstance(sampler, _SHUFFLING):
         raise ValueError(
@@ -147,10 +169,10 @@ def _refuse_a_dropped_batch(batches: Any, samples: int) -> None:
 
 @contextlib.contextmanager
 def rank_0_buffers(module: nn.Module, group: Any) -> Iterator[None]:
-    """``module``'s buffers replaced by rank 0's for the block, then its own put back. DDP gives
-    every rank rank 0's buffers at each training forward, after which each rank's drift
-    (BatchNorm's running statistics, from its own batch); checkpoints hold rank 0's. A
-    broadcast per buffer, once per evaluation."""
+    """``module``'s buffers replaced by rank 0's for the block, then its own put back: each
+    rank's drift (BatchNorm's running statistics, from its own batches), and checkpoints hold
+    rank 0's, which DDP also gives every rank at each training forward unless told not to
+    (``broadcast_buffers=False``). A broadcast per buffer, once per evaluation."""
     buffers = list(module.buffers())
     own = [buffer.detach().clone() for buffer in buffers]
     source = dist.get_global_rank(group, 0)
@@ -166,7 +188,7 @@ def rank_0_buffers(module: nn.Module, group: Any) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _eval_mode(model: nn.Module) -> Iterator[None]:
+def eval_mode(model: nn.Module) -> Iterator[None]:
     """``model`` in eval mode for the block, then every module back in the mode it was in."""
     modes = [(module, module.training) for module in model.modules()]
     model.eval()
@@ -209,16 +231,29 @@ def _checked(values: Any, names: Optional[Any]) -> dict[str, torch.Tensor]:
     return values
 
 
-def _means(everyone: list[tuple[dict[str, float], int]]) -> dict[str, float]:
-    """Every rank's sums and counts, as one mean per name."""
-    names = next((sums.keys() for sums, count in everyone if count), None)
-    count = sum(count for _, count in everyone)
+def _means(
+    everyone: list[tuple[dict[str, float], int, int, Optional[str]]], shared: bool
+) -> dict[str, float]:
+    """Every rank's sums, counts, batches and problem, as one mean per name (or the problem,
+    raised on every rank alike)."""
+    problem = next((p for *_, p in everyone if p), None)
+    if problem:
+        raise ValueError(problem)
+    lengths = [batches for _, _, batches, _ in everyone]
+    if shared and len(set(lengths)) > 1:
+        raise ValueError(
+            f"The ranks' data_loaders gave {lengths} batches: evaluation shares one loader's "
+            "batches among the ranks, which must all see the same ones. For a shard per rank, "
+            "use a DistributedSampler."
+        )
+    names = next((sums.keys() for sums, count, *_ in everyone if count), None)
+    count = sum(count for _, count, *_ in everyone)
     if names is None or not count:
         raise ValueError("data_loader yielded no samples to evaluate.")
-    for rank, (sums, n) in enumerate(everyone):
+    for rank, (sums, n, *_) in enumerate(everyone):
         if n and sums.keys() != names:
             raise ValueError(
                 f"metric_fn returned {sorted(sums)} on rank {rank} and {sorted(names)} on "
                 "another: return the same names on every rank."
             )
-    return {name: sum(s.get(name, 0.0) for s, _ in everyone) / count for name in names}
+    return {name: sum(s.get(name, 0.0) for s, *_ in everyone) / count for name in names}

@@ -25,13 +25,13 @@ class EvalHook(HookBase):
     - ``EvalHook(period, data_loader=..., metric_fn=...)`` evaluates exactly, through
       :meth:`Trainer.evaluate`: the mean of ``metric_fn(model, batch)``'s per-sample values
       over every sample of ``data_loader``, each counted once, also under torchrun.
-    - ``EvalHook(period, eval_func)`` calls ``eval_func()``, with the model in eval mode (put
-      back in train mode after), and logs the dict of numbers it returns. ``eval_func`` turns
-      off autograd itself (``torch.no_grad()``). Under torchrun every rank calls it and logs
-      the mean of the results over the ranks that returned some, each rank's numbers weighing
-      alike (exact for equal shards): evaluate a shard per rank and return its numbers, or
-      evaluate on rank 0 and return None elsewhere (the others wait in the collective that
-      shares rank 0's results).
+    - ``EvalHook(period, eval_func)`` calls ``eval_func()``, with the model in eval mode (every
+      module put back in its mode after), and logs the dict of numbers it returns.
+      ``eval_func`` turns off autograd itself (``torch.no_grad()``). Under torchrun every rank
+      calls it and logs the mean of the results over the ranks that returned some, each
+      rank's numbers weighing alike (exact for equal shards): evaluate a shard per rank and
+      return its numbers, or evaluate on rank 0 and return None elsewhere (the others wait in
+      the collective that shares rank 0's results).
 
     Results land in ``trainer.metric_storage`` (not smoothed), TensorBoard (``eval/<name>``) and
     the console, where ``LRUpdateHook`` finds the metric that ``ReduceLROnPlateau`` judges, and
@@ -133,12 +133,11 @@ class EvalHook(HookBase):
         self.trainer.call_hooks("after_eval", results)
 
     def _call_eval_func(self) -> Optional[dict[str, float]]:
-        model = self.trainer.model
-        model.eval()  # dropout off, batch norm on its running statistics
-        try:
+        from ..evaluation import eval_mode  # imported by a run that evaluates
+
+        # dropout off, batch norm on its running statistics; then every module in its mode
+        with eval_mode(self.trainer.model):
             results = self._eval_func()
-        finally:
-            model.train()
         if results is not None:
             results = _check_results(results)
         if get_world_size() > 1:
