@@ -1,6 +1,7 @@
 import io
 import logging
 import random
+import re
 import subprocess
 import sys
 
@@ -61,3 +62,14 @@ def test_a_picked_seed_is_shown_before_logging_is_set_up_and_run_json_keeps_it(t
     assert proc.returncode == 0, proc.stderr
     seed, recorded = proc.stdout.split()
     assert seed == recorded and f"Using a random seed: {seed}" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "seed, error, message",
+    [("1", TypeError, "an int or None, got str '1'"), (1.5, TypeError, "got float 1.5"),
+     (True, TypeError, "got bool True"), (2**32, ValueError, "below 2**32")],
+)  # fmt: skip
+def test_a_seed_of_another_type_or_too_large_is_refused(seed, error, message):
+    with pytest.raises(error, match=re.escape(message)):
+        set_random_seed(seed)
+    assert set_random_seed(np.int64(7)) == 7

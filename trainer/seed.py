@@ -30,7 +30,17 @@ def set_random_seed(seed: Optional[int] = None, deterministic: bool = False) -> 
         >>> set_random_seed(0)
         0
     """
+    if seed is not None:
+        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+            raise TypeError(f"seed must be an int or None, got {type(seed).__name__} {seed!r}.")
+        seed = int(seed)
+        if seed >= 2**32:
+            raise ValueError(
+                f"seed must be below 2**32 (NumPy's limit), got {seed}; pass None or a negative "
+                "seed to have one picked."
+            )
     if seed is None or seed < 0:
+        # under torchrun each rank picks its own, and rank 0 shows it
         seed = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
         # shown even when called before anything set up logging (run.json records it too)
         ensure_console_logging("trainer", get_rank())
