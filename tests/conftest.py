@@ -134,6 +134,20 @@ def _quiet_trainer_logs():
     yield
 
 
+def failure_output(stderr: str, tail: int = 3000) -> str:
+    """What a failed run printed, for an assertion message: the lines of a rank that aborted
+    (a C++ terminate, faulthandler's stacks), which torchrun's summary pushes out of the tail,
+    then the tail."""
+    aborted = [
+        line
+        for line in stderr.splitlines()
+        if "terminate called" in line
+        or "Fatal Python error" in line
+        or line.startswith(("Thread 0x", "Current thread 0x", '  File "'))
+    ][:80]
+    return ("\n".join(aborted) + "\n...\n" if aborted else "") + stderr[-tail:]
+
+
 def communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
     """``proc.communicate(timeout=...)``. On a timeout the test fails with where every process
     under ``proc`` hung: each gets SIGABRT, on which Python's faulthandler (``cpu_env`` turns it

@@ -16,7 +16,7 @@ from torch import nn
 
 from trainer import HookBase
 
-from conftest import TinyModel, build, communicate, cpu_env, torchrun_command
+from conftest import TinyModel, build, communicate, cpu_env, failure_output, torchrun_command
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "resume_worker.py")
 
@@ -74,7 +74,7 @@ def reference(tmp_path_factory):
             code, err = run(
                 root / "work", root / "out.pth", MODE=mode, NUM_WORKERS=num_workers, STREAM=stream
             )
-            assert code == 0, err[-3000:]
+            assert code == 0, failure_output(err)
             cache[key] = load(root / "out.pth")
         return cache[key]
 
@@ -98,7 +98,7 @@ def test_sigkill_then_rerun_is_bit_exact(tmp_path, reference, mode, num_workers,
     code, _ = run(work, out, MODE=mode, NUM_WORKERS=num_workers, **kill)
     assert code == -signal.SIGKILL and not out.exists()
     code, err = run(work, out, MODE=mode, NUM_WORKERS=num_workers)
-    assert code == 0, err[-3000:]
+    assert code == 0, failure_output(err)
     assert "Resumed from checkpoint" in err
     if "KILL_IN_SAVE" in kill:
         assert "left by an interrupted checkpoint write" in err  # the stray temp file
@@ -114,7 +114,7 @@ def test_a_stream_killed_then_rerun_is_bit_exact(tmp_path, reference, num_worker
     code, _ = run(work, out, KILL_AT_ITER=kill_at, KILL_WHEN_SAVED=1, **env)
     assert code == -signal.SIGKILL and not out.exists()
     code, err = run(work, out, **env)
-    assert code == 0, err[-3000:]
+    assert code == 0, failure_output(err)
     assert f"Resumed from checkpoint {work / 'checkpoints'}/iter_{kill_at // 3 * 3}.pth" in err
     assert "from the state of the StatefulDataLoader" in err
     assert_bit_equal(load(out), reference("iter", num_workers, stream=1))
@@ -126,14 +126,14 @@ def test_a_stream_with_uneven_shards_under_torchrun_killed_then_rerun_is_bit_exa
     run does."""
     env = {"MODE": "iter", "STREAM": 1}
     code, err = torchrun(tmp_path / "whole", tmp_path / "whole.pth", **env)
-    assert code == 0, err[-3000:]
+    assert code == 0, failure_output(err)
     assert "epoch 2 [1]  iter 5/25" in (tmp_path / "whole" / "log.txt").read_text()
     code, _ = torchrun(
         tmp_path / "cut", tmp_path / "cut.pth", KILL_AT_ITER=7, KILL_WHEN_SAVED=1, **env
     )
     assert code != 0 and not (tmp_path / "cut.pth").exists()
     code, err = torchrun(tmp_path / "cut", tmp_path / "cut.pth", **env)
-    assert code == 0, err[-3000:]
+    assert code == 0, failure_output(err)
     assert "from the state of the StatefulDataLoader, after the 2 batches" in err
     assert_bit_equal(load(tmp_path / "cut.pth"), load(tmp_path / "whole.pth"))
 
@@ -143,7 +143,7 @@ def torchrun_reference(tmp_path_factory):
     """Final weights of an uninterrupted run under torchrun (two ranks)."""
     root = tmp_path_factory.mktemp("ref-torchrun")
     code, err = torchrun(root / "work", root / "out.pth")
-    assert code == 0, err[-3000:]
+    assert code == 0, failure_output(err)
     return load(root / "out.pth")
 
 
@@ -152,7 +152,7 @@ def test_sigkill_under_torchrun_then_rerun_is_bit_exact(tmp_path, torchrun_refer
     code, _ = torchrun(tmp_path / "cut", tmp_path / "cut.pth", KILL_AT_ITER=7)  # epochs of 5
     assert code != 0 and not (tmp_path / "cut.pth").exists()
     code, err = torchrun(tmp_path / "cut", tmp_path / "cut.pth")
-    assert code == 0, err[-3000:]
+    assert code == 0, failure_output(err)
     assert "Resumed from checkpoint" in err
     assert_bit_equal(load(tmp_path / "cut.pth"), torchrun_reference)
 
@@ -165,7 +165,7 @@ def test_elastic_restart_after_a_killed_worker_is_bit_exact(tmp_path, torchrun_r
     # rank 1 of the new attempt then finds the old attempt's address of rank 0 first, if any
     faults = {"KILL_AT_ITER": 7, "KILL_RANK": 1, "RESTART_DELAY": 3}
     code, err = torchrun(tmp_path / "work", out, args=args, **faults)
-    assert code == 0, err[-3000:]
+    assert code == 0, failure_output(err)
     assert "failed (exitcode: -9) local_rank: 1" in err  # torchrun saw rank 1 killed
     assert "Resumed from checkpoint" in err and "at iteration 6" in err  # saved every 3
     assert_bit_equal(load(out), torchrun_reference)
@@ -182,7 +182,7 @@ def test_resume_with_one_process_instead_of_two_maps_the_data_position(tmp_path)
     assert code == 1 and "(1 of 5 iterations, 8 samples)" in err and "cannot continue" in err
     record = tmp_path / "seen.txt"
     code, err = run(work, tmp_path / "out.pth", DIST_SAMPLER=1, RECORD=record)
-    assert code == 0, err[-3000:]
+    assert code == 0, failure_output(err)
     assert (
         "with 2 processes x batches of 4 to 1 x 4: epoch 1 stopped after 1 iterations = 8 "
         "samples, so this run goes on from iteration 2 of 10 of that epoch" in err
@@ -201,7 +201,7 @@ def fsdp_run(tmp_path_factory):
     gradients clipped (their norm is about 2, so clipping at 0.05 acts in every step)."""
     root = tmp_path_factory.mktemp("fsdp")
     code, err = torchrun(root / "work", root / "out.pth", SHARD=1, CLIP=0.05)
-    assert code == 0, err[-3000:]
+    assert code == 0, failure_output(err)
     return root
 
 
@@ -209,9 +209,9 @@ def test_ddp_on_two_ranks_trains_as_one_process_on_the_global_batch(tmp_path):
     # without dropout; a DistributedSampler gives the one process the same batches of 8 that
     # the two ranks split 4 + 4, and DDP averages the two ranks' gradients
     code, err = torchrun(tmp_path / "w2", tmp_path / "ddp.pth", DROPOUT=0)
-    assert code == 0, err[-3000:]
+    assert code == 0, failure_output(err)
     code, err = run(tmp_path / "w1", tmp_path / "one.pth", DROPOUT=0, DIST_SAMPLER=1, BATCH=8)
-    assert code == 0, err[-3000:]
+    assert code == 0, failure_output(err)
     ddp, one = load(tmp_path / "ddp.pth"), load(tmp_path / "one.pth")
     for name in ddp:
         torch.testing.assert_close(ddp[name], one[name], rtol=1e-5, atol=1e-6)
@@ -219,7 +219,7 @@ def test_ddp_on_two_ranks_trains_as_one_process_on_the_global_batch(tmp_path):
 
 def test_fsdp2_trains_as_ddp_does_and_its_checkpoint_loads_into_a_plain_model(tmp_path, fsdp_run):
     code, err = torchrun(tmp_path / "work", tmp_path / "ddp.pth", CLIP=0.05)
-    assert code == 0, err[-3000:]
+    assert code == 0, failure_output(err)
     fsdp, ddp = load(fsdp_run / "out.pth"), load(tmp_path / "ddp.pth")
     assert fsdp.keys() == ddp.keys()
     for name in fsdp:  # a per-shard gradient norm would clip differently
@@ -239,7 +239,7 @@ def test_fsdp2_with_gradient_accumulation_trains_as_ddp_does(tmp_path):
         code, err = torchrun(
             tmp_path / f"w{shard}", tmp_path / f"{shard}.pth", SHARD=shard, ACCUM=2
         )
-        assert code == 0, err[-3000:]
+        assert code == 0, failure_output(err)
     fsdp, ddp = load(tmp_path / "1.pth"), load(tmp_path / "0.pth")
     for name in fsdp:
         torch.testing.assert_close(fsdp[name], ddp[name], rtol=1e-6, atol=1e-7)
@@ -250,7 +250,7 @@ def test_fsdp2_sigkill_then_rerun_is_bit_exact(tmp_path, fsdp_run):
     code, _ = torchrun(work, out, SHARD=1, CLIP=0.05, KILL_AT_ITER=7)
     assert code != 0 and not out.exists()
     code, err = torchrun(work, out, SHARD=1, CLIP=0.05)
-    assert code == 0, err[-3000:]
+    assert code == 0, failure_output(err)
     assert "Resumed from checkpoint" in err and "at iteration 6" in err
     assert_bit_equal(load(out), load(fsdp_run / "out.pth"))
 
@@ -276,13 +276,13 @@ def test_sigterm_stops_every_rank_at_one_checkpoint(tmp_path, torchrun_reference
         re.search(r"Preempted by SIGTERM after iteration (\d+)", (work / log).read_text())
         for log in ("log.txt", "log_rank1.txt")
     ]
-    assert stops[0] and stops[1], err[-3000:]
+    assert stops[0] and stops[1], failure_output(err)
     n = int(stops[0].group(1))
     assert int(stops[1].group(1)) == n and n % 2 == 0  # both, at a check (every 2 iterations)
     assert n < 15  # before the end of the run
     assert sorted(os.listdir(work / "checkpoints")) == [f"iter_{n}.pth", "latest.txt"]
     code, err = torchrun(work, out)
-    assert code == 0, err[-3000:]
+    assert code == 0, failure_output(err)
     assert "Resumed from checkpoint" in err
     assert_bit_equal(load(out), torchrun_reference)
 
@@ -299,7 +299,7 @@ def test_sigkill_at_random_moments_until_done(tmp_path, reference):
             kills += 1
         proc.communicate(timeout=60)
     code, err = run(work, out, CKPT_PERIOD=2)
-    assert code == 0, err[-3000:]
+    assert code == 0, failure_output(err)
     assert kills > 0
     assert_bit_equal(load(out), reference())
 
@@ -323,12 +323,12 @@ def test_preemption_signal_saves_exits_and_resumes_exactly(tmp_path, reference, 
     time.sleep(0.3)
     proc.send_signal(sig)
     _, err = proc.communicate(timeout=60)
-    assert proc.returncode == 128 + sig, err[-3000:]
+    assert proc.returncode == 128 + sig, failure_output(err)
     name = signal.Signals(sig).name
     assert f"Preempted by {name} after iteration" in err
     assert "Rerun the same command to resume" in err
     code, err = run(work, out, CKPT_PERIOD=1000)
-    assert code == 0, err[-3000:]
+    assert code == 0, failure_output(err)
     assert "Resumed from checkpoint" in err
     assert_bit_equal(load(out), reference())
 
@@ -350,7 +350,7 @@ def test_second_signal_exits_immediately(tmp_path, reference):
     assert time.time() - began < 10
     assert not (work / "checkpoints" / "latest.txt").exists()  # no half checkpoint is pointed at
     code, err = run(work, out, CKPT_PERIOD=1000)  # nothing saved: starts afresh, same result
-    assert code == 0, err[-3000:]
+    assert code == 0, failure_output(err)
     assert_bit_equal(load(out), reference())
 
 
