@@ -275,6 +275,7 @@ class Checkpointer:
         if revise_keys is not None:
             check_revise_keys(revise_keys, resume)
         self.wait()  # a write in flight may be the newest checkpoint
+        auto_picked = path is None
         if path is None:
             if not auto_resume:
                 raise ValueError("Pass a checkpoint path, or auto_resume=True to use the latest.")
@@ -295,7 +296,7 @@ class Checkpointer:
         # weights saved from a torch.compile-d model by other means carry its prefix
         weights = {k.replace("_orig_mod.", ""): v for k, v in weights.items()}
         weights = revised(weights, revise_keys or (), path)
-        if not resume:
+        if not resume and not auto_picked:  # load_newest checked the one it picked
             check_finite({"model": weights}, path, self._parameter_names())
         load_model_state(self._module, weights, path, strict, self._sharded)
         if not resume:
