@@ -437,8 +437,8 @@ def model_weights(data: dict[str, Any], path: str) -> dict[str, Any]:
     if not any(isinstance(value, torch.Tensor) for value in data.values()):
         raise RuntimeError(
             f"Checkpoint {path!r} holds no weights: expected a model's state_dict (names to "
-            f"tensors), or a dict holding one under 'state_dict' or 'model'; its keys are "
-            f"{_first(data)}."
+            f"tensors), or a dict holding one under 'state_dict', 'model_state_dict' or 'model'; "
+            f"its keys are {_first(data)}."
         )
     return data
 
