@@ -170,13 +170,15 @@ class EvalHook(HookBase):
             clash = name if name in others else by_tag.get(tag)
             if clash is None:
                 continue
-            whose = "another EvalHook returns" if clash in evaluated else "the trainer logs"
             what = "it" if clash == name else f"{clash!r} under the TensorBoard tag {tag!r}"
+            if clash in evaluated:
+                where = f"another EvalHook returns {what}"
+            else:
+                where = f"the trainer logs {what} in training"
             raise ValueError(
                 f"{'eval_func' if self._eval_func else 'metric_fn'} returned {name!r}, and "
-                f"{whose} {what}"
-                f"{' in training' if clash not in evaluated else ''}: the two would mix into one "
-                f"series. Rename the result (e.g. 'val_{name.rsplit('/', 1)[-1]}')."
+                f"{where}: the two would mix into one series. Rename the result (e.g. "
+                f"'val_{name.rsplit('/', 1)[-1]}')."
             )
         self._names |= new
 
