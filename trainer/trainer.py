@@ -506,9 +506,11 @@ class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
         each rank its shard (the samples it repeats to even them out are not counted), and any
         other loader is shared, each rank evaluating every world_size-th batch. Sums and
         counts stay on the device until one small gather at the end, over :attr:`cpu_group`.
-        A DDP model is evaluated through its module, whose forward waits for no other rank,
-        with rank 0's buffers (BatchNorm's statistics), as DDP's forward and checkpoints use
-        them; an FSDP2 model, whose forward waits, runs as many forwards on every rank.
+        A DDP model is evaluated through its module, so the ranks' numbers of forwards may
+        differ, with rank 0's buffers (BatchNorm's running statistics): those checkpoints hold,
+        and that DDP's training forward gives every rank unless ``broadcast_buffers=False``. An
+        FSDP2 model, whose forward gathers parameters from every rank, runs as many forwards on
+        every rank.
 
         Example::
 
