@@ -3,6 +3,8 @@
 The public names of core-pytorch-utils (``cpu``) import from here as they do from there.
 """
 
+from typing import TYPE_CHECKING, Any
+
 from .distributed import (
     all_gather,
     gather,
@@ -13,7 +15,7 @@ from .distributed import (
     reduce_dict,
 )
 from .env import collect_env
-from .hooks import CheckpointHook, DistributedHook, EvalHook, HookBase, LoggerHook, LRUpdateHook
+from .hooks import CheckpointHook, DistributedHook, HookBase, LoggerHook, LRUpdateHook
 from .logger import setup_logger
 from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import HistoryBuffer, MetricStorage
@@ -21,6 +23,18 @@ from .seed import set_random_seed
 from .trainer import Trainer
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from .hooks import EvalHook
+
+
+def __getattr__(name: str) -> Any:
+    if name == "EvalHook":  # imported by a run that evaluates
+        from .hooks import EvalHook
+
+        return EvalHook
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "CheckpointHook",

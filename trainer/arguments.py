@@ -5,6 +5,7 @@ they configure."""
 import inspect
 import logging
 import os
+import sys
 import tempfile
 from typing import Any, Optional
 
@@ -14,16 +15,10 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from .checks import NUMBER, check_int, check_type
-from .distributed import get_world_size
+from .distributed import get_world_size, is_main_process
 from .fsdp import is_sharded
-from .hooks import (
-    CheckpointHook,
-    DistributedHook,
-    HookBase,
-    LoggerHook,
-    LRUpdateHook,
-    ProgressBarHook,
-)
+from .hooks import CheckpointHook, DistributedHook, HookBase, LoggerHook, LRUpdateHook
+from .logger import is_terminal
 from .lr_scheduler import LRWarmupScheduler
 from .progress import loader_length
 from .step import unwrapped
@@ -156,9 +151,18 @@ def default_hooks(args: dict[str, Any]) -> list[HookBase]:
             args["tensorboard"],
             args["metrics_jsonl"],
         ),  # fmt: skip
-        # only where it would draw: elsewhere it would cost a call per iteration for nothing
-        *([ProgressBarHook()] if args["progress_bar"] and ProgressBarHook.wanted() else []),
+        *(_progress_bar() if args["progress_bar"] else []),
     ]
+
+
+def _progress_bar() -> list[HookBase]:
+    """A progress bar where it would draw (rank 0, on a terminal); elsewhere it would cost a call
+    per iteration for nothing, and its module is not even imported."""
+    if not (is_main_process() and is_terminal(sys.stderr)):
+        return []
+    from .hooks.progress_bar_hook import ProgressBarHook
+
+    return [ProgressBarHook()]
 
 
 def warmup_scheduler(args: dict[str, Any], epoch_len: int) -> LRWarmupScheduler:

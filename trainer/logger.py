@@ -118,6 +118,11 @@ class LiveLine:
 live_line = LiveLine()
 
 
+def is_terminal(stream: Any) -> bool:
+    """Whether ``stream`` is a terminal (where a live line can be drawn)."""
+    return callable(getattr(stream, "isatty", None)) and stream.isatty()
+
+
 def draws_safely_on(stream: Any) -> bool:
     """Whether every handler that prints the trainer's records on ``stream`` is this package's
     console handler, which clears a live line and draws it again below each record."""

@@ -23,7 +23,6 @@ from torch.utils.data import DataLoader
 
 from . import arguments as args
 from .checkpoint import Checkpointer, CheckpointMethods
-from .cuda_graph import GraphedStep, check_graphable
 from .distributed import CpuGroup, all_gather, get_rank, get_world_size, is_main_process
 from .env import collect_env
 from .hooks.registry import HookMethods, HookRegistry
@@ -179,8 +178,10 @@ class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
         super().__init__(
             model, unpack_batch_dict, optimizer, self.device, amp_dtype, clip_grad_norm, cuda_graph
         )
-        self._graphed_step: Optional[GraphedStep] = None
+        self._graphed_step: Optional[Callable[[list[Any]], Any]] = None
         if cuda_graph:
+            from .cuda_graph import GraphedStep, check_graphable
+
             check_graphable(model, optimizer, self.device, self.grad_scaler.is_enabled())
             self._graphed_step = GraphedStep(self.forward_backward_step, optimizer, self.device)
         self._cpu = CpuGroup()  # under torchrun, a gloo group of the trainer's while it trains

@@ -1,17 +1,46 @@
-"""The hooks that ship with ``trainer``, one per file."""
+"""The hooks that ship with ``trainer``, one per file. The core's hooks, which every run has,
+import with the package; the others import when first named, so that a run loads only the
+features it uses."""
 
-from .best_checkpoint_hook import BestCheckpointHook
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .checkpoint_hook import CheckpointHook
 from .distributed_hook import DistributedHook
-from .early_stopping_hook import EarlyStoppingHook
-from .ema_hook import EMAHook
-from .eval_hook import EvalHook
 from .hookbase import HookBase, Priority
 from .logger_hook import LoggerHook
 from .lr_update_hook import LRUpdateHook
-from .profiler_hook import ProfilerHook
-from .progress_bar_hook import ProgressBarHook
-from .watchdog_hook import WatchdogHook
+
+# name -> module of the hooks a run may add
+_EXTRAS = {
+    "BestCheckpointHook": "best_checkpoint_hook",
+    "EarlyStoppingHook": "early_stopping_hook",
+    "EMAHook": "ema_hook",
+    "EvalHook": "eval_hook",
+    "ProfilerHook": "profiler_hook",
+    "ProgressBarHook": "progress_bar_hook",
+    "WatchdogHook": "watchdog_hook",
+}
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from .best_checkpoint_hook import BestCheckpointHook
+    from .early_stopping_hook import EarlyStoppingHook
+    from .ema_hook import EMAHook
+    from .eval_hook import EvalHook
+    from .profiler_hook import ProfilerHook
+    from .progress_bar_hook import ProgressBarHook
+    from .watchdog_hook import WatchdogHook
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXTRAS:
+        return getattr(importlib.import_module(f".{_EXTRAS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXTRAS])
+
 
 __all__ = [
     "BestCheckpointHook",

@@ -17,7 +17,7 @@ from ..writers import (
     check_writers,
 )
 from .hookbase import HookBase, Priority
-from .summary import EvalRecord, summary_table
+from .summary import summary_table
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +63,8 @@ class LoggerHook(HookBase):
         self._writers: list[MetricWriter] = []
         self._written: dict[str, int] = {}  # metric -> values already written
         self._train_start = 0.0
-        self._evals = EvalRecord()
+        # the evaluated metrics' final and best values, for the summary
+        self._evals: dict[str, dict[str, Any]] = {}
 
     def before_train(self) -> None:
         """Open the writers, write the run's settings and start the clock. What a resumed run's
@@ -81,7 +82,7 @@ class LoggerHook(HookBase):
                 json.dump(config, f, indent=2)
             if self._tensorboard:
                 writer = TensorBoardWriter(
-                    trainer.tb_log_dir, trainer.start_iter, eval_names=self._evals.metrics
+                    trainer.tb_log_dir, trainer.start_iter, eval_names=self._evals
                 )
                 writer.write_text("run", _markdown_table(config), trainer.start_iter)
                 self._writers.append(writer)
@@ -133,7 +134,9 @@ class LoggerHook(HookBase):
     def after_eval(self, results: dict[str, float]) -> None:
         """Write an evaluation's results, in a row of their own (not the console line: the
         ``EvalHook`` logs its own), and keep their final and best values for the summary."""
-        self._evals.add(results, self.trainer.cur_iter + 1)
+        from .metric_watch import record_results  # imported by a run that evaluates
+
+        record_results(self._evals, results, self.trainer.cur_iter + 1)
         self._write(log_point=False, names=set(results))
 
     def after_train(self) -> None:
@@ -156,11 +159,11 @@ class LoggerHook(HookBase):
 
     def state_dict(self) -> dict[str, Any]:
         """The evaluated metrics' final and best values (for the summary of a resumed run)."""
-        return {"evals": self._evals.state_dict()}
+        return {"evals": {"metrics": {name: dict(entry) for name, entry in self._evals.items()}}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
-        self._evals.load_state_dict(state["evals"])
+        self._evals = {name: dict(entry) for name, entry in state["evals"]["metrics"].items()}
 
     def _write(self, log_point: bool, names: Optional[set[str]] = None) -> None:
         storage = self.trainer.metric_storage

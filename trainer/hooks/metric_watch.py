@@ -87,3 +87,20 @@ class MetricWatch:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.best = state["best"]
+
+
+def record_results(
+    record: dict[str, dict[str, Any]], results: dict[str, float], iters: int
+) -> None:
+    """Keep in ``record`` the final and best value of every result of an evaluation after
+    ``iters`` iterations, with the iteration of the best (the best judged by the name, see
+    :func:`infer_mode`; none for a name that does not tell)."""
+    for name, value in results.items():
+        entry = record.setdefault(name, {"best": None, "best_iter": None})
+        entry["final"] = value
+        mode = infer_mode(name)
+        if mode is not None:
+            watch = MetricWatch(name, mode)
+            watch.best = entry["best"]
+            if watch.improves(value):
+                entry["best"], entry["best_iter"] = value, iters

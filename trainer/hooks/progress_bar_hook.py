@@ -8,7 +8,7 @@ from typing import Optional, TextIO
 
 from ..checks import NUMBER, check_type
 from ..distributed import is_main_process
-from ..logger import draws_safely_on, live_line
+from ..logger import draws_safely_on, is_terminal, live_line
 from .hookbase import HookBase, Priority
 
 
@@ -46,8 +46,7 @@ class ProgressBarHook(HookBase):
     @staticmethod
     def wanted(stream: Optional[TextIO] = None) -> bool:
         """Whether a bar would show: on rank 0, on a terminal."""
-        stream = stream or sys.stderr
-        return is_main_process() and callable(getattr(stream, "isatty", None)) and stream.isatty()
+        return is_main_process() and is_terminal(stream or sys.stderr)
 
     def before_train(self) -> None:
         """Start drawing, if the console is a terminal that only this package's console handler

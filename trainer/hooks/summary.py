@@ -1,4 +1,4 @@
-"""The end-of-run summary table, and the evaluated metrics' final and best values behind it."""
+"""The end-of-run summary table."""
 
 import datetime
 import os
@@ -7,41 +7,13 @@ from typing import Any, Optional
 from tabulate import tabulate
 
 from ..writers import format_seconds
-from .metric_watch import MetricWatch, infer_mode
-
-
-class EvalRecord:
-    """The final and best value of every evaluated metric, with the iteration of the best (the
-    best judged by the name, see :func:`~trainer.hooks.metric_watch.infer_mode`; none for a
-    name that does not tell)."""
-
-    def __init__(self) -> None:
-        self.metrics: dict[str, dict[str, Any]] = {}
-
-    def add(self, results: dict[str, float], iters_done: int) -> None:
-        """Record the results of an evaluation after ``iters_done`` iterations."""
-        for name, value in results.items():
-            entry = self.metrics.setdefault(name, {"best": None, "best_iter": None})
-            entry["final"] = value
-            mode = infer_mode(name)
-            if mode is not None:
-                watch = MetricWatch(name, mode)
-                watch.best = entry["best"]
-                if watch.improves(value):
-                    entry["best"], entry["best_iter"] = value, iters_done
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"metrics": {name: dict(entry) for name, entry in self.metrics.items()}}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.metrics = {name: dict(entry) for name, entry in state["metrics"].items()}
 
 
 def summary_table(
     trainer: Any,
     seconds: float,
     iters: int,
-    evals: EvalRecord,
+    evals: dict[str, dict[str, Any]],
     logs: list[str],
 ) -> str:
     """The table printed when training ends: time, speed, where it went, the evaluated metrics,
@@ -51,7 +23,8 @@ def summary_table(
         trainer: The trainer, for its hooks, data time and checkpoints.
         seconds: Wall time of this run of ``train()``.
         iters: Iterations this run trained.
-        evals: The evaluated metrics.
+        evals: The evaluated metrics' final and best values (see
+            :func:`~trainer.hooks.metric_watch.record_results`).
         logs: The paths of the logs written.
     """
     wall = format_seconds(seconds)
@@ -67,7 +40,7 @@ def summary_table(
         rows.append(["data loading", _share(trainer.data_seconds, seconds)])
         hooks = sorted(trainer.hook_seconds.items(), key=lambda item: -item[1])
         rows += [[f"hook {name}", _share(s, seconds)] for name, s in hooks]
-    for name, entry in evals.metrics.items():
+    for name, entry in evals.items():
         value = f"final {entry['final']:.5g}"
         if entry["best"] is not None:
             value += f", best {entry['best']:.5g} (after iteration {entry['best_iter']})"
