@@ -22,7 +22,7 @@ class LossThresholdHook(HookBase):
         return self.period  # after_iter is called after every period-th and the last iteration
 
     def after_iter(self) -> None:
-        # Read metrics only on log iterations: reading turns device values into numbers (a sync).
+        # The storage holds each log point's values: read them at log points.
         if not self.every_n_iters(self.period):  # (the last iteration may be another)
             return
         loss = self.trainer.metric_storage["total_loss"].avg

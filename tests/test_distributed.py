@@ -127,8 +127,13 @@ class Batches:  # rank 1's batches take 50 ms each; with SHORT=1, rank 1 has 6, 
             yield torch.zeros(1)
 
 
+seen_counts = []  # total_loss's count in metric_storage, as a hook reads it after each iteration
+
+
 class Fault(HookBase):
     def after_iter(self):
+        storage = self.trainer.metric_storage
+        seen_counts.append(storage["total_loss"].count if "total_loss" in storage else 0)
         if rank == 1 and self.trainer.cur_iter == fail_at:
             raise RuntimeError(f"injected failure on rank 1 at iteration {fail_at}")
         if rank == 1 and self.trainer.cur_iter == hang_at:
@@ -193,6 +198,7 @@ def main():
         s = trainer.metric_storage
         print(f"rank {rank}: loss {s['total_loss'].latest} count {s['total_loss'].count} "
               f"data_time {s['data_time'].latest:.3f}", flush=True)
+        print(f"rank {rank}: counts seen {seen_counts}", flush=True)
         if os.environ.get("EVAL"):
             print(f"rank {rank}: acc {s['acc'].latest} count {s['acc'].count}", flush=True)
             print(f"rank {rank}: results gathered over the trainer's group {eval_groups}")
@@ -225,6 +231,9 @@ def test_logged_metrics_are_reduced_over_ranks_at_log_points(tmp_path):
         assert line, out
         assert float(line.group(1)) == 1.5 and int(line.group(2)) == 16
         assert float(line.group(3)) >= 0.045
+        # what a hook reads: the reduced values of each log point (8 iterations), as in one
+        # process (test_trainer.py::test_hooks_read_the_metrics_of_the_last_log_point)
+        assert f"rank {rank}: counts seen {[0] * 7 + [8] * 8 + [16]}" in out, out
 
 
 @pytest.mark.parametrize("env", [{}, {"EVAL": "shard", "CKPT": 4, "PREEMPT_CHECK": 2}])

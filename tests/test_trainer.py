@@ -146,6 +146,34 @@ def test_iterations_that_do_not_log_make_no_host_reads(make_trainer, monkeypatch
     assert all(reads[i] > 0 for i in log_iters)  # the counter does see the one flush per period
 
 
+def test_hooks_read_the_metrics_of_the_last_log_point(make_trainer, monkeypatch):
+    """Reading metric_storage has no side effect: a hook that reads it after every iteration
+    makes no host read and sees the values of the last log point, as under torchrun
+    (test_distributed.py::test_logged_metrics_are_reduced_over_ranks_at_log_points). Numbers
+    a hook logs are in it at once, as in core-pytorch-utils."""
+    reads, seen = [], []
+    real_tolist = torch.Tensor.tolist
+
+    def counted(self, *args, **kwargs):
+        reads.append(1)
+        return real_tolist(self, *args, **kwargs)
+
+    class Reader(HookBase):
+        def after_iter(self):
+            before = len(reads)
+            storage = self.metric_storage
+            seen.append(storage["total_loss"].count if "total_loss" in storage else 0)
+            assert len(reads) == before
+            self.log(self.trainer.cur_iter, seen=float(self.trainer.cur_iter), smooth=False)
+            assert self.metric_storage["seen"].latest == self.trainer.cur_iter
+
+    trainer = make_trainer(max_iters=10, log_period=4, checkpoint_period=0)
+    trainer.register_hook(Reader())
+    monkeypatch.setattr(torch.Tensor, "tolist", counted)
+    trainer.train()
+    assert seen == [0, 0, 0, 4, 4, 4, 4, 8, 8, 10]
+
+
 # ---- non-finite losses --------------------------------------------------------------------
 
 

@@ -560,7 +560,7 @@ class CheckpointMethods:
     """The Trainer's checkpoint methods, over its :class:`Checkpointer` (``self._checkpointer``)."""
 
     _checkpointer: Checkpointer
-    _pending: Any  # PendingMetrics
+    _storage: Any  # MetricStorage
     call_hooks: Callable[..., None]
     progress: Progress
     train_by_epoch: bool
@@ -586,7 +586,7 @@ class CheckpointMethods:
         self, file_name: str, *, then: Optional[Callable[[], None]] = None
     ) -> Optional[str]:
         """Save the whole state as ``ckpt_dir/file_name``; see :meth:`Checkpointer.save`."""
-        self._pending.flush(every_rank=True)  # so a non-finite loss raises before it is saved
+        self._storage.flush(every_rank=True)  # so a non-finite loss raises before it is saved
         self.call_hooks("before_save_checkpoint")  # the logs it covers reach the disk first
         return self._checkpointer.save(file_name, then)
 

@@ -1,5 +1,5 @@
-"""Metrics: :class:`HistoryBuffer` and :class:`MetricStorage` of smoothed values, and
-:class:`PendingMetrics`, the values waiting on the device for the next log point."""
+"""Metrics: :class:`HistoryBuffer`, one metric's series, and :class:`MetricStorage`, the
+buffers by name with the values still waiting on their device for the next log point."""
 
 import functools
 import itertools
@@ -8,7 +8,7 @@ import operator
 import statistics
 from collections import deque
 from collections.abc import Iterator, Mapping
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional
 
 import torch
 
@@ -95,8 +95,19 @@ class HistoryBuffer:
 class MetricStorage(Mapping):
     """A mapping from metric name to :class:`HistoryBuffer`, with each metric's latest iteration.
 
+    :meth:`update` adds numbers at once. :meth:`add` records numbers or scalar tensors left on
+    their device, so that logging a loss every iteration costs no host-device sync, until
+    :meth:`flush` turns them into numbers in one transfer (the trainer flushes at log points and
+    before saves; reading the storage never does). Under torchrun, the series marked ``reduce``
+    are reduced over ranks there, in one collective: by mean, or by max for times and skipped
+    steps. A non-finite value of a series marked ``check_finite`` (a loss) raises
+    ``FloatingPointError`` there, on every rank at the same iteration.
+
     Args:
         window_size: The window of each buffer, i.e. how many values a smoothed metric averages.
+        epoch_len: Iterations per epoch, to name the epoch of a bad loss (None: only the
+            iteration is named).
+        cpu: The trainer's gloo group, which reduces values on the CPU while it trains.
 
     Example::
 
@@ -110,12 +121,21 @@ class MetricStorage(Mapping):
         (1, 0.9)
     """
 
-    def __init__(self, window_size: int = 20) -> None:
+    def __init__(
+        self,
+        window_size: int = 20,
+        *,
+        epoch_len: Optional[int] = None,
+        cpu: Optional[CpuGroup] = None,
+    ) -> None:
         check_int("window_size", window_size, minimum=1)  # here, not at the first update
         self._window_size = window_size
         self._buffers: dict[str, HistoryBuffer] = {}
         self._latest_iter: dict[str, int] = {}
         self._smooth: dict[str, bool] = {}
+        self._epoch_len = epoch_len
+        self._cpu = cpu or CpuGroup()
+        self._pending: dict[str, _Series] = {}
 
     def __getitem__(self, name: str) -> HistoryBuffer:
         return self._buffers[name]
@@ -192,61 +212,20 @@ class MetricStorage(Mapping):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Replace the content with what :meth:`state_dict` returned."""
+        """Replace the content with what :meth:`state_dict` returned, and drop what is pending."""
         self._window_size = state["window_size"]
         self._buffers.clear()
         self._latest_iter.clear()
         self._smooth.clear()
+        self._pending.clear()
         for name, entry in state["metrics"].items():
             buf = HistoryBuffer(entry["buffer"]["window_size"])
             buf.load_state_dict(entry["buffer"])
             self._buffers[name] = buf
             self._latest_iter[name] = entry["iter"]
-            self._smooth[name] = entry["smooth"]
-
-
-class _Series(NamedTuple):
-    """One metric's values waiting for the next flush."""
-
-    smooth: bool
-    check_finite: bool
-    reduce: bool
-    iters: list[int]
-    values: list[Any]
-
-
-# Reduced across ranks by max (the slowest rank sets the pace); the other metrics by mean.
-_MAX_REDUCED = frozenset({"data_time", "iter_time", "amp_skipped_steps"})
-#: The metrics the trainer logs itself (the losses a model returns aside).
-TRAINER_METRICS = frozenset({"total_loss", "lr", "grad_norm", *_MAX_REDUCED})
-#: The times the trainer logs as each log period's own mean, never smoothed.
-PERIOD_TIMES = ("data_time", "iter_time")
-
-
-class PendingMetrics:
-    """Metric values logged since the last flush: numbers, or scalar tensors left on their
-    device, so that logging a loss every iteration costs no host-device sync.
-
-    :meth:`flush` turns them into numbers in one transfer and moves them into ``storage``.
-    Under torchrun, the series marked ``reduce`` wait for a point that every rank reaches (a log
-    iteration or a save), where one collective reduces them over ranks: by mean, or by max for
-    times and skipped steps. A non-finite value of a series marked ``check_finite`` (a loss)
-    raises ``FloatingPointError`` there, on every rank at the same iteration.
-
-    Args:
-        storage: Where flushed values go.
-        epoch_len: Iterations per epoch, to name the epoch of a bad loss (None: a stream's
-            epochs have no fixed length, and only the iteration is named).
-        cpu: The trainer's gloo group, which reduces values on the CPU while it trains.
-    """
-
-    def __init__(
-        self, storage: "MetricStorage", epoch_len: Optional[int], cpu: Optional[CpuGroup] = None
-    ) -> None:
-        self.storage = storage
-        self._epoch_len = epoch_len
-        self._cpu = cpu or CpuGroup()
-        self._series: dict[str, _Series] = {}
+            # the trainer's checkpoints from before its times were each period's own means hold
+            # them as smoothed
+            self._smooth[name] = entry["smooth"] and name not in PERIOD_TIMES
 
     def add(
         self,
@@ -256,43 +235,53 @@ class PendingMetrics:
         check_finite: bool = False,
         reduce: bool = False,
     ) -> None:
-        """Record values of iteration ``iter``: numbers or scalar tensors (a one-element tensor
-        is reshaped and detached; one of several values raises)."""
+        """Record values of iteration ``iter`` until the next :meth:`flush`: numbers or scalar
+        tensors (a one-element tensor is reshaped and detached; one of several values raises)."""
         # Called every iteration, so kept lean: a detached scalar tensor (a loss) passes as is.
         for name, value in metrics.items():
             if isinstance(value, torch.Tensor) and (value.requires_grad or value.dim()):
                 value = _scalar(name, value)
-            series = self._series.get(name)
+            series = self._pending.get(name)
             if series is None:
-                series = self._series[name] = _Series(smooth, check_finite, reduce, [], [])
+                series = self._pending[name] = _Series(smooth, check_finite, reduce, [], [])
             series.iters.append(iter)
             series.values.append(value)
 
-    def state_dict(self) -> dict[str, Any]:
-        """The storage's state (flush first: pending values are not part of it)."""
-        return self.storage.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Replace the storage's content, and drop what is pending."""
-        # Checkpoints from before the times were the period's own means hold them as smoothed.
-        metrics = {
-            name: {**entry, "smooth": False} if name in PERIOD_TIMES else entry
-            for name, entry in state["metrics"].items()
-        }
-        self.storage.load_state_dict({**state, "metrics": metrics})
-        self._series.clear()
+    def log(
+        self,
+        iter: int,
+        metrics: dict[str, Any],
+        smooth: bool = True,
+        check_finite: bool = False,
+        reduce: bool = False,
+    ) -> None:
+        """Record values of iteration ``iter``: this rank's own numbers at once (no sync to
+        wait for, and a hook reads them back as in core-pytorch-utils), the rest with :meth:`add`
+        until the next :meth:`flush`."""
+        if not (reduce or check_finite):
+            now = {
+                name: value
+                for name, value in metrics.items()
+                if not isinstance(value, torch.Tensor) and name not in self._pending
+            }
+            for name, value in now.items():
+                self.update(iter, smooth, **{name: value})
+            metrics = {name: value for name, value in metrics.items() if name not in now}
+        self.add(iter, metrics, smooth, check_finite, reduce)
 
     def flush(self, every_rank: bool = False) -> None:
-        """Move pending values into the storage; raise on a non-finite loss.
+        """Move pending values into the buffers; raise on a non-finite loss.
 
         Args:
             every_rank: Every rank calls this now, so the reduced series are flushed too.
         """
         distributed = get_world_size() > 1
-        names = [n for n, s in self._series.items() if every_rank or not (distributed and s.reduce)]
+        names = [
+            n for n, s in self._pending.items() if every_rank or not (distributed and s.reduce)
+        ]
         if not names:
             return
-        pending = {name: self._series.pop(name) for name in names}
+        pending = {name: self._pending.pop(name) for name in names}
         numbers = _numbers(pending, distributed, self._cpu.group)
         first_bad = math.inf  # the first iteration with a non-finite loss
         for name, series in pending.items():
@@ -307,7 +296,7 @@ class PendingMetrics:
                     at_first_bad[name] = values[iters.index(first_bad)]
                 keep = [i for i, it in enumerate(iters) if it < first_bad]
                 iters, values = [iters[i] for i in keep], [values[i] for i in keep]
-            self.storage.extend(name, iters, values, series.smooth)
+            self.extend(name, iters, values, series.smooth)
         if at_first_bad:
             checked = [n for n, s in pending.items() if s.check_finite and n in at_first_bad]
             bad = [n for n in checked if not math.isfinite(at_first_bad[n])]
@@ -318,6 +307,24 @@ class PendingMetrics:
                 f"{at_first_bad}. Lower the LR, enable "
                 "clip_grad_norm, or check the data of that iteration."
             )
+
+
+class _Series(NamedTuple):
+    """One metric's values waiting for the next :meth:`MetricStorage.flush`."""
+
+    smooth: bool
+    check_finite: bool
+    reduce: bool
+    iters: list[int]
+    values: list[Any]
+
+
+# Reduced across ranks by max (the slowest rank sets the pace); the other metrics by mean.
+_MAX_REDUCED = frozenset({"data_time", "iter_time", "amp_skipped_steps"})
+#: The metrics the trainer logs itself (the losses a model returns aside).
+TRAINER_METRICS = frozenset({"total_loss", "lr", "grad_norm", *_MAX_REDUCED})
+#: The times the trainer logs as each log period's own mean, never smoothed.
+PERIOD_TIMES = ("data_time", "iter_time")
 
 
 def _scalar(name: str, value: torch.Tensor) -> torch.Tensor:
@@ -405,41 +412,3 @@ def _stacked(values: list[Any], device: Optional[torch.device], dtype: torch.dty
     if device is None:
         device = _device_of([values])
     return torch.stack([torch.as_tensor(v, dtype=dtype).to(device) for v in values])
-
-
-class MetricMethods:
-    """The Trainer's metric methods, over its :class:`PendingMetrics` (``self._pending``) and
-    :class:`MetricStorage` (``self._storage``)."""
-
-    _pending: PendingMetrics
-    _storage: MetricStorage
-    progress: Any
-
-    def log(
-        self,
-        iter: int,
-        smooth: bool = True,
-        *,
-        reduce: bool = False,
-        check_finite: bool = False,
-        **metrics: Union[float, torch.Tensor],
-    ) -> None:
-        """Record ``metrics`` (numbers or scalar tensors, which stay on their device until the
-        next log point: no sync) of iteration ``iter``. The logger shows their window mean
-        (``smooth``) or latest value. ``reduce``: average them over ranks under torchrun (log
-        them on every rank at the same iterations); otherwise they stay this rank's own.
-        ``check_finite``: a NaN or infinite value raises at the next log point, as losses do."""
-        self._pending.add(iter, metrics, smooth, check_finite, reduce)
-
-    def log_losses(self, **losses: torch.Tensor) -> None:
-        """Record losses of the current iteration as the built-in step does: checked at the next
-        log point (a NaN or infinite one raises ``FloatingPointError`` naming the iteration,
-        before any checkpoint can hold it) and averaged over ranks under torchrun."""
-        self._pending.add(self.progress.iter, losses, check_finite=True, reduce=True)
-
-    @property
-    def metric_storage(self) -> MetricStorage:
-        """The smoothed metrics, up to date: reading it turns the pending device values into
-        numbers, a CPU-GPU sync point, so hooks read it on log iterations only."""
-        self._pending.flush()
-        return self._storage

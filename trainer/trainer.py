@@ -35,7 +35,7 @@ from .logger import (
     rank_log_file,
 )
 from .lr_scheduler import LRWarmupScheduler
-from .metric_storage import MetricMethods, MetricStorage, PendingMetrics
+from .metric_storage import MetricStorage
 from .preemption import WRITE_FAILED, Preemption
 from .progress import DataStream, Progress
 from .step import StepMethods, unwrapped
@@ -44,7 +44,7 @@ from .writers import MetricWriter
 logger = logging.getLogger(__name__)
 
 
-class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
+class Trainer(StepMethods, HookMethods, CheckpointMethods):
     """Trains a model that returns its loss; hooks do everything around the loop.
 
     Each iteration fetches ``accumulation_steps`` batches, runs ``model(batch)`` (or
@@ -188,14 +188,13 @@ class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
         self._lock = WorkDirLock(self.work_dir)  # rank 0's, while it trains
         self._data = DataStream(data_loader, self._cpu)
         self._hooks = HookRegistry(self)
-        self._storage = MetricStorage()
-        self._pending = PendingMetrics(self._storage, self.epoch_len, self._cpu)
+        self._storage = MetricStorage(epoch_len=self.epoch_len, cpu=self._cpu)
         self._preemption = Preemption(preempt_check_period, self._cpu)
         amp = str(self.amp_dtype).replace("torch.", "") if enable_amp else "off"
         self._checkpointer = Checkpointer(
             self.ckpt_dir, self.model, optimizer, self.progress, self._data,
             parts={"lr_scheduler": self.lr_scheduler, "grad_scaler": self.grad_scaler,
-                   "metric_storage": self._pending},
+                   "metric_storage": self._storage},
             hooks=self._hooks.checkpointable,
             config={"amp": amp, "accumulation_steps": accumulation_steps},
             batch_size=getattr(data_loader, "batch_size", None),  # per process
@@ -312,6 +311,7 @@ class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
                 with self._watch_skipped_steps():
                     while not self.progress.finished and self._train_epoch():
                         pass
+                self._storage.flush(every_rank=True)  # what was logged after the last log point
                 if self.progress.stopped and not self.progress.is_saved:
                     self.save_checkpoint(self.checkpoint_name())  # a rerun stays stopped
             except KeyboardInterrupt:
@@ -479,11 +479,11 @@ class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
         self._data_seconds += self._data.data_time
         self._data.data_time, self._period_start = 0.0, (now, it)
         # the period's own means, not smoothed: a logged time says what this period took
-        self._pending.add(it, times, smooth=False, reduce=True)
+        self._storage.add(it, times, smooth=False, reduce=True)
         # The LR this iteration used (LRUpdateHook changes it after the iteration); only the
         # latest value is ever shown, so it is recorded at log points alone.
-        self._pending.add(it, {"lr": self.lr}, smooth=False)
-        self._pending.flush(every_rank=True)
+        self._storage.add(it, {"lr": self.lr}, smooth=False)
+        self._storage.flush(every_rank=True)
 
     def stop(self) -> None:
         """End training after this iteration (or epoch, called at its end): the remaining hooks
@@ -530,6 +530,39 @@ class Trainer(StepMethods, HookMethods, MetricMethods, CheckpointMethods):
             if self._ddp is not None and get_world_size() > 1:  # what DDP's forward would use
                 stack.enter_context(rank_0_buffers(model, self._ddp.process_group))
             return evaluate(model, data_loader, metric_fn, self._cpu.group)
+
+    # ----------------------------------------------------------------------------------------
+    # Metrics
+
+    @property
+    def metric_storage(self) -> MetricStorage:
+        """The metrics as of the last log point (or save, or evaluation): the same numbers in
+        one process and under torchrun, where they are reduced over ranks. Reading it costs
+        nothing; values logged since wait on their device for the next log point."""
+        return self._storage
+
+    def log(
+        self,
+        iter: int,
+        smooth: bool = True,
+        *,
+        reduce: bool = False,
+        check_finite: bool = False,
+        **metrics: Union[float, torch.Tensor],
+    ) -> None:
+        """Record ``metrics`` of iteration ``iter``: numbers, in the storage at once, or scalar
+        tensors, which stay on their device until the next log point (no sync). The logger
+        shows their window mean (``smooth``) or latest value. ``reduce``: average them over
+        ranks under torchrun at log points (log them on every rank at the same iterations);
+        otherwise they stay this rank's own. ``check_finite``: a NaN or infinite value raises at
+        the next log point, as losses do."""
+        self._storage.log(iter, metrics, smooth, check_finite, reduce)
+
+    def log_losses(self, **losses: torch.Tensor) -> None:
+        """Record losses of the current iteration as the built-in step does: checked at the next
+        log point (a NaN or infinite one raises ``FloatingPointError`` naming the iteration,
+        before any checkpoint can hold it) and averaged over ranks under torchrun."""
+        self._storage.add(self.progress.iter, losses, check_finite=True, reduce=True)
 
     # ----------------------------------------------------------------------------------------
     # The step, and the public building blocks it is made of

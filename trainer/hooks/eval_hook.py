@@ -129,7 +129,8 @@ class EvalHook(HookBase):
         self._refuse_clashes(results)
         line = "  ".join(f"{k}: {v:.5g}" for k, v in results.items())
         logger.info(f"Evaluation after iteration {self.trainer.cur_iter + 1}: {line}")
-        self.trainer.log(self.trainer.cur_iter, smooth=False, **results)
+        # numbers already, the same on every rank: in the storage at once, for the hooks
+        self.trainer.metric_storage.update(self.trainer.cur_iter, smooth=False, **results)
         self.trainer.call_hooks("after_eval", results)
 
     def _call_eval_func(self) -> Optional[dict[str, float]]:

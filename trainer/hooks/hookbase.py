@@ -103,7 +103,7 @@ class HookBase:
 
     @property
     def metric_storage(self) -> Any:
-        """``trainer.metric_storage``: reading it is a sync point, so read it on log iterations."""
+        """``trainer.metric_storage``: the metrics as of the last log point."""
         return self.trainer.metric_storage
 
     def log(self, *args: Any, **kwargs: Any) -> None:
