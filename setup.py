@@ -34,7 +34,15 @@ setup(
     python_requires=">=3.9",
     install_requires=["torch>=2.4", "numpy", "tensorboard", "tabulate"],
     extras_require={
-        "dev": ["pytest>=7", "pytest-timeout", "ruff", "torchdata>=0.8"],
+        # setuptools: tests/test_packaging.py builds the wheel with it, without a download
+        "dev": [
+            "pytest>=7",
+            "pytest-timeout",
+            "ruff",
+            "mypy",
+            "setuptools>=70.1",
+            "torchdata>=0.8",
+        ],
         "examples": ["scikit-learn"],
         # StatefulDataLoader: checkpointed through its own state, IterableDatasets included
         "torchdata": ["torchdata>=0.8"],
