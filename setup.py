@@ -44,6 +44,8 @@ setup(
             "torchdata>=0.8",
         ],
         "examples": ["scikit-learn"],
+        # `mkdocs build --strict` builds the site in docs/ (.ci/run does)
+        "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
         # StatefulDataLoader: checkpointed through its own state, IterableDatasets included
         "torchdata": ["torchdata>=0.8"],
     },

@@ -160,4 +160,4 @@ def main(argv: Optional[list[str]] = None) -> float:
 
 if __name__ == "__main__":
     main()
-    destroy_distributed()  # after main() returned (README: a rank that aborts or hangs at exit)
+    destroy_distributed()  # after main() returned (docs/internals.md: gloo teardown)

@@ -173,8 +173,8 @@ def main():
         torch.distributed.destroy_process_group()
         # Skip freeing the model and the interpreter's teardown: a gloo thread of the default
         # group may still hold a tensor made in Python, and dropping it deadlocks with the DDP
-        # model freeing that group, or aborts while the interpreter exits (README: a rank that
-        # aborts or hangs at exit).
+        # model freeing that group, or aborts while the interpreter exits (docs/internals.md:
+        # gloo teardown).
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

@@ -76,7 +76,7 @@ def test_collectives_across_two_gloo_processes(tmp_path):
 # How the training workers end (they import os and sys): every rank done talking, then tear down,
 # and skip freeing the model and the interpreter's teardown: a gloo thread of the default group
 # may still hold a tensor made in Python, and dropping it deadlocks with the DDP model freeing
-# that group, or aborts while the interpreter exits (README: a rank that aborts or hangs at exit).
+# that group, or aborts while the interpreter exits (docs/internals.md: gloo teardown).
 TEARDOWN = """
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()
@@ -167,8 +167,8 @@ def main():
     }
     # Every collective of torch.distributed while train() runs, and whether it went over the
     # trainer's group: on the default group, a gloo thread dropping a tensor made in Python can
-    # deadlock with a DDP model freed after destroy_process_group() (README: a rank that aborts
-    # or hangs at exit).
+    # deadlock with a DDP model freed after destroy_process_group() (docs/internals.md:
+    # gloo teardown).
     collectives, on_default_group, training = [], [], []
     eval_groups = []  # per gather of EvalHook's results: whether it used the trainer's group
 
@@ -240,8 +240,8 @@ def test_logged_metrics_are_reduced_over_ranks_at_log_points(tmp_path):
 def test_the_trainer_keeps_its_collectives_off_the_default_group(tmp_path, env):
     """The reduction, preemption checks, saves and evaluations go over the trainer's gloo group:
     a gloo thread of the default group that drops a tensor made in Python as a DDP model frees
-    that group (with the GIL held) deadlocks the process at exit (README: a rank that aborts or
-    hangs at exit)."""
+    that group (with the GIL held) deadlocks the process at exit (docs/internals.md: gloo
+    teardown)."""
     out = run_train_worker(tmp_path, **env)
     for rank in (0, 1):
         line = re.search(rf"rank {rank}: (\d+) collectives, over the default group (.*)", out)
@@ -420,12 +420,11 @@ def test_accumulation_reduces_gradients_once_per_iteration(tmp_path, wrapper):
 
 
 def readme_torchrun_recipe_with_fsdp2():
-    """README's torchrun recipe, its model sharded as README's FSDP2 paragraph says, and the
-    full weights gathered after training (a collective on the default group just before the
-    teardown, which made about 1 run in 5 abort at exit with a barrier of the default group)."""
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    section = readme[readme.index("\n## Multi-GPU / multi-node with torchrun\n") :]
-    recipe = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
+    """The torchrun recipe of docs/distributed.md, its model sharded as its FSDP2 section says,
+    and the full weights gathered after training (a collective on the default group just before
+    the teardown, which made about 1 run in 5 abort at exit with a barrier of the default group)."""
+    page = open(os.path.join(os.path.dirname(__file__), "..", "docs", "distributed.md")).read()
+    recipe = re.search(r"```python\n(.*?)```", page, re.DOTALL).group(1)
     wrap = "        model = DistributedDataParallel(model)  # or shard it with FSDP2, below\n"
     train = "    Trainer(model, optimizer, None, loader, max_epochs=10).train()\n"
     assert wrap in recipe and train in recipe and "\ndestroy_distributed()" not in recipe
