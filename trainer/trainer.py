@@ -1,12 +1,12 @@
-"""The :class:`Trainer`: the training loop and its hooks. What it holds lives in modules of its
-own: ``progress.py`` (where training is, the resumable data passes), ``step.py`` (the step's
-building blocks), ``metric_storage.py`` (metrics, reduced and NaN-checked at log points),
-``preemption.py`` (signals agreed across ranks), ``checkpoint.py`` (what checkpoints hold, and
-the Trainer's checkpoint methods) and ``hooks/`` (the hooks, and in ``registry.py`` their
-order, timing and the Trainer's hook methods).
+"""The :class:`Trainer`: the training loop, the step's public building blocks, and the hooks
+around them. What it holds lives in modules of its own: ``progress.py`` (where training is, the
+resumable data passes), ``metric_storage.py`` (metrics, reduced and NaN-checked at log points),
+``preemption.py`` (signals agreed across ranks), ``checkpoint.py`` (what checkpoints hold) and
+``hooks/`` (the hooks, and in ``registry.py`` their order and timing).
 """
 
 import contextlib
+import functools
 import logging
 import math
 import os
@@ -17,15 +17,18 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from . import arguments as args
-from .checkpoint import Checkpointer, CheckpointMethods
+from .checkpoint import Checkpointer, checkpoint_name
 from .distributed import CpuGroup, all_gather, get_rank, get_world_size, is_main_process
 from .env import collect_env
-from .hooks.registry import HookMethods, HookRegistry
+from .fsdp import is_sharded, local_value, no_gradient_sync
+from .hooks import HookBase
+from .hooks.registry import HookRegistry
 from .lock import WorkDirLock
 from .logger import (
     TRACEBACK_FOLLOWS,
@@ -38,13 +41,13 @@ from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import MetricStorage
 from .preemption import WRITE_FAILED, Preemption
 from .progress import DataStream, Progress
-from .step import StepMethods, unwrapped
+from .step import NO_METRICS, NO_OP, total_loss, unwrapped, wrappers
 from .writers import MetricWriter
 
 logger = logging.getLogger(__name__)
 
 
-class Trainer(StepMethods, HookMethods, CheckpointMethods):
+class Trainer:
     """Trains a model that returns its loss; hooks do everything around the loop.
 
     Each iteration fetches ``accumulation_steps`` batches, runs ``model(batch)`` (or
@@ -175,9 +178,32 @@ class Trainer(StepMethods, HookMethods, CheckpointMethods):
         amp_dtype = self.amp_dtype if enable_amp else None
         if compile:
             model = torch.compile(model, **(compile if compile is not True else {}))
-        super().__init__(
-            model, unpack_batch_dict, optimizer, self.device, amp_dtype, clip_grad_norm, cuda_graph
+        self.model = model
+        self.unpack_batch_dict = unpack_batch_dict
+        self.optimizer = optimizer
+        self.clip_grad_norm = clip_grad_norm
+        # DDP (also under torch.compile) skips its gradient all-reduce with no_sync()
+        self._ddp = next(
+            (m for m in wrappers(model) if isinstance(m, DistributedDataParallel)), None
         )
+        self._sharded_model = model if is_sharded(model) else None  # by FSDP2's fully_shard
+        self._autocast = (
+            functools.partial(
+                torch.autocast, self.device.type, amp_dtype, cache_enabled=not cuda_graph
+            )
+            if amp_dtype is not None
+            else None
+        )
+        # bfloat16 has float32's range, so only float16 needs loss scaling.
+        self.grad_scaler = torch.amp.GradScaler(
+            self.device.type, enabled=amp_dtype == torch.float16
+        )
+        self._scaling = self.grad_scaler.is_enabled()
+        # Whether the GradScaler skipped the last step: a bool, or a device tensor with fused
+        # optimizers, which skip on the device.
+        self._skipped: Union[bool, torch.Tensor] = False
+        self._update_due = False  # the scaler stepped an optimizer since its last update
+
         self._graphed_step: Optional[Callable[[list[Any]], Any]] = None
         if cuda_graph:
             from .cuda_graph import GraphedStep, check_graphable
@@ -282,6 +308,91 @@ class Trainer(StepMethods, HookMethods, CheckpointMethods):
         released when training ends, which joins its threads (see
         :class:`~trainer.distributed.CpuGroup`); None otherwise, where the default group serves."""
         return self._cpu.group
+
+    # ----------------------------------------------------------------------------------------
+    # Hooks
+
+    def register_hook(self, hook: HookBase) -> None:
+        """Add a hook; hooks run by ascending ``priority``, ties in registration order."""
+        self._hooks.register(hook)
+
+    def register_hooks(self, hooks: Sequence[Optional[HookBase]]) -> None:
+        """Add several hooks; None entries are skipped."""
+        for hook in hooks:
+            if hook is not None:
+                self._hooks.register(hook)
+
+    def unregister_hook(self, hook: Union[HookBase, type]) -> list[HookBase]:
+        """Remove ``hook``, or every hook of that class (a default one, say, to replace it with
+        your own); returns what was removed."""
+        return self._hooks.unregister(hook)
+
+    def call_hooks(self, event: str, *args: Any) -> None:
+        """Run every hook's ``event`` handler, e.g. ``call_hooks("after_eval", results)``."""
+        self._hooks.call(event, *args)
+
+    @property
+    def hooks(self) -> list[HookBase]:
+        """The registered hooks in the order they run (a copy: register and unregister them
+        with the methods)."""
+        return list(self._hooks.hooks)
+
+    @property
+    def hook_info(self) -> list[str]:
+        """The registered hooks in the order they run, with their priorities."""
+        return [f"{h.class_name} (priority {h.priority})" for h in self._hooks.hooks]
+
+    @property
+    def hook_seconds(self) -> dict[str, float]:
+        """Seconds spent in each hook since :meth:`train` started, by class name (a hook's
+        ``after_eval`` time also counts in the ``EvalHook`` that calls it)."""
+        return self._hooks.seconds_by_class()
+
+    # ----------------------------------------------------------------------------------------
+    # Checkpoints
+
+    def checkpoint_name(self) -> str:
+        """The file name of a checkpoint taken now: ``epoch_{N}.pth`` at an epoch's end in
+        epoch-based training, ``iter_{N}.pth`` otherwise (N epochs or iterations done)."""
+        return checkpoint_name(self.train_by_epoch, self.progress.position, self.cur_iter + 1)
+
+    @property
+    def last_checkpoint(self) -> Optional[str]:
+        """The path of the checkpoint saved (on rank 0) or resumed from last; None before."""
+        return self._checkpointer.last_path
+
+    def register_checkpointable(self, name: str, obj: Any) -> None:
+        """Save ``obj.state_dict()`` in every checkpoint under ``name`` and restore it with
+        ``obj.load_state_dict()`` on resume: an extra optimizer, LR scheduler or module that an
+        overridden :meth:`train_one_iter` uses."""
+        self._checkpointer.register(name, obj)
+
+    def save_checkpoint(
+        self, file_name: str, *, then: Optional[Callable[[], None]] = None
+    ) -> Optional[str]:
+        """Save the whole state as ``ckpt_dir/file_name``; see :meth:`Checkpointer.save`."""
+        self._storage.flush(every_rank=True)  # so a non-finite loss raises before it is saved
+        self.call_hooks("before_save_checkpoint")  # the logs it covers reach the disk first
+        return self._checkpointer.save(file_name, then)
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for the checkpoint write in flight; raise its ``OSError`` if it failed."""
+        self._checkpointer.wait()
+
+    def load_checkpoint(
+        self,
+        path: Optional[str] = None,
+        auto_resume: bool = False,
+        *,
+        resume: bool = True,
+        strict: bool = True,
+        revise_keys: Optional[Sequence[tuple[str, str]]] = None,
+    ) -> bool:
+        """Load the whole state (``resume``) or the weights alone from ``path``, or with
+        ``auto_resume`` from the newest checkpoint that loads; see :meth:`Checkpointer.load`.
+        ``load_checkpoint(path, resume=False)`` loads pretrained weights (a plain
+        ``state_dict`` file too), ``strict=False`` those that match, ``revise_keys`` renamed."""
+        return self._checkpointer.load(path, auto_resume, resume, strict, revise_keys)
 
     # ----------------------------------------------------------------------------------------
     # The loop
@@ -589,3 +700,130 @@ class Trainer(StepMethods, HookMethods, CheckpointMethods):
         """The next batch of the current epoch's pass over the data loader (time counted as
         ``data_time``)."""
         return self._data.next_batch()
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """A context for the forward pass: mixed precision with AMP on, else a no-op."""
+        return NO_OP if self._autocast is None else self._autocast()
+
+    def no_gradient_sync(self, skip: bool = True) -> contextlib.AbstractContextManager:
+        """A context for the forward and backward of a micro-batch whose gradients stay local
+        (all but the last, when accumulating): DDP's ``no_sync``, FSDP2's
+        ``set_requires_gradient_sync(False)``; a no-op when not ``skip`` or in one process."""
+        if skip and self._ddp is not None:
+            return self._ddp.no_sync()
+        if skip and self._sharded_model is not None:
+            return no_gradient_sync(self._sharded_model)
+        return NO_OP
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, the loss multiplied by the GradScaler's scale with float16 AMP."""
+        (self.grad_scaler.scale(loss) if self._scaling else loss).backward()
+
+    def clip_and_step(self, optimizer: Optional[Optimizer] = None) -> Optional[torch.Tensor]:
+        """Unscale and clip (``clip_grad_norm``) the gradients of ``optimizer``'s parameters,
+        then step it (the trainer's by default) through the GradScaler, which skips a step whose
+        float16 gradients overflowed. Returns the gradient norm before clipping, as a device
+        tensor, or None without clipping."""
+        optimizer = self.optimizer if optimizer is None else optimizer
+        norm = None
+        if self.clip_grad_norm > 0:
+            # unscaled first, so the threshold means what it says
+            self.grad_scaler.unscale_(optimizer)
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            norm = nn.utils.clip_grad_norm_(params, self.clip_grad_norm).detach()
+            if self._sharded_model is not None:
+                norm = local_value(norm)  # FSDP2: a replicated DTensor
+        if not self._scaling:
+            optimizer.step()
+            return norm
+        if optimizer is self.optimizer:
+            self._skipped = True  # until _on_optimizer_step says otherwise
+        self.grad_scaler.step(optimizer)
+        self._update_due = True
+        return norm
+
+    def update_scaler(self) -> None:
+        """Adjust the float16 loss scale, once per iteration after every optimizer stepped (the
+        trainer does it after ``train_one_iter`` if the iteration did not)."""
+        if self._update_due:
+            self.grad_scaler.update()
+            self._update_due = False
+
+    def compute_losses(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Run the model on ``batch`` (``model(**batch)`` with ``unpack_batch_dict``) under
+        :meth:`autocast`; returns the loss to back-propagate and the detached losses to log,
+        ``total_loss`` among them (see :func:`total_loss`)."""
+        model, unpack = self.model, self.unpack_batch_dict
+        if self._autocast is None:  # no AMP: not even a null context, this runs every step
+            out = model(**batch) if unpack else model(batch)
+        else:
+            with self._autocast():
+                out = model(**batch) if unpack else model(batch)
+        if isinstance(out, torch.Tensor) and out.dim() == 0:  # the common case, kept short
+            return out, {"total_loss": out.detach()}
+        return total_loss(out)
+
+    def forward_backward_step(
+        self, batches: list[Any], set_to_none: bool = True
+    ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The built-in step, in numbered steps with the public methods: forward, backward and
+        step on ``batches`` (one per micro-step, gradients summed); returns the losses and the
+        other metrics as device tensors. ``cuda_graph=True`` captures this whole method."""
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+        if len(batches) == 1:
+            # 2. forward under autocast, 3. backward (the GradScaler multiplies the loss with
+            # float16 AMP)
+            loss, losses = self.compute_losses(batches[0])
+            self.backward(loss)
+        else:
+            losses = self._accumulate(batches)  # 2. and 3. per micro-batch
+        # 4. clip the gradients and step; float16 steps with inf or NaN gradients are skipped
+        grad_norm = self.clip_and_step()
+        if not self._scaling and grad_norm is None:
+            return losses, NO_METRICS  # the plain configuration: no other metric
+        self.update_scaler()  # here, not after the iteration: a CUDA graph replays it
+        extras: dict[str, Any] = {}
+        if grad_norm is not None:
+            extras["grad_norm"] = grad_norm
+        if self._scaling:
+            extras["amp_skipped_steps"] = self._skipped
+        return losses, extras
+
+    def _accumulate(self, batches: list[Any]) -> dict[str, torch.Tensor]:
+        """Steps 2 and 3 of :meth:`forward_backward_step` for each of several micro-batches, the
+        loss divided by their number so that the summed gradients average them; the gradients
+        of all but the last stay local. Returns the losses averaged over the micro-batches."""
+        k = len(batches)
+        total: dict[str, torch.Tensor] = {}
+        for micro_step, batch in enumerate(batches):
+            with self.no_gradient_sync(skip=micro_step < k - 1):
+                loss, logged = self.compute_losses(batch)
+                self.backward(loss / k)
+            total = {n: total[n] + v for n, v in logged.items()} if micro_step else logged
+        return {name: value / k for name, value in total.items()}
+
+    @property
+    def step_skipped(self) -> bool:
+        """Whether the float16 GradScaler skipped the last optimizer step (inf/NaN gradients).
+
+        With fused optimizers the flag lives on the device: reading it is a CPU-GPU sync.
+        """
+        return bool(self._skipped)
+
+    @contextlib.contextmanager
+    def _watch_skipped_steps(self) -> Iterator[None]:
+        if not self._scaling:
+            yield
+            return
+        # Removed when training ends, so the optimizer never keeps the trainer alive.
+        handle = self.optimizer.register_step_post_hook(self._on_optimizer_step)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def _on_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
+        # GradScaler calls optimizer.step() only for finite gradients, except with optimizers
+        # that skip on the device (fused ones), which it hands the inf flag as `found_inf`.
+        found_inf = getattr(optimizer, "found_inf", None)
+        self._skipped = False if found_inf is None else found_inf

@@ -1,10 +1,9 @@
-"""The trainer's hooks, in the order they run, and the timing of every call: the
-:class:`HookRegistry`, and :class:`HookMethods`, the Trainer's public methods over it."""
+"""The trainer's hooks, in the order they run, and the timing of every call."""
 
 import sys
 import time
 import weakref
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Union
 
 from .hookbase import HookBase
 
@@ -169,45 +168,3 @@ def _period(hook: HookBase) -> int:
 def _overrides(hook: HookBase, event: str) -> bool:
     method = getattr(hook, event)
     return getattr(method, "__func__", None) is not getattr(HookBase, event)
-
-
-class HookMethods:
-    """The Trainer's hook methods, over the :class:`HookRegistry` in ``self._hooks``."""
-
-    _hooks: HookRegistry
-
-    def register_hook(self, hook: HookBase) -> None:
-        """Add a hook; hooks run by ascending ``priority``, ties in registration order."""
-        self._hooks.register(hook)
-
-    def register_hooks(self, hooks: Sequence[Optional[HookBase]]) -> None:
-        """Add several hooks; None entries are skipped."""
-        for hook in hooks:
-            if hook is not None:
-                self._hooks.register(hook)
-
-    def unregister_hook(self, hook: Union[HookBase, type]) -> list[HookBase]:
-        """Remove ``hook``, or every hook of that class (a default one, say, to replace it with
-        your own); returns what was removed."""
-        return self._hooks.unregister(hook)
-
-    def call_hooks(self, event: str, *args: Any) -> None:
-        """Run every hook's ``event`` handler, e.g. ``call_hooks("after_eval", results)``."""
-        self._hooks.call(event, *args)
-
-    @property
-    def hooks(self) -> list[HookBase]:
-        """The registered hooks in the order they run (a copy: register and unregister them
-        with the methods)."""
-        return list(self._hooks.hooks)
-
-    @property
-    def hook_info(self) -> list[str]:
-        """The registered hooks in the order they run, with their priorities."""
-        return [f"{h.class_name} (priority {h.priority})" for h in self._hooks.hooks]
-
-    @property
-    def hook_seconds(self) -> dict[str, float]:
-        """Seconds spent in each hook since :meth:`train` started, by class name (a hook's
-        ``after_eval`` time also counts in the ``EvalHook`` that calls it)."""
-        return self._hooks.seconds_by_class()
