@@ -21,7 +21,7 @@ import time
 import torch
 from overhead import build
 
-from trainer import HookBase, Trainer
+from trainer import HookBase, LoggerHook, Trainer
 
 EPOCH = 50  # batches per epoch in overhead.build, and the log period here
 
@@ -51,9 +51,12 @@ def main():
     with tempfile.TemporaryDirectory() as work_dir:
         trainer = Trainer(
             model, optimizer, None, batches, max_iters=args.iters, work_dir=work_dir,
-            log_period=EPOCH, checkpoint_period=10**6, tensorboard=args.tensorboard == "on",
-            metrics_jsonl=args.metrics_jsonl == "on",
+            log_period=EPOCH, checkpoint_period=10**6,
         )  # fmt: skip
+        trainer.unregister_hook(LoggerHook)
+        trainer.register_hook(LoggerHook(
+            EPOCH, tensorboard=args.tensorboard == "on", metrics_jsonl=args.metrics_jsonl == "on"
+        ))  # fmt: skip
         trainer.register_hook(stamps)
         trainer.train()
     by_position = {p: [] for p in range(EPOCH)}

@@ -61,7 +61,7 @@ class FlatStepTrainer(Trainer):
         logged = loss.detach()
         loss.backward()
         self.optimizer.step()
-        self._pending.add(self.cur_iter, {"total_loss": logged}, check_finite=True, reduce=True)
+        self._storage.add(self.cur_iter, {"total_loss": logged}, check_finite=True, reduce=True)
 
 
 def main():

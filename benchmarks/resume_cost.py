@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from trainer import HookBase, Trainer
+from trainer import CheckpointHook, HookBase, LoggerHook, Trainer
 
 ITERS_PER_EPOCH, BATCH, RESUME_AT = 100, 4, 90
 
@@ -79,9 +79,11 @@ def run(work_dir: str, dataset: SlowDataset, workers: int, stop_after: int) -> t
     loader = DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=workers)
     trainer = Trainer(
         model, torch.optim.SGD(model.parameters(), lr=0.01), None, loader, max_epochs=2,
-        work_dir=work_dir, checkpoint_period=RESUME_AT, checkpoint_by_epoch=False,
-        log_period=1000, tensorboard=False, metrics_jsonl=False,
+        work_dir=work_dir, checkpoint_period=0, log_period=1000,
     )  # fmt: skip
+    trainer.register_hook(CheckpointHook(RESUME_AT, 3, by_epoch=False))
+    trainer.unregister_hook(LoggerHook)
+    trainer.register_hook(LoggerHook(1000, tensorboard=False, metrics_jsonl=False))
     first = StopAfter(stop_after)
     trainer.register_hook(first)
     dataset.loads.value = 0

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from trainer import HookBase, Trainer
-from trainer.hooks import EvalHook
+from trainer.hooks import CheckpointHook, EvalHook, LoggerHook, LRUpdateHook
 
 
 class TinyModel(nn.Module):
@@ -54,22 +54,63 @@ def build(
     epochs."""
     torch.manual_seed(0)
     model = TinyModel() if model is None else model
+    if overrides.get("compile"):  # torch.compile's arguments: the user compiles the model
+        model = torch.compile(model, **overrides.pop("compile"))
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, fused=fused)
     if scheduler == "step":
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
     elif callable(scheduler):
         scheduler = scheduler(optimizer)
+    hooks = replaced_default_hooks(overrides)
     kwargs = {"log_period": 4, "work_dir": str(work_dir)}
     if "max_iters" not in overrides:
         kwargs["max_epochs"] = 2
     kwargs.update(overrides)
-    return cls(
+    trainer = cls(
         model,
         optimizer,
         scheduler,
         tiny_loader(shuffle=True) if loader is None else loader,
         **kwargs,
     )
+    return with_hooks(trainer, hooks)
+
+
+def with_hooks(trainer: Trainer, hooks: list[HookBase]) -> Trainer:
+    """``trainer`` with each of ``hooks`` in place of the default hook of its class, as a user
+    replaces one."""
+    for hook in hooks:
+        trainer.unregister_hook(type(hook))
+        trainer.register_hook(hook)
+    return trainer
+
+
+def replaced_default_hooks(options: dict) -> list[HookBase]:
+    """The default hooks that the options of theirs in ``options`` (taken out of it) configure:
+    ``plateau_metric`` (LRUpdateHook), ``checkpoint_by_epoch`` (CheckpointHook),
+    ``tensorboard``, ``metrics_jsonl`` and ``metric_writers`` (LoggerHook). An ``amp_dtype``
+    becomes ``enable_amp``'s value, where AMP is on."""
+    amp_dtype = options.pop("amp_dtype", None)
+    if amp_dtype is not None and options.get("enable_amp"):
+        options["enable_amp"] = amp_dtype
+    hooks: list[HookBase] = []
+    if "plateau_metric" in options:
+        hooks.append(LRUpdateHook(plateau_metric=options.pop("plateau_metric")))
+    if "checkpoint_by_epoch" in options:
+        by_epoch = options.pop("checkpoint_by_epoch")
+        period = options.get("checkpoint_period", 1)
+        if period:
+            keep = options.get("max_num_checkpoints", 3)
+            hooks.append(CheckpointHook(period, keep, by_epoch=by_epoch))
+    logger_options = {
+        name: options.pop(name)
+        for name in ("tensorboard", "metrics_jsonl", "metric_writers")
+        if name in options
+    }
+    if logger_options:
+        writers = logger_options.pop("metric_writers", None)
+        hooks.append(LoggerHook(options.get("log_period", 4), writers, **logger_options))
+    return hooks
 
 
 class FakeClock:

@@ -48,7 +48,7 @@ def main():
     from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
     import trainer.checkpoint_files as checkpoint_module
-    from trainer import HookBase, Trainer, set_random_seed
+    from trainer import CheckpointHook, HookBase, Trainer, set_random_seed
     from trainer.distributed import init_distributed
 
     work_dir = os.environ["WORK_DIR"]
@@ -158,10 +158,11 @@ def main():
     trainer = Trainer(
         model, optimizer, scheduler, loader, **length, work_dir=work_dir,
         log_period=env_int("LOG_PERIOD", 5), preempt_check_period=env_int("PREEMPT_CHECK", 10),
-        checkpoint_period=env_int("CKPT_PERIOD", 3), checkpoint_by_epoch=False, warmup_t=5,
-        warmup_init_lr=0.005, clip_grad_norm=float(os.environ.get("CLIP", 0)),
-        accumulation_steps=env_int("ACCUM", 1),
+        checkpoint_period=0, warmup_t=5, warmup_init_lr=0.005,
+        clip_grad_norm=float(os.environ.get("CLIP", 0)), accumulation_steps=env_int("ACCUM", 1),
     )  # fmt: skip
+    # checkpoints every CKPT_PERIOD iterations, the newest 3 kept
+    trainer.register_hook(CheckpointHook(env_int("CKPT_PERIOD", 3), 3, by_epoch=False))
     trainer.register_hook(Crash())
     trainer.train()
     weights = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True))

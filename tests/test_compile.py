@@ -1,8 +1,7 @@
-"""Trainer(compile=...): checkpoints hold plain weight names, in both directions."""
+"""A torch.compile-d model: checkpoints hold plain weight names, in both directions."""
 
 import os
 
-import pytest
 import torch
 
 from conftest import TinyModel
@@ -42,8 +41,3 @@ def test_checkpoints_move_between_plain_and_compiled_models(make_trainer, tmp_pa
     fresh.load_checkpoint(str(tmp_path / "prefixed.pth"), resume=False)
     for name, value in weights(full).items():
         assert torch.equal(weights(fresh)[name], value), name
-
-
-def test_compile_must_be_a_bool_or_a_dict(make_trainer):
-    with pytest.raises(TypeError, match="compile must be a bool or a dict .* got str"):
-        make_trainer(compile="yes")

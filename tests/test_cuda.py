@@ -11,6 +11,8 @@ from torch.utils.data import DataLoader
 
 from trainer import HookBase, Trainer
 
+from conftest import replaced_default_hooks, with_hooks
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
@@ -43,8 +45,10 @@ def cuda_trainer(
         )
     scheduler = scheduler(optimizer) if scheduler else None
     kwargs.setdefault("max_iters", 40)
-    return Trainer(model, optimizer, scheduler, DataLoader(batches, batch_size=None),
-                   work_dir=str(tmp_path), **kwargs)  # fmt: skip
+    hooks = replaced_default_hooks(kwargs)
+    trainer = Trainer(model, optimizer, scheduler, DataLoader(batches, batch_size=None),
+                      work_dir=str(tmp_path), **kwargs)  # fmt: skip
+    return with_hooks(trainer, hooks)
 
 
 @pytest.mark.parametrize("amp_dtype", [torch.float16, torch.bfloat16])

@@ -407,7 +407,7 @@ def test_a_stream_trains_for_max_iters_in_epochs_that_end_with_its_passes(tmp_pa
     # the checkpoints at the end of training, counted in passes (with a warning that says so)
     assert trainer.lr == pytest.approx(0.1 / 8)
     assert "data_loader has no length, so an epoch is one pass until its stream ends" in caplog.text
-    assert "by_epoch=True steps lr_scheduler and checkpoint_by_epoch=True saves" in caplog.text
+    assert "by_epoch=True steps lr_scheduler and the CheckpointHook saves" in caplog.text
     assert sorted(os.listdir(trainer.ckpt_dir)) == ["iter_14.pth", "iter_20.pth", "iter_7.pth",
                                                     "latest.txt"]  # fmt: skip
 

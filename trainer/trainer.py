@@ -27,7 +27,7 @@ from .checkpoint import Checkpointer, checkpoint_name
 from .distributed import CpuGroup, all_gather, get_rank, get_world_size, is_main_process
 from .env import collect_env
 from .fsdp import is_sharded, local_value, no_gradient_sync
-from .hooks import HookBase
+from .hooks import CheckpointHook, DistributedHook, HookBase, LoggerHook, LRUpdateHook
 from .hooks.registry import HookRegistry
 from .lock import WorkDirLock
 from .logger import (
@@ -42,7 +42,6 @@ from .metric_storage import MetricStorage
 from .preemption import WRITE_FAILED, Preemption
 from .progress import DataStream, Progress
 from .step import NO_METRICS, NO_OP, total_loss, unwrapped, wrappers
-from .writers import MetricWriter
 
 logger = logging.getLogger(__name__)
 
@@ -76,32 +75,33 @@ class Trainer:
         unpack_batch_dict: Call ``model(**batch)`` instead of ``model(batch)``.
         max_num_checkpoints: Keep only the newest N periodic checkpoints (3 by default); None
             keeps all.
-        checkpoint_period: Save every N epochs (or iterations: see ``checkpoint_by_epoch``);
-            0 saves no periodic checkpoint (no ``CheckpointHook``).
+        checkpoint_period: Save every N epochs, and at the end; 0 saves no periodic checkpoint
+            (no ``CheckpointHook``). For checkpoints every N iterations, pass 0 and register
+            ``CheckpointHook(N, by_epoch=False)``.
         log_period: Turn device metrics into numbers and log them every N iterations.
         clip_grad_norm: Clip the gradient norm to this value; 0 disables clipping.
-        enable_amp: Mixed precision through ``torch.autocast``.
-        amp_dtype: ``torch.float16`` (with a GradScaler) or ``torch.bfloat16``; None picks
-            float16 on CUDA and bfloat16 on CPU.
+        enable_amp: Mixed precision through ``torch.autocast``: True picks float16 (with a
+            GradScaler) on CUDA and bfloat16 on CPU; ``torch.float16`` or ``torch.bfloat16``
+            picks that dtype.
         accumulation_steps: Micro-batches whose gradients are summed per optimizer step.
-        by_epoch, warmup_t, warmup_by_epoch, warmup_mode, warmup_init_lr, warmup_factor: How
-            ``lr_scheduler`` steps (per epoch or iteration) and the warmup in front of it; see
-            :class:`LRWarmupScheduler`.
-        plateau_metric: With ReduceLROnPlateau, the metric it judges (one that your
-            :class:`~trainer.hooks.EvalHook` returns); None judges ``"Eval Metric"``, as
-            core-pytorch-utils does. It steps after each new value.
-        checkpoint_by_epoch: Count ``checkpoint_period`` in epochs (passes over the data, also in
-            iteration-based training) or, with False, in iterations (mid-epoch checkpoints).
+        by_epoch: Step ``lr_scheduler`` once per epoch (True) or once per iteration.
+        warmup_t: The warmup's length in iterations (or epochs, with ``warmup_by_epoch``); 0:
+            no warmup. See :class:`LRWarmupScheduler` for the warmup settings.
+        warmup_by_epoch: Count ``warmup_t`` in epochs.
+        warmup_mode: ``"fix"``, ``"factor"`` or ``"auto"``.
+        warmup_init_lr: The first LR of ``"fix"`` warmup.
+        warmup_factor: The starting factor of ``"factor"`` and ``"auto"`` warmup.
         cuda_graph: Capture the whole step in a CUDA graph after 3 eager iterations and replay
             it; see :class:`~trainer.cuda_graph.GraphedStep` for what it needs.
-        metric_writers: More :class:`~trainer.writers.MetricWriter` s for each log point (rank 0).
-        compile: ``torch.compile`` the model: True, or a dict of its arguments.
-        tensorboard: Write TensorBoard files to ``work_dir/tb_logs``.
-        metrics_jsonl: Write every log point's metrics to ``work_dir/metrics.jsonl``.
         preempt_check_period: Under torchrun, the ranks share caught preemption signals every N
             iterations, and stop within 2N iterations of one (see :class:`Preemption`).
-        progress_bar: Draw a live progress bar when the console is a terminal (rank 0 only;
-            see :class:`~trainer.hooks.ProgressBarHook`).
+
+    The default hooks (:class:`~trainer.hooks.DistributedHook`,
+    :class:`~trainer.hooks.LRUpdateHook`, :class:`~trainer.hooks.CheckpointHook`,
+    :class:`~trainer.hooks.LoggerHook`, and a :class:`~trainer.hooks.ProgressBarHook` on a
+    terminal) take their other options themselves: replace one to set them, e.g.
+    ``trainer.unregister_hook(LoggerHook)`` and then
+    ``trainer.register_hook(LoggerHook(trainer.log_period, tensorboard=False))``.
 
     Example::
 
@@ -136,8 +136,7 @@ class Trainer:
         checkpoint_period: int = 1,
         log_period: int = 50,
         clip_grad_norm: float = 0.0,
-        enable_amp: bool = False,
-        amp_dtype: Optional[torch.dtype] = None,
+        enable_amp: Union[bool, torch.dtype] = False,
         accumulation_steps: int = 1,
         by_epoch: bool = True,
         warmup_t: int = 0,
@@ -145,18 +144,19 @@ class Trainer:
         warmup_mode: str = "fix",
         warmup_init_lr: float = 0.0,
         warmup_factor: float = 0.0,
-        plateau_metric: Optional[str] = None,
-        checkpoint_by_epoch: bool = True,
         cuda_graph: bool = False,
-        metric_writers: Sequence[MetricWriter] = (),
-        compile: Union[bool, dict[str, Any]] = False,
-        tensorboard: bool = True,
-        metrics_jsonl: bool = True,
         preempt_check_period: int = 10,
-        progress_bar: bool = True,
     ) -> None:
-        arguments = dict(locals())  # every argument, by name
-        self.epoch_len = args.check_arguments(arguments)
+        self.epoch_len = args.check_arguments(
+            model, optimizer, lr_scheduler, data_loader, max_epochs, max_iters,
+            work_dir=work_dir, unpack_batch_dict=unpack_batch_dict,
+            max_num_checkpoints=max_num_checkpoints, checkpoint_period=checkpoint_period,
+            log_period=log_period, clip_grad_norm=clip_grad_norm, enable_amp=enable_amp,
+            accumulation_steps=accumulation_steps, by_epoch=by_epoch, warmup_t=warmup_t,
+            warmup_by_epoch=warmup_by_epoch, warmup_mode=warmup_mode,
+            warmup_init_lr=warmup_init_lr, warmup_factor=warmup_factor, cuda_graph=cuda_graph,
+            preempt_check_period=preempt_check_period,
+        )  # fmt: skip
         if type(self).train_one_iter is Trainer.train_one_iter:  # the built-in step
             args.check_closure_free(optimizer)
         self.data_loader = data_loader
@@ -168,16 +168,21 @@ class Trainer:
         # None: a data loader without a length has passes of unknown length
         self.max_epochs = max_epochs or (self.epoch_len and math.ceil(max_iters / self.epoch_len))
         self.max_iters = max_iters or max_epochs * self.epoch_len
-        self.lr_scheduler = args.warmup_scheduler(arguments, self.epoch_len)
+        if isinstance(lr_scheduler, LRWarmupScheduler):
+            self.lr_scheduler = lr_scheduler
+        else:
+            self.lr_scheduler = LRWarmupScheduler(
+                lr_scheduler, by_epoch, self.epoch_len, warmup_t, warmup_by_epoch, warmup_mode,
+                warmup_init_lr, warmup_factor, optimizer=optimizer,
+            )  # fmt: skip
         self.device = args.model_device(model)
-        self.enable_amp = enable_amp
-        self.amp_dtype = amp_dtype or (
-            torch.float16 if self.device.type == "cuda" else torch.bfloat16
-        )
+        self.enable_amp = enable_amp is not False
+        if isinstance(enable_amp, torch.dtype):
+            self.amp_dtype = enable_amp
+        else:  # float16 needs a GradScaler, and is the fast one on GPUs
+            self.amp_dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
         self.progress = Progress(self.epoch_len, self.max_iters)
-        amp_dtype = self.amp_dtype if enable_amp else None
-        if compile:
-            model = torch.compile(model, **(compile if compile is not True else {}))
+        amp_dtype = self.amp_dtype if self.enable_amp else None
         self.model = model
         self.unpack_batch_dict = unpack_batch_dict
         self.optimizer = optimizer
@@ -216,7 +221,7 @@ class Trainer:
         self._hooks = HookRegistry(self)
         self._storage = MetricStorage(epoch_len=self.epoch_len, cpu=self._cpu)
         self._preemption = Preemption(preempt_check_period, self._cpu)
-        amp = str(self.amp_dtype).replace("torch.", "") if enable_amp else "off"
+        amp = str(self.amp_dtype).replace("torch.", "") if self.enable_amp else "off"
         self._checkpointer = Checkpointer(
             self.ckpt_dir, self.model, optimizer, self.progress, self._data,
             parts={"lr_scheduler": self.lr_scheduler, "grad_scaler": self.grad_scaler,
@@ -227,14 +232,26 @@ class Trainer:
             cpu=self._cpu,
         )  # fmt: skip
         self._period_start = (0.0, -1)  # (time, iteration before it) of the log period running
-        self._stream_notice = None if self.epoch_len else args.stream_notice(arguments)
         self._data_seconds = 0.0  # waiting for batches, up to the last log point
-        #: The run's settings, as plain data: the arguments and what they hold (written to
-        #: ``work_dir/run.json`` and TensorBoard when training starts).
-        self.run_config = args.run_config(arguments, self)
+        #: The run's settings, as plain data (written to ``work_dir/run.json`` and TensorBoard
+        #: when training starts).
+        self.run_config = args.run_config(self, lr_scheduler, {
+            "max_epochs": max_epochs, "max_iters": max_iters, "log_period": log_period,
+            "checkpoint_period": checkpoint_period, "max_num_checkpoints": max_num_checkpoints,
+            "clip_grad_norm": clip_grad_norm, "accumulation_steps": accumulation_steps,
+            "unpack_batch_dict": unpack_batch_dict, "cuda_graph": cuda_graph,
+            "preempt_check_period": preempt_check_period,
+        })  # fmt: skip
 
         args.make_writable_dir(self.ckpt_dir)
-        self.register_hooks(args.default_hooks(arguments))
+        # the default hooks; replace one to configure it further (see docs/arguments.md)
+        self.register_hooks([
+            DistributedHook(),
+            LRUpdateHook(),
+            CheckpointHook(checkpoint_period, max_num_checkpoints) if checkpoint_period else None,
+            LoggerHook(log_period),
+            *args.progress_bar(),
+        ])  # fmt: skip
 
     # ----------------------------------------------------------------------------------------
     # Where training is
@@ -543,8 +560,9 @@ class Trainer:
         logger.info(f"Environment:\n{collect_env()}")
         logger.info(f"Hooks: {self.hook_info}")
         args.warn_unoptimized(self.model_or_module, self._checkpointer.optimizers)
-        if self._stream_notice:
-            logger.warning(self._stream_notice)
+        notice = None if self.epoch_len else args.stream_notice(self.lr_scheduler, self.hooks)
+        if notice:
+            logger.warning(notice)
         self._checkpointer.remove_temp_files()
         # Trained by an earlier train() since built or resumed, or to the end: the model and
         # optimizer hold that state, which only a checkpoint can replace.

@@ -3,8 +3,6 @@ import logging
 import os
 import re
 
-import pytest
-
 from trainer.hooks import ProgressBarHook
 from trainer.logger import _console_handler, live_line
 
@@ -77,11 +75,12 @@ def test_no_bar_where_the_console_is_not_a_terminal(make_trainer):
     assert stream.getvalue() == ""
 
 
-@pytest.mark.parametrize("progress_bar", [True, False])
-def test_progress_bar_false_turns_it_off(make_trainer, monkeypatch, progress_bar):
+def test_on_a_terminal_the_bar_is_a_default_hook_that_unregisters(make_trainer, monkeypatch):
     monkeypatch.setattr("sys.stderr", Terminal())
-    trainer = make_trainer(max_epochs=1, progress_bar=progress_bar)
-    assert ("ProgressBarHook (priority 91)" in trainer.hook_info) is progress_bar
+    trainer = make_trainer(max_epochs=1)
+    assert "ProgressBarHook (priority 91)" in trainer.hook_info
+    assert [type(h) for h in trainer.unregister_hook(ProgressBarHook)] == [ProgressBarHook]
+    assert not any("ProgressBarHook" in h for h in trainer.hook_info)
 
 
 def test_a_log_line_clears_the_bar_and_draws_it_again_below(monkeypatch):

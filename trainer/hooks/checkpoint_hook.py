@@ -43,6 +43,11 @@ class CheckpointHook(HookBase):
         self._by_epoch = by_epoch
         self._saved: list[str] = []
 
+    @property
+    def saves_by_epoch(self) -> bool:
+        """Whether it saves every ``period`` epochs (rather than iterations, or at the end only)."""
+        return self._by_epoch and self._period > 0
+
     def before_train(self) -> None:
         """Count the checkpoint this run resumed from among this hook's, if the trainer saved
         it outside this hook (a preemption): it is then deleted in turn, and preemptions do

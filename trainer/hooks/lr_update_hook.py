@@ -34,6 +34,17 @@ class LRUpdateHook(HookBase):
         self._metric_named = plateau_metric is not None
         self._metric_count = 0  # values of plateau_metric already fed to the scheduler
 
+    def before_train(self) -> None:
+        """Refuse a ``plateau_metric`` that no ReduceLROnPlateau judges: it would be ignored."""
+        scheduler = self.trainer.lr_scheduler
+        if self._metric_named and not scheduler.is_plateau:
+            wrapped = scheduler.torch_scheduler
+            raise ValueError(
+                f"LRUpdateHook(plateau_metric={self._plateau_metric!r}) is only used with "
+                f"ReduceLROnPlateau, and the trainer's lr_scheduler is "
+                f"{type(wrapped or scheduler).__name__}; remove plateau_metric."
+            )
+
     def handles(self, event: str) -> bool:
         """An epoch schedule without a warmup in iterations needs no call after iterations."""
         return event != "after_iter" or self.trainer.lr_scheduler.changes_per_iter
@@ -55,9 +66,9 @@ class LRUpdateHook(HookBase):
                 raise RuntimeError(
                     "ReduceLROnPlateau needs a metric to judge, and no plateau_metric was given, "
                     f"so it judges {DEFAULT_PLATEAU_METRIC!r}, which nothing logged by the end of "
-                    f"epoch {self.trainer.cur_epoch + 1}. Either pass "
-                    "Trainer(plateau_metric='<name>') "
-                    "with a name your EvalHook's eval_func returns (e.g. 'val_loss'), or return "
+                    f"epoch {self.trainer.cur_epoch + 1}. Either replace the default hook with "
+                    "LRUpdateHook(plateau_metric='<name>') (trainer.unregister_hook(LRUpdateHook) "
+                    "first), with a name your EvalHook returns (e.g. 'val_loss'), or return "
                     f"{{{DEFAULT_PLATEAU_METRIC!r}: value}} from an EvalHook(1, eval_func)."
                 )
             if buffer is not None and buffer.count > self._metric_count:

@@ -26,7 +26,7 @@ class ProgressBarHook(HookBase):
 
     Example::
 
-        >>> hook = ProgressBarHook()  # the Trainer registers one unless progress_bar=False
+        >>> hook = ProgressBarHook()  # the Trainer registers one on a terminal
     """
 
     priority = Priority.LOGGER + 1  # after LoggerHook: the log point's loss is fresh
