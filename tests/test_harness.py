@@ -18,6 +18,7 @@ wait_forever()
 """
 
 
+@pytest.mark.slow
 def test_a_hung_torchrun_fails_with_the_stack_of_every_worker(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text(HANG)
