@@ -175,6 +175,26 @@ def _quiet_trainer_logs():
     yield
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """A test that starts a process (a script, torchrun) must be marked slow, so that
+    ``pytest -m "not slow"`` stays quick: in any other, starting one fails the test. The whole
+    protocol, setup and teardown included: a module-scoped fixture that starts one counts."""
+    if item.get_closest_marker("slow") is not None:
+        yield
+        return
+
+    def refuse(self, args, *_, **__):
+        pytest.fail(
+            f"{item.nodeid} starts a process ({args!r}): mark it @pytest.mark.slow",
+            pytrace=False,
+        )
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess.Popen, "__init__", refuse)
+        yield
+
+
 def failure_output(stderr: str, tail: int = 3000) -> str:
     """What a failed run printed, for an assertion message: the lines of a rank that aborted
     (a C++ terminate, faulthandler's stacks), which torchrun's summary pushes out of the tail,

@@ -65,6 +65,7 @@ def torchrun(args, timeout, env=None):
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
+@pytest.mark.slow
 def test_collectives_across_two_gloo_processes(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent(WORKER))
@@ -224,6 +225,7 @@ def run_train_worker(tmp_path, **env):
     return result.stdout
 
 
+@pytest.mark.slow
 def test_logged_metrics_are_reduced_over_ranks_at_log_points(tmp_path):
     out = run_train_worker(tmp_path)
     for rank in (0, 1):  # the mean of 1.0 and 2.0; the slower rank's data time, on both ranks
@@ -236,6 +238,7 @@ def test_logged_metrics_are_reduced_over_ranks_at_log_points(tmp_path):
         assert f"rank {rank}: counts seen {[0] * 7 + [8] * 8 + [16]}" in out, out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env", [{}, {"EVAL": "shard", "CKPT": 4, "PREEMPT_CHECK": 2}])
 def test_the_trainer_keeps_its_collectives_off_the_default_group(tmp_path, env):
     """The reduction, preemption checks, saves and evaluations go over the trainer's gloo group:
@@ -249,12 +252,14 @@ def test_the_trainer_keeps_its_collectives_off_the_default_group(tmp_path, env):
         assert int(line.group(1)) >= 4 and line.group(2) == "[]", out
 
 
+@pytest.mark.slow
 def test_a_nan_loss_on_one_rank_makes_every_rank_raise_at_that_iteration(tmp_path):
     out = run_train_worker(tmp_path, NAN_AT=5)
     for rank in (0, 1):
         assert f"rank {rank} raised: Loss became NaN or infinite at iteration 5 (epoch 0)" in out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how, acc", [("shard", 0.5), ("rank0", 0.75)])
 def test_evaluation_results_are_the_same_on_every_rank(tmp_path, how, acc):
     out = run_train_worker(tmp_path, EVAL=how)
@@ -264,6 +269,7 @@ def test_evaluation_results_are_the_same_on_every_rank(tmp_path, how, acc):
         assert f"rank {rank}: results gathered over the trainer's group {[True] * 4}" in out, out
 
 
+@pytest.mark.slow
 def test_early_stopping_and_best_checkpoint_decide_alike_on_every_rank(tmp_path):
     out = run_train_worker(tmp_path, EVAL="worse", EARLY_STOP=1)
     for rank in (0, 1):  # the mean: 0.03 after iteration 4, 0.07 after 8, -0.39 after 12
@@ -281,6 +287,7 @@ def run_failing_worker(tmp_path, **env):
     return torchrun([str(script), str(tmp_path / "work")], timeout=90, env=full_env)
 
 
+@pytest.mark.slow
 def test_an_exception_on_one_rank_ends_the_job_and_names_the_rank(tmp_path):
     result = run_failing_worker(tmp_path, FAIL_AT=5)
     assert result.returncode == 1
@@ -292,6 +299,7 @@ def test_an_exception_on_one_rank_ends_the_job_and_names_the_rank(tmp_path):
     assert "Training failed in iteration 6 of " in log and "injected failure" in log
 
 
+@pytest.mark.slow
 def test_a_failed_checkpoint_write_on_rank_0_ends_every_rank_promptly(tmp_path):
     # rank 0's write of iter_8.pth fails; the ranks agree on it at a preemption check, long
     # before the process group's 60 s timeout
@@ -307,6 +315,7 @@ def test_a_failed_checkpoint_write_on_rank_0_ends_every_rank_promptly(tmp_path):
     assert "Timed out" not in result.stderr
 
 
+@pytest.mark.slow
 def test_ranks_whose_data_loaders_differ_in_length_fail_at_once_naming_both(tmp_path):
     start = time.monotonic()
     result = run_failing_worker(tmp_path, SHORT=1, PG_TIMEOUT=60)
@@ -316,6 +325,7 @@ def test_ranks_whose_data_loaders_differ_in_length_fail_at_once_naming_both(tmp_
     assert result.stderr.count(message) >= 2, result.stderr[-3000:]  # both ranks raise it
 
 
+@pytest.mark.slow
 def test_a_work_dir_in_use_refuses_every_rank_through_rank_0s_lock(tmp_path):
     (tmp_path / "work").mkdir()
     with WorkDirLock(str(tmp_path / "work")).held():  # as another run would
@@ -328,6 +338,7 @@ def test_a_work_dir_in_use_refuses_every_rank_through_rank_0s_lock(tmp_path):
     assert not os.path.exists(tmp_path / "work" / "checkpoints" / "iter_16.pth")
 
 
+@pytest.mark.slow
 def test_a_stalled_rank_makes_the_others_fail_after_the_process_group_timeout(tmp_path):
     # rank 1 stalls for 15 s; rank 0 gives up at its next collective after 5 s
     result = run_failing_worker(tmp_path, HANG_AT=5, PG_TIMEOUT=5)
@@ -400,6 +411,7 @@ print(f"rank {rank}: native threads {before} before train(), {native_threads()} 
 )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
 def test_accumulation_reduces_gradients_once_per_iteration(tmp_path, wrapper):
     """DDP's no_sync and FSDP2's set_requires_gradient_sync(False) on the first micro-batch:
@@ -463,6 +475,7 @@ dataset = TensorDataset(torch.randn(128, 8, generator=g), torch.randn(128, 1, ge
     return setup + recipe
 
 
+@pytest.mark.slow
 def test_fsdp2_runs_of_the_documented_recipe_end_with_status_0(tmp_path):
     """Ten runs in a row (five, each run again on its finished work_dir) exit cleanly: no rank
     aborts at exit with "terminate called without an active exception"."""

@@ -311,6 +311,7 @@ destroy_distributed()
 """
 
 
+@pytest.mark.slow
 def test_two_ranks_evaluate_five_samples_exactly_with_both_loader_shapes(tmp_path):
     """5 samples on 2 ranks, 4 of them right: 0.8, as one process evaluates them, with a plain
     model, a DDP one and an FSDP2 one, whose ranks see different numbers of batches (rank 1

@@ -12,6 +12,8 @@ import torch
 
 from conftest import communicate, cpu_env, free_port, torchrun_command
 
+pytestmark = pytest.mark.slow  # each runs an example, most under torchrun
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytest.importorskip("sklearn", reason="the examples extra (scikit-learn) is not installed")
 

@@ -18,6 +18,7 @@ wait_forever()
 """
 
 
+@pytest.mark.slow
 def test_a_hung_torchrun_fails_with_the_stack_of_every_worker(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text(HANG)
@@ -31,3 +32,9 @@ def test_a_hung_torchrun_fails_with_the_stack_of_every_worker(tmp_path):
         communicate(proc, timeout=1)
     assert str(failure.value).count("in wait_forever") == 2  # one stack per rank
     assert proc.poll() is not None
+
+
+def test_a_test_not_marked_slow_cannot_start_a_process():
+    # conftest's pytest_runtest_protocol: pytest -m "not slow" starts no process
+    with pytest.raises(pytest.fail.Exception, match=r"starts a process \(\['true'\]\): mark it"):
+        subprocess.run(["true"])

@@ -59,6 +59,7 @@ trainer.train()
 """
 
 
+@pytest.mark.slow
 def test_a_run_killed_with_sigkill_leaves_no_lock(tmp_path):
     script = tmp_path / "killed.py"
     tests = os.path.dirname(__file__)

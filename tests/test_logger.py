@@ -69,6 +69,7 @@ trainer.train()
 """
 
 
+@pytest.mark.slow
 def test_a_training_error_prints_its_traceback_once_and_keeps_it_in_the_log_file(tmp_path):
     tests = os.path.dirname(os.path.abspath(__file__))
     script = tmp_path / "fail.py"

@@ -68,6 +68,7 @@ def test_a_signal_in_the_last_iteration_exits_once_training_is_complete(tmp_path
     assert rerun.start_iter == 16
 
 
+@pytest.mark.slow  # six runs in one work dir: ~5 s
 def test_preemption_checkpoints_count_against_max_num_checkpoints(tmp_path):
     class SigtermAt(HookBase):
         def __init__(self, iteration):

@@ -6,7 +6,11 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import communicate, cpu_env
+
+pytestmark = pytest.mark.slow  # runs the snippet as a script, twice
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

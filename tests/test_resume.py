@@ -81,6 +81,7 @@ def reference(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "mode, num_workers, kill",
     [
@@ -105,6 +106,7 @@ def test_sigkill_then_rerun_is_bit_exact(tmp_path, reference, mode, num_workers,
     assert_bit_equal(load(out), reference(mode, num_workers))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("num_workers, kill_at", [(0, 13), (2, 17)])
 def test_a_stream_killed_then_rerun_is_bit_exact(tmp_path, reference, num_workers, kill_at):
     """A StatefulDataLoader over a stream (passes of 5 iterations) resumes from its own state,
@@ -120,6 +122,7 @@ def test_a_stream_killed_then_rerun_is_bit_exact(tmp_path, reference, num_worker
     assert_bit_equal(load(out), reference("iter", num_workers, stream=1))
 
 
+@pytest.mark.slow
 def test_a_stream_with_uneven_shards_under_torchrun_killed_then_rerun_is_bit_exact(tmp_path):
     """Rank 0's shard has 5 batches, rank 1's 4: every pass ends on both ranks after 4 (or
     rank 0 would step alone, and hang). Killed in mid-pass, rerun, it ends as an uninterrupted
@@ -147,6 +150,7 @@ def torchrun_reference(tmp_path_factory):
     return load(root / "out.pth")
 
 
+@pytest.mark.slow
 def test_sigkill_under_torchrun_then_rerun_is_bit_exact(tmp_path, torchrun_reference):
     """Two ranks (gloo): each rank's RNG state is in the checkpoint, so both resume exactly."""
     code, _ = torchrun(tmp_path / "cut", tmp_path / "cut.pth", KILL_AT_ITER=7)  # epochs of 5
@@ -157,6 +161,7 @@ def test_sigkill_under_torchrun_then_rerun_is_bit_exact(tmp_path, torchrun_refer
     assert_bit_equal(load(tmp_path / "cut.pth"), torchrun_reference)
 
 
+@pytest.mark.slow
 def test_elastic_restart_after_a_killed_worker_is_bit_exact(tmp_path, torchrun_reference):
     """torchrun --max-restarts 1: rank 1 dies, torchrun restarts both ranks, they resume from
     the latest checkpoint and finish as if nothing happened."""
@@ -171,6 +176,7 @@ def test_elastic_restart_after_a_killed_worker_is_bit_exact(tmp_path, torchrun_r
     assert_bit_equal(load(out), torchrun_reference)
 
 
+@pytest.mark.slow
 def test_resume_with_one_process_instead_of_two_maps_the_data_position(tmp_path):
     work = tmp_path / "work"
     # epochs of 5 iterations; the latest checkpoint: epoch 1 after 1 iteration of 2 ranks x 4
@@ -205,6 +211,7 @@ def fsdp_run(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_ddp_on_two_ranks_trains_as_one_process_on_the_global_batch(tmp_path):
     # without dropout; a DistributedSampler gives the one process the same batches of 8 that
     # the two ranks split 4 + 4, and DDP averages the two ranks' gradients
@@ -217,6 +224,7 @@ def test_ddp_on_two_ranks_trains_as_one_process_on_the_global_batch(tmp_path):
         torch.testing.assert_close(ddp[name], one[name], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_fsdp2_trains_as_ddp_does_and_its_checkpoint_loads_into_a_plain_model(tmp_path, fsdp_run):
     code, err = torchrun(tmp_path / "work", tmp_path / "ddp.pth", CLIP=0.05)
     assert code == 0, failure_output(err)
@@ -233,6 +241,7 @@ def test_fsdp2_trains_as_ddp_does_and_its_checkpoint_loads_into_a_plain_model(tm
     assert set(ckpt["optimizer"]["state"]) == set(fsdp)  # momentum, keyed by parameter name
 
 
+@pytest.mark.slow
 def test_fsdp2_with_gradient_accumulation_trains_as_ddp_does(tmp_path):
     # FSDP2 reduces gradients on the last micro-batch only, as DDP does under no_sync
     for shard in (0, 1):
@@ -245,6 +254,7 @@ def test_fsdp2_with_gradient_accumulation_trains_as_ddp_does(tmp_path):
         torch.testing.assert_close(fsdp[name], ddp[name], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_fsdp2_sigkill_then_rerun_is_bit_exact(tmp_path, fsdp_run):
     work, out = tmp_path / "work", tmp_path / "out.pth"
     code, _ = torchrun(work, out, SHARD=1, CLIP=0.05, KILL_AT_ITER=7)
@@ -255,6 +265,7 @@ def test_fsdp2_sigkill_then_rerun_is_bit_exact(tmp_path, fsdp_run):
     assert_bit_equal(load(out), load(fsdp_run / "out.pth"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("target", ["rank 1", "torchrun"])
 def test_sigterm_stops_every_rank_at_one_checkpoint(tmp_path, torchrun_reference, target):
     """SIGTERM to one rank, or to torchrun (which forwards it to every rank): the ranks agree at
@@ -287,6 +298,7 @@ def test_sigterm_stops_every_rank_at_one_checkpoint(tmp_path, torchrun_reference
     assert_bit_equal(load(out), torchrun_reference)
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_moments_until_done(tmp_path, reference):
     rng = random.Random(1234)
     work, out = tmp_path / "work", tmp_path / "out.pth"
@@ -315,6 +327,7 @@ def wait_for_training(work, proc, timeout=60):
     raise TimeoutError("the worker never started training")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_preemption_signal_saves_exits_and_resumes_exactly(tmp_path, reference, sig):
     work, out = tmp_path / "work", tmp_path / "out.pth"
@@ -333,6 +346,7 @@ def test_preemption_signal_saves_exits_and_resumes_exactly(tmp_path, reference, 
     assert_bit_equal(load(out), reference())
 
 
+@pytest.mark.slow
 def test_second_signal_exits_immediately(tmp_path, reference):
     work, out = tmp_path / "work", tmp_path / "out.pth"
     # Only the preemption save happens (period 1000), and it takes 30 s.

@@ -48,6 +48,7 @@ def test_rng_state_round_trips_through_weights_only_load():
     assert draw() + (float(torch.rand((), generator=gen)),) == expected
 
 
+@pytest.mark.slow
 def test_a_picked_seed_is_shown_before_logging_is_set_up_and_run_json_keeps_it(tmp_path):
     script = (
         "import torch\n"

@@ -4,6 +4,7 @@ import os
 import re
 import time
 
+import pytest
 import torch
 
 from trainer import checkpoint_files
@@ -12,6 +13,7 @@ from trainer.hooks import BestCheckpointHook, EvalHook
 from conftest import evaluating, load
 
 
+@pytest.mark.slow  # three runs in one work dir: ~2.7 s
 def test_best_checkpoint_keeps_the_best_epoch_across_resume(make_trainer):
     values = [0.5, 0.7, 0.6, 0.65, 0.69, 0.71]
     trainer = evaluating(make_trainer(max_epochs=4), values, BestCheckpointHook("acc"))

@@ -297,6 +297,7 @@ trainer.train()
 """
 
 
+@pytest.mark.slow
 def test_tensorboard_keeps_every_log_point_once_after_a_kill(make_trainer, tmp_path):
     script = tmp_path / "killed.py"
     tests = os.path.dirname(os.path.dirname(__file__))
