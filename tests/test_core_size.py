@@ -9,6 +9,8 @@ import pytest
 
 from conftest import cpu_env
 
+pytestmark = pytest.mark.slow  # each test starts a fresh interpreter
+
 DEFAULT_RUN = """
 import json, sys, tempfile
 import torch

@@ -165,7 +165,15 @@ def stub_module(name):
     return module
 
 
-@pytest.mark.parametrize("chain", CHAINS, ids=[chain[0].id for chain in CHAINS])
+@pytest.mark.parametrize(
+    "chain",
+    [
+        # a block run under torchrun starts processes: in the slow set
+        pytest.param(chain, marks=pytest.mark.slow) if "torchrun" in chain[0].words else chain
+        for chain in CHAINS
+    ],
+    ids=[chain[0].id for chain in CHAINS],
+)
 def test_code_block_runs(chain, tmp_path, monkeypatch):
     first = chain[0]
     if {"skip", "hook", "arguments"} & set(first.words):

@@ -101,6 +101,7 @@ def run_mypy(site, tmp_path) -> tuple[str, dict[str, str]]:
     return output, revealed
 
 
+@pytest.mark.slow  # builds a wheel in a process of its own
 def test_the_wheel_ships_py_typed_and_the_license(wheel):
     with zipfile.ZipFile(wheel) as whl:
         names = whl.namelist()
@@ -113,6 +114,7 @@ def test_the_wheel_ships_py_typed_and_the_license(wheel):
             assert whl.read(license_file) == f.read()
 
 
+@pytest.mark.slow  # builds a wheel and runs mypy, each in a process of its own
 def test_mypy_checks_a_users_script_against_trainers_types(wheel, tmp_path):
     pytest.importorskip("mypy")
     site = tmp_path / "site"  # the wheel installed: what `pip install hooktrainer` puts there
