@@ -73,12 +73,12 @@ def test_a_hook_is_registered_once_and_on_one_trainer(make_trainer, tmp_path):
     make_trainer(work_dir=tmp_path / "third").register_hook(hook)  # its trainer is gone
 
 
-def test_a_handler_a_hook_declines_is_never_called(make_trainer):
+def test_an_after_iter_of_period_0_is_never_called(make_trainer):
     calls = []
 
     class EpochsOnly(HookBase):
-        def handles(self, event):
-            return event != "after_iter"
+        def after_iter_period(self):
+            return 0
 
         def after_iter(self):
             calls.append("after_iter")
@@ -116,17 +116,17 @@ def test_checkpoints_are_called_after_the_iterations_of_their_period_only(make_t
     assert sorted(os.listdir(by_iter.ckpt_dir)) == ["epoch_1.pth", "iter_4.pth", "latest.txt"]
 
 
-def test_which_events_a_hook_handles_is_asked_again_when_training_starts(make_trainer):
+def test_the_after_iter_period_is_asked_again_when_training_starts(make_trainer):
     calls = []
 
     class Switchable(HookBase):
         active = True
 
-        def handles(self, event):
-            return self.active
+        def after_iter_period(self):
+            return 1 if self.active else 0
 
-        def after_epoch(self):
-            calls.append(self.trainer.cur_epoch)
+        def after_iter(self):
+            calls.append(self.trainer.cur_iter)
 
     hook = Switchable()
     trainer = make_trainer(max_epochs=2)
@@ -164,11 +164,12 @@ def test_a_periodic_after_iter_is_called_after_its_period_and_the_last_iteration
     assert third == [8, 11, 13]
 
 
-def test_an_after_iter_period_that_is_not_a_positive_int_is_refused(make_trainer):
+@pytest.mark.parametrize("period", [-1, 2.0, True])
+def test_an_after_iter_period_that_is_not_an_int_of_0_or_more_is_refused(make_trainer, period):
     trainer = make_trainer()
-    message = r"EveryThird.after_iter_period\(\) must return an int >= 1, got 0"
+    message = rf"EveryThird.after_iter_period\(\) must return an int >= 0, got {period!r}"
     with pytest.raises(ValueError, match=message):
-        trainer.register_hook(EveryThird([], period=0))
+        trainer.register_hook(EveryThird([], period=period))
     with pytest.raises(ValueError, match="period must be a positive int, got 0"):
         LoggerHook(period=0)
     with pytest.raises(TypeError, match="period must be a positive int, got float 50.0"):

@@ -61,17 +61,14 @@ class CheckpointHook(HookBase):
                 _delete(self.trainer.ckpt_dir, old)  # the resumed checkpoint is durable
                 self._saved = self._saved[len(old) :]
 
-    def handles(self, event: str) -> bool:
-        """Counting in epochs, it has nothing to do after an iteration."""
-        return event != "after_iter" or (not self._by_epoch and self._period > 0)
-
     def after_iter_period(self) -> int:
-        """Counting in iterations, called after every ``period``-th only."""
-        return self._period
+        """Counting in iterations, every ``period``-th; counting in epochs, never."""
+        return 0 if self._by_epoch else self._period
 
     def after_iter(self) -> None:
-        """Save mid-epoch checkpoints in iteration mode."""
-        if self.every_n_iters(self._period) and not self.is_last_inner_iter():
+        """Save mid-epoch checkpoints in iteration mode (one due at an epoch's last iteration
+        waits for :meth:`after_epoch`)."""
+        if not self.is_last_inner_iter():
             self._save(self.trainer.checkpoint_name())
 
     def after_epoch(self) -> None:

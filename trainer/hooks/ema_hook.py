@@ -10,9 +10,10 @@ from .hookbase import HookBase, Priority
 
 
 class EMAHook(HookBase):
-    """Keeps ``ema = decay * ema + (1 - decay) * weights`` after every ``period``-th step, on the
-    weights' device with foreach ops (no host-device sync). Floating-point buffers (BatchNorm's
-    running statistics) are averaged too; other buffers are copied.
+    """Keeps ``ema = decay * ema + (1 - decay) * weights`` after every ``period``-th step (and
+    the last step of training), on the weights' device with foreach ops (no host-device sync).
+    Floating-point buffers (BatchNorm's running statistics) are averaged too; other buffers are
+    copied.
 
     The average is saved in checkpoints and resumed exactly. Evaluate with it inside
     :meth:`swapped`, and export it with :meth:`ema_state_dict`. Under torchrun every rank
@@ -21,7 +22,7 @@ class EMAHook(HookBase):
 
     Args:
         decay: The weight of the old average, in [0, 1).
-        period: Iterations between updates.
+        period: Iterations between updates (the last iteration of training updates too).
 
     Example::
 
@@ -71,13 +72,11 @@ class EMAHook(HookBase):
         self._operands = (averaged, weights, copied, sources)
 
     def after_iter_period(self) -> int:
-        """Called after every ``period``-th iteration only."""
+        """Every ``period``-th iteration, and the last."""
         return self._period
 
     def after_iter(self) -> None:
-        """Update the average every ``period`` iterations."""
-        if not self.every_n_iters(self._period):
-            return
+        """Update the average."""
         assert self._operands is not None  # set in before_train
         averaged, weights, copied, sources = self._operands
         if averaged:

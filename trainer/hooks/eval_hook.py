@@ -96,19 +96,16 @@ class EvalHook(HookBase):
         self._names_known = self._loaded or self.trainer.start_iter == 0
         self._loaded = False
 
-    def handles(self, event: str) -> bool:
-        """In epoch-based training, it has nothing to do after an iteration."""
-        return event != "after_iter" or not self.trainer.train_by_epoch
-
     def after_iter_period(self) -> int:
-        """In iteration-based training, called after every ``period``-th iteration (and the
-        last) only."""
+        """In iteration-based training, every ``period``-th iteration (and the last); in
+        epoch-based training, never."""
+        if self.trainer.train_by_epoch:
+            return 0
         return self._period if self._period > 0 else self.trainer.max_iters
 
     def after_iter(self) -> None:
-        """Evaluate in iteration-based training (the only one that calls it, see handles)."""
-        if self.every_n_iters(self._period) or self.is_last_iter():
-            self._evaluate()
+        """Evaluate in iteration-based training."""
+        self._evaluate()
 
     def after_epoch(self) -> None:
         """Evaluate in epoch-based training."""

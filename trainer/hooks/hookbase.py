@@ -75,18 +75,13 @@ class HookBase:
     def before_save_checkpoint(self) -> None:
         """Called on every rank before a checkpoint is saved: put on disk what it covers."""
 
-    def handles(self, event: str) -> bool:
-        """Whether the trainer calls this hook's ``event`` handler; asked when the hook is
-        registered and when :meth:`Trainer.train` starts. Every event the hook overrides by
-        default: return False for one that has nothing to do in the hook's configuration, so
-        that the loop skips it (a call per iteration is what ``after_iter`` costs)."""
-        return True
-
     def after_iter_period(self) -> int:
-        """How often the trainer calls this hook's ``after_iter``: after the iterations whose
-        count (``cur_iter + 1``) is a multiple of it, and after the last iteration of training.
-        Asked with :meth:`handles`. By default 1, every iteration; a hook that acts every N
-        iterations returns N, and costs nothing in between (it may still check itself)."""
+        """How often the trainer calls this hook's ``after_iter`` (the one place a hook's period
+        is checked): after the iterations whose count (``cur_iter + 1``) is a multiple of it,
+        and after the last iteration of training; 0: never, in this configuration. Asked when
+        the hook is registered and when :meth:`Trainer.train` starts. By default 1, every
+        iteration; a hook that acts every N iterations returns N, and costs nothing in
+        between."""
         return 1
 
     def state_dict(self) -> dict[str, Any]:

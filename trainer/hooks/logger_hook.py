@@ -112,21 +112,18 @@ class LoggerHook(HookBase):
         logger.info(f"Start training from iteration {done} in {work_dir}, {origin}.")
 
     def after_iter_period(self) -> int:
-        """Called after every ``period``-th iteration (and the last) only."""
+        """Every ``period``-th iteration, and the last."""
         return self._period
 
     def after_iter(self) -> None:
-        """Write at every ``period``-th and at the last iteration."""
-        done = self.trainer.cur_iter + 1
-        if done % self._period == 0 or done == self.trainer.max_iters:
-            self._write(log_point=True)
+        """Write a log point."""
+        self._write(log_point=True)
 
     def before_save_checkpoint(self) -> None:
         """Write this iteration's log point, if it is one (the checkpoint covers it, and a run
         resumed from it starts after it), and put every writer's rows on disk, so that a kill
         after the save loses no row that the resumed run will not write again."""
-        done = self.trainer.cur_iter + 1
-        if done % self._period == 0 or done == self.trainer.max_iters:
+        if self.every_n_iters(self._period) or self.is_last_iter():
             self._write(log_point=True)
         for writer in self._writers:
             writer.flush()

@@ -45,9 +45,9 @@ class LRUpdateHook(HookBase):
                 f"{type(wrapped or scheduler).__name__}; remove plateau_metric."
             )
 
-    def handles(self, event: str) -> bool:
-        """An epoch schedule without a warmup in iterations needs no call after iterations."""
-        return event != "after_iter" or self.trainer.lr_scheduler.changes_per_iter
+    def after_iter_period(self) -> int:
+        """Every iteration; never for an epoch schedule without a warmup in iterations."""
+        return 1 if self.trainer.lr_scheduler.changes_per_iter else 0
 
     def after_iter(self) -> None:
         """Advance the iteration schedule."""

@@ -13,9 +13,8 @@ EVENTS = ("before_train", "after_train", "before_epoch", "after_epoch", "before_
 
 class HookRegistry:
     """Hooks sorted by ``priority`` (ties in registration order), each event calling only the
-    hooks that override it and :meth:`~HookBase.handles` it (``after_iter`` only at the
-    iterations of each hook's :meth:`~HookBase.after_iter_period`), with the seconds spent in
-    each hook.
+    hooks that override it (``after_iter`` only at the iterations of each hook's
+    :meth:`~HookBase.after_iter_period`), with the seconds spent in each hook.
 
     Args:
         owner: The trainer the hooks get as ``hook.trainer``.
@@ -63,21 +62,23 @@ class HookRegistry:
         return removed
 
     def start(self) -> None:
-        """At the start of a run: ask the hooks again which events they handle (a hook's
+        """At the start of a run: ask the hooks again for their ``after_iter`` periods (a hook's
         configuration may have changed since it was registered), and zero the times."""
         self._index()
 
     def _index(self) -> None:
-        # Per event, only the hooks that act on it: the loop skips HookBase's no-ops.
+        # Per event, only the hooks that act on it: the loop skips HookBase's no-ops, and the
+        # after_iter of a hook whose period is 0.
+        periods = {i: _period(h) for i, h in enumerate(self.hooks) if _overrides(h, "after_iter")}
         self._handlers = {
             event: [
                 (i, getattr(h, event))
                 for i, h in enumerate(self.hooks)
-                if _overrides(h, event) and h.handles(event)
+                if _overrides(h, event) and (event != "after_iter" or periods[i] > 0)
             ]
             for event in EVENTS
         }
-        self._periods = [_period(self.hooks[i]) for i, _ in self._handlers["after_iter"]]
+        self._periods = [periods[i] for i, _ in self._handlers["after_iter"]]
         self.seconds = [0.0] * len(self.hooks)
         self.any_before_iter = bool(self._handlers["before_iter"])
         self.after_iter_due = 0 if self._periods else sys.maxsize
@@ -157,10 +158,10 @@ def _alive(trainer: Any) -> bool:
 
 def _period(hook: HookBase) -> int:
     period = hook.after_iter_period()
-    if not isinstance(period, int) or isinstance(period, bool) or period < 1:
+    if not isinstance(period, int) or isinstance(period, bool) or period < 0:
         raise ValueError(
-            f"{hook.class_name}.after_iter_period() must return an int >= 1, got {period!r}: "
-            "return 1 for every iteration, or decline after_iter in handles()."
+            f"{hook.class_name}.after_iter_period() must return an int >= 0, got {period!r}: "
+            "1 for every iteration, N for every N-th, 0 for never."
         )
     return period
 
