@@ -153,7 +153,7 @@ def main(argv: Optional[list[str]] = None) -> float:
     distance = trainer.metric_storage["mode_distance"].latest
     logger.info(
         f"Final mode distance: {distance:.4f} (world size {get_world_size()}, AMP "
-        f"{str(trainer.amp_dtype).replace('torch.', '')})"
+        f"{str(trainer.amp_dtype).replace('torch.', '') if trainer.amp_dtype else 'off'})"
     )
     return distance
 

@@ -2,6 +2,7 @@
 
 import os
 
+import pytest
 import torch
 
 from conftest import TinyModel
@@ -41,3 +42,8 @@ def test_checkpoints_move_between_plain_and_compiled_models(make_trainer, tmp_pa
     fresh.load_checkpoint(str(tmp_path / "prefixed.pth"), resume=False)
     for name, value in weights(full).items():
         assert torch.equal(weights(fresh)[name], value), name
+
+
+def test_a_compiled_model_with_cuda_graph_is_refused_naming_the_fix(make_trainer):
+    with pytest.raises(ValueError, match='cuda_graph=True do not combine.*mode="reduce-overhead"'):
+        make_trainer(compile=EAGER, cuda_graph=True)

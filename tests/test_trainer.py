@@ -174,6 +174,32 @@ def test_hooks_read_the_metrics_of_the_last_log_point(make_trainer, monkeypatch)
     assert seen == [0, 0, 0, 4, 4, 4, 4, 8, 8, 10]
 
 
+def test_epoch_hooks_read_every_loss_of_the_epoch_and_a_failure_keeps_its_losses(make_trainer):
+    """An epoch's end flushes what its iterations logged since the last log point (8 iterations
+    per epoch, log_period=3); a failed run keeps the losses logged before it failed."""
+    latest = []
+
+    class AtEpochEnd(HookBase):
+        def after_epoch(self):
+            latest.append(self.metric_storage.latest_iter("total_loss"))
+
+    trainer = make_trainer(max_epochs=2, log_period=3, checkpoint_period=0)
+    trainer.register_hook(AtEpochEnd())
+    trainer.train()
+    assert latest == [7, 15]
+
+    class FailAt5(HookBase):
+        def after_iter(self):
+            if self.trainer.cur_iter == 5:
+                raise RuntimeError("fails at iteration 5")
+
+    failing = make_trainer(max_epochs=2, log_period=4, work_dir=trainer.work_dir + "_failing")
+    failing.register_hook(FailAt5())
+    with pytest.raises(RuntimeError, match="fails at iteration 5"):
+        failing.train()
+    assert failing.metric_storage["total_loss"].count == 6  # iterations 0 to 5
+
+
 # ---- non-finite losses --------------------------------------------------------------------
 
 

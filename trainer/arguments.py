@@ -20,7 +20,7 @@ from .hooks import HookBase
 from .logger import is_terminal
 from .lr_scheduler import LRWarmupScheduler
 from .progress import loader_length
-from .step import unwrapped
+from .step import unwrapped, wrappers
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +97,11 @@ def check_arguments(
         raise ValueError(
             f"enable_amp must be True, False, torch.float16 or torch.bfloat16, got {enable_amp!r}."
         )
+    if cuda_graph and _compiled(model):
+        raise ValueError(
+            "A torch.compile-d model and cuda_graph=True do not combine here; for CUDA graphs "
+            'under torch.compile, pass cuda_graph=False and compile with mode="reduce-overhead".'
+        )
     if cuda_graph and is_sharded(model):
         raise ValueError(
             "cuda_graph=True does not support models sharded with fully_shard (FSDP2): "
@@ -138,8 +143,8 @@ def run_config(trainer: Any, given_scheduler: Any, settings: dict[str, Any]) -> 
         **settings,
         **warmup,
         "work_dir": trainer.work_dir,
-        "enable_amp": trainer.enable_amp,
         "model": type(unwrapped(trainer.model)).__name__,
+        "compiled": _compiled(trainer.model),
         "optimizer": type(optimizer).__name__,
         # The LRs the optimizer was given: a torch scheduler keeps them as initial_lr, the
         # warmup (which has set its first LRs already) as its base_lrs; float(): may be tensors
@@ -152,10 +157,15 @@ def run_config(trainer: Any, given_scheduler: Any, settings: dict[str, Any]) -> 
         "batch_size": getattr(loader, "batch_size", None),
         "iters_per_epoch": trainer.epoch_len,
         "world_size": get_world_size(),
-        "amp_dtype": str(trainer.amp_dtype).replace("torch.", "") if trainer.enable_amp else None,
+        "amp_dtype": str(trainer.amp_dtype).replace("torch.", "") if trainer.amp_dtype else None,
         "seed": torch.initial_seed(),  # set_random_seed's or torch.manual_seed's, to repeat the run
         "torch": torch.__version__,
     }
+
+
+def _compiled(model: nn.Module) -> bool:
+    """Whether ``model`` (or a module it wraps) is torch.compile's wrapper."""
+    return any(type(m).__name__ == "OptimizedModule" for m in wrappers(model))
 
 
 def progress_bar() -> list[HookBase]:

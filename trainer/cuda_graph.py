@@ -43,7 +43,7 @@ def check_graphable(
         raise ValueError(
             "cuda_graph=True with float16 AMP needs a fused optimizer (fused=True): with others "
             "the GradScaler reads its inf flag on the host, which a CUDA graph cannot do. Or use "
-            f"amp_dtype=torch.bfloat16{fix}"
+            f"enable_amp=torch.bfloat16{fix}"
         )
 
 

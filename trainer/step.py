@@ -1,7 +1,6 @@
 """What the training step needs besides the Trainer's step methods: the losses a model returned,
 and the model without its wrappers."""
 
-import contextlib
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -9,9 +8,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
-
-NO_OP = contextlib.nullcontext()  # reusable: entering it does nothing
-NO_METRICS: dict[str, Any] = {}  # no extra metrics (never modified)
 
 
 def total_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

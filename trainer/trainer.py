@@ -41,9 +41,12 @@ from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import MetricStorage
 from .preemption import WRITE_FAILED, Preemption
 from .progress import DataStream, Progress
-from .step import NO_METRICS, NO_OP, total_loss, unwrapped, wrappers
+from .step import total_loss, unwrapped, wrappers
 
 logger = logging.getLogger(__name__)
+
+_NO_OP = contextlib.nullcontext()  # reusable: entering it does nothing
+_NO_METRICS: dict[str, Any] = {}  # no extra metrics (never modified)
 
 
 class Trainer:
@@ -176,17 +179,18 @@ class Trainer:
                 warmup_init_lr, warmup_factor, optimizer=optimizer,
             )  # fmt: skip
         self.device = args.model_device(model)
-        self.enable_amp = enable_amp is not False
+        #: The dtype autocast runs the forward in; None without AMP.
+        self.amp_dtype: Optional[torch.dtype] = None
         if isinstance(enable_amp, torch.dtype):
             self.amp_dtype = enable_amp
-        else:  # float16 needs a GradScaler, and is the fast one on GPUs
+        elif enable_amp:  # float16 needs a GradScaler, and is the fast one on GPUs
             self.amp_dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
         self.progress = Progress(self.epoch_len, self.max_iters)
-        amp_dtype = self.amp_dtype if self.enable_amp else None
+        amp_dtype = self.amp_dtype
         self.model = model
-        self.unpack_batch_dict = unpack_batch_dict
+        self._unpack_batch_dict = unpack_batch_dict
         self.optimizer = optimizer
-        self.clip_grad_norm = clip_grad_norm
+        self._clip_grad_norm = clip_grad_norm
         # DDP (also under torch.compile) skips its gradient all-reduce with no_sync()
         self._ddp = next(
             (m for m in wrappers(model) if isinstance(m, DistributedDataParallel)), None
@@ -221,7 +225,7 @@ class Trainer:
         self._hooks = HookRegistry(self)
         self._storage = MetricStorage(epoch_len=self.epoch_len, cpu=self._cpu)
         self._preemption = Preemption(preempt_check_period, self._cpu)
-        amp = str(self.amp_dtype).replace("torch.", "") if self.enable_amp else "off"
+        amp = str(self.amp_dtype).replace("torch.", "") if self.amp_dtype else "off"
         self._checkpointer = Checkpointer(
             self.ckpt_dir, self.model, optimizer, self.progress, self._data,
             parts={"lr_scheduler": self.lr_scheduler, "grad_scaler": self.grad_scaler,
@@ -275,17 +279,6 @@ class Trainer:
     def start_iter(self) -> int:
         """The iteration this :meth:`train` started (or resumed) from."""
         return self.progress.start_iter
-
-    @property
-    def epoch_based(self) -> bool:
-        """Alias of :attr:`train_by_epoch`: whether ``max_epochs`` (not ``max_iters``) was given."""
-        return self.train_by_epoch
-
-    @property
-    def epoch_iters(self) -> int:
-        """Iterations in the current epoch (the last one may be shorter in iteration mode). With
-        a data loader without a length, the most it can have: those left of ``max_iters``."""
-        return self.progress.epoch_iters
 
     @property
     def data_seconds(self) -> float:
@@ -445,6 +438,7 @@ class Trainer:
             except KeyboardInterrupt:
                 live_line.erase()  # the progress bar's line, with the ^C in it
                 self._data.release()
+                self._keep_pending_metrics()
                 logger.warning(
                     f"Interrupted (Ctrl-C) in iteration {self.cur_iter + 1} of {self.max_iters}: "
                     "not saved. Rerun to resume from the last checkpoint "
@@ -454,6 +448,7 @@ class Trainer:
             except Exception as e:
                 live_line.erase()
                 self._data.release()  # its worker processes, now rather than with the Trainer
+                self._keep_pending_metrics()
                 # the traceback in this rank's log file; on the console Python prints it, once
                 started = self.cur_iter >= self.start_iter
                 where = (
@@ -471,6 +466,14 @@ class Trainer:
                     self._hooks.call("after_train", every_handler=True)
                 finally:
                     self.wait_for_checkpoint()  # the last checkpoint is on disk when train() ends
+
+    def _keep_pending_metrics(self) -> None:
+        """After a failure, this rank's values logged since the last log point go into the
+        storage, for the logs' last rows (no collective: the other ranks may never get here)."""
+        try:
+            self._storage.flush()
+        except FloatingPointError:
+            pass  # a NaN loss among them: kept up to it, and the error in flight says the rest
 
     def _train_epoch(self) -> bool:
         """Run the epoch of the position (what is left of it, when resuming); whether training
@@ -505,6 +508,9 @@ class Trainer:
             return False  # stop() in mid-epoch
         data.end_pass()
         progress.end_epoch()
+        # what the epoch logged since its last log point, for the epoch's hooks (nothing to do,
+        # and no sync, when its last iteration logged)
+        self._storage.flush(every_rank=True)
         self.call_hooks("after_epoch")
         return not progress.stopped
 
@@ -665,9 +671,9 @@ class Trainer:
 
     @property
     def metric_storage(self) -> MetricStorage:
-        """The metrics as of the last log point (or save, or evaluation): the same numbers in
-        one process and under torchrun, where they are reduced over ranks. Reading it costs
-        nothing; values logged since wait on their device for the next log point."""
+        """The metrics as of the last log point (or epoch end, or save): the same numbers in one
+        process and under torchrun, where they are reduced over ranks, with evaluation results
+        and a rank's own numbers as soon as they are logged. Reading it costs nothing."""
         return self._storage
 
     def log(
@@ -679,8 +685,9 @@ class Trainer:
         check_finite: bool = False,
         **metrics: Union[float, torch.Tensor],
     ) -> None:
-        """Record ``metrics`` of iteration ``iter``: numbers, in the storage at once, or scalar
-        tensors, which stay on their device until the next log point (no sync). The logger
+        """Record ``metrics`` of iteration ``iter``: this rank's own numbers go in the storage at
+        once; scalar tensors, and what is ``reduce``-d or ``check_finite``, wait (on their device:
+        no sync) for the next log point. The logger
         shows their window mean (``smooth``) or latest value. ``reduce``: average them over
         ranks under torchrun at log points (log them on every rank at the same iterations);
         otherwise they stay this rank's own. ``check_finite``: a NaN or infinite value raises at
@@ -721,7 +728,7 @@ class Trainer:
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """A context for the forward pass: mixed precision with AMP on, else a no-op."""
-        return NO_OP if self._autocast is None else self._autocast()
+        return _NO_OP if self._autocast is None else self._autocast()
 
     def no_gradient_sync(self, skip: bool = True) -> contextlib.AbstractContextManager:
         """A context for the forward and backward of a micro-batch whose gradients stay local
@@ -731,7 +738,7 @@ class Trainer:
             return self._ddp.no_sync()
         if skip and self._sharded_model is not None:
             return no_gradient_sync(self._sharded_model)
-        return NO_OP
+        return _NO_OP
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, the loss multiplied by the GradScaler's scale with float16 AMP."""
@@ -744,11 +751,11 @@ class Trainer:
         tensor, or None without clipping."""
         optimizer = self.optimizer if optimizer is None else optimizer
         norm = None
-        if self.clip_grad_norm > 0:
+        if self._clip_grad_norm > 0:
             # unscaled first, so the threshold means what it says
             self.grad_scaler.unscale_(optimizer)
             params = [p for group in optimizer.param_groups for p in group["params"]]
-            norm = nn.utils.clip_grad_norm_(params, self.clip_grad_norm).detach()
+            norm = nn.utils.clip_grad_norm_(params, self._clip_grad_norm).detach()
             if self._sharded_model is not None:
                 norm = local_value(norm)  # FSDP2: a replicated DTensor
         if not self._scaling:
@@ -771,7 +778,7 @@ class Trainer:
         """Run the model on ``batch`` (``model(**batch)`` with ``unpack_batch_dict``) under
         :meth:`autocast`; returns the loss to back-propagate and the detached losses to log,
         ``total_loss`` among them (see :func:`total_loss`)."""
-        model, unpack = self.model, self.unpack_batch_dict
+        model, unpack = self.model, self._unpack_batch_dict
         if self._autocast is None:  # no AMP: not even a null context, this runs every step
             out = model(**batch) if unpack else model(batch)
         else:
@@ -798,7 +805,7 @@ class Trainer:
         # 4. clip the gradients and step; float16 steps with inf or NaN gradients are skipped
         grad_norm = self.clip_and_step()
         if not self._scaling and grad_norm is None:
-            return losses, NO_METRICS  # the plain configuration: no other metric
+            return losses, _NO_METRICS  # the plain configuration: no other metric
         self.update_scaler()  # here, not after the iteration: a CUDA graph replays it
         extras: dict[str, Any] = {}
         if grad_norm is not None:

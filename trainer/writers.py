@@ -89,7 +89,7 @@ class ConsoleWriter(MetricWriter):
         else:
             epoch = (
                 f"epoch {trainer.cur_epoch + 1}/{trainer.max_epochs}"
-                f" [{trainer.inner_iter + 1}/{trainer.epoch_iters}]"
+                f" [{trainer.inner_iter + 1}/{trainer.progress.epoch_iters}]"
             )
         parts = [
             epoch,

@@ -240,6 +240,10 @@ def test_the_run_settings_go_to_run_json_and_tensorboard(make_trainer, tmp_path)
     )
     assert (config["batch_size"], config["world_size"], config["amp_dtype"]) == (4, 1, "bfloat16")
     assert config["torch"] == torch.__version__ and config["model"] == "TinyModel"
+    assert config["compiled"] is False
+    # the hooks that carry the other options, in run order
+    assert config["hooks"] == trainer.hook_info
+    assert "CheckpointHook (priority 80)" in config["hooks"]
     acc = EventAccumulator(trainer.tb_log_dir)
     acc.Reload()
     (event,) = acc.Tensors("run/text_summary")

@@ -41,12 +41,13 @@ def test_plateau_without_eval_metric_names_both_fixes(make_trainer):
     assert "plateau_metric='<name>'" in message and "{'Eval Metric': value}" in message
 
 
-def test_plateau_metric_without_reduce_lr_on_plateau_is_refused(make_trainer):
+def test_plateau_metric_without_reduce_lr_on_plateau_is_refused(make_trainer, caplog):
     trainer = make_trainer(plateau_metric="acc")  # replaces the default LRUpdateHook
     expected = r"LRUpdateHook\(plateau_metric='acc'\) is only used with ReduceLROnPlateau"
     with pytest.raises(ValueError, match=expected + ".* is StepLR; remove plateau_metric"):
         trainer.train()
     assert trainer.cur_iter == -1  # refused before the first iteration
+    assert "Run summary" not in caplog.text  # LoggerHook never started: no summary to give
 
 
 def test_iteration_schedule_steps_every_iteration(make_trainer):

@@ -98,7 +98,7 @@ class HookBase:
 
     @property
     def metric_storage(self) -> Any:
-        """``trainer.metric_storage``: the metrics as of the last log point."""
+        """``trainer.metric_storage``: the metrics as of the last log point (see there)."""
         return self.trainer.metric_storage
 
     def log(self, *args: Any, **kwargs: Any) -> None:
@@ -137,4 +137,4 @@ class HookBase:
     def is_last_inner_iter(self) -> bool:
         """Whether this is the final iteration of the current epoch (for a stream: of training,
         since when its pass ends is not known in advance)."""
-        return self.trainer.inner_iter == self.trainer.epoch_iters - 1
+        return self.trainer.inner_iter == self.trainer.progress.epoch_iters - 1

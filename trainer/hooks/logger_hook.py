@@ -62,7 +62,7 @@ class LoggerHook(HookBase):
         self._metrics_jsonl = metrics_jsonl
         self._writers: list[MetricWriter] = []
         self._written: dict[str, int] = {}  # metric -> values already written
-        self._train_start = 0.0
+        self._train_start: Optional[float] = None  # when its before_train ran
         # the evaluated metrics' final and best values, for the summary
         self._evals: dict[str, dict[str, Any]] = {}
 
@@ -77,7 +77,8 @@ class LoggerHook(HookBase):
         self._written = {name: buffer.count for name, buffer in trainer.metric_storage.items()}
         self._writers = [ConsoleWriter(self._train_start, trainer.start_iter)]
         if is_main_process():
-            config = trainer.run_config
+            # the settings, and the hooks that carry the rest (each hook's own options)
+            config = {**trainer.run_config, "hooks": trainer.hook_info}
             with open_no_follow(os.path.join(trainer.work_dir, "run.json"), append=False) as f:
                 json.dump(config, f, indent=2)
             if self._tensorboard:
@@ -144,6 +145,8 @@ class LoggerHook(HookBase):
             for writer in self._writers:
                 writer.close()
             self._writers = []
+        if self._train_start is None:  # training failed before this hook's before_train
+            return
         trainer = self.trainer
         logs = [trainer.log_file]
         if is_main_process():
@@ -151,6 +154,7 @@ class LoggerHook(HookBase):
             logs += [os.path.join(work_dir, "metrics.jsonl")] if self._metrics_jsonl else []
             logs += [os.path.join(work_dir, "tb_logs")] if self._tensorboard else []
         seconds = time.perf_counter() - self._train_start
+        self._train_start = None
         iters = trainer.cur_iter + 1 - trainer.start_iter
         logger.info("\n" + summary_table(trainer, seconds, iters, self._evals, logs))
 

@@ -109,7 +109,7 @@ class ProgressBarHook(HookBase):
         tail = f"  {rate:.3g} it/s  ETA {eta}{self._loss}"
         if trainer.max_epochs is None:  # a stream: its passes have no known length
             return f"epoch {trainer.cur_epoch + 1} [{done_in_epoch}]{tail}"
-        total = trainer.epoch_iters
+        total = trainer.progress.epoch_iters
         head = f"epoch {trainer.cur_epoch + 1}/{trainer.max_epochs} "
         tail = f" {done_in_epoch}/{total}{tail}"
         width = shutil.get_terminal_size((100, 20)).columns - 1
