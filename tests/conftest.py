@@ -135,6 +135,34 @@ class Tick(HookBase):
         self.clock.now += self.seconds
 
 
+class Recorder(HookBase):
+    """Records every loop event it gets, with the epoch and iteration."""
+
+    def __init__(self):
+        self.events = []
+
+    def _record(self, name):
+        self.events.append((name, self.trainer.cur_epoch, self.trainer.cur_iter))
+
+    def before_train(self):
+        self._record("before_train")
+
+    def after_train(self):
+        self._record("after_train")
+
+    def before_epoch(self):
+        self._record("before_epoch")
+
+    def after_epoch(self):
+        self._record("after_epoch")
+
+    def before_iter(self):
+        self._record("before_iter")
+
+    def after_iter(self):
+        self._record("after_iter")
+
+
 class RecordLR(HookBase):
     """Records the LR each iteration starts with."""
 

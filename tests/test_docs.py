@@ -28,9 +28,9 @@ import types
 
 import pytest
 
-from trainer import HookBase, Trainer
+from trainer import Trainer
 
-from conftest import communicate, cpu_env, torchrun_command
+from conftest import Recorder, communicate, cpu_env, torchrun_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md"] + sorted(
@@ -223,32 +223,6 @@ def test_every_python_block_is_collected():
 def marked_block(path, word):
     (block,) = [b for b in blocks(path) if word in b.words]
     return block.code
-
-
-class Recorder(HookBase):
-    def __init__(self):
-        self.events = []
-
-    def _record(self, name):
-        self.events.append((name, self.trainer.cur_epoch, self.trainer.cur_iter))
-
-    def before_train(self):
-        self._record("before_train")
-
-    def after_train(self):
-        self._record("after_train")
-
-    def before_epoch(self):
-        self._record("before_epoch")
-
-    def after_epoch(self):
-        self._record("after_epoch")
-
-    def before_iter(self):
-        self._record("before_iter")
-
-    def after_iter(self):
-        self._record("after_iter")
 
 
 def shape(events):

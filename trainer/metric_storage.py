@@ -235,29 +235,11 @@ class MetricStorage(Mapping):
         check_finite: bool = False,
         reduce: bool = False,
     ) -> None:
-        """Record values of iteration ``iter`` until the next :meth:`flush`: numbers or scalar
-        tensors (a one-element tensor is reshaped and detached; one of several values raises)."""
-        # Called every iteration, so kept lean: a detached scalar tensor (a loss) passes as is.
-        for name, value in metrics.items():
-            if isinstance(value, torch.Tensor) and (value.requires_grad or value.dim()):
-                value = _scalar(name, value)
-            series = self._pending.get(name)
-            if series is None:
-                series = self._pending[name] = _Series(smooth, check_finite, reduce, [], [])
-            series.iters.append(iter)
-            series.values.append(value)
-
-    def log(
-        self,
-        iter: int,
-        metrics: dict[str, Any],
-        smooth: bool = True,
-        check_finite: bool = False,
-        reduce: bool = False,
-    ) -> None:
-        """Record values of iteration ``iter``: this rank's own numbers at once (no sync to
-        wait for, and a hook reads them back as in core-pytorch-utils), the rest with :meth:`add`
-        until the next :meth:`flush`."""
+        """Record values of iteration ``iter``: this rank's own numbers (not ``reduce``-d or
+        ``check_finite``) at once, as :meth:`update` does (no sync to wait for, and a hook reads
+        them back as in core-pytorch-utils); scalar tensors and the rest until the next
+        :meth:`flush` (a one-element tensor is reshaped and detached; one of several values
+        raises)."""
         if not (reduce or check_finite):
             now = {
                 name: value
@@ -267,7 +249,15 @@ class MetricStorage(Mapping):
             for name, value in now.items():
                 self.update(iter, smooth, **{name: value})
             metrics = {name: value for name, value in metrics.items() if name not in now}
-        self.add(iter, metrics, smooth, check_finite, reduce)
+        # Called every iteration, so kept lean: a detached scalar tensor (a loss) passes as is.
+        for name, value in metrics.items():
+            if isinstance(value, torch.Tensor) and (value.requires_grad or value.dim()):
+                value = _scalar(name, value)
+            series = self._pending.get(name)
+            if series is None:
+                series = self._pending[name] = _Series(smooth, check_finite, reduce, [], [])
+            series.iters.append(iter)
+            series.values.append(value)
 
     def flush(self, every_rank: bool = False) -> None:
         """Move pending values into the buffers; raise on a non-finite loss.

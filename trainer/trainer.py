@@ -692,7 +692,7 @@ class Trainer:
         ranks under torchrun at log points (log them on every rank at the same iterations);
         otherwise they stay this rank's own. ``check_finite``: a NaN or infinite value raises at
         the next log point, as losses do."""
-        self._storage.log(iter, metrics, smooth, check_finite, reduce)
+        self._storage.add(iter, metrics, smooth, check_finite, reduce)
 
     def log_losses(self, **losses: torch.Tensor) -> None:
         """Record losses of the current iteration as the built-in step does: checked at the next

@@ -6,31 +6,7 @@ import pytest
 from trainer import HookBase
 from trainer.hooks import Priority
 
-
-class Recorder(HookBase):
-    def __init__(self):
-        self.events = []
-
-    def _record(self, name):
-        self.events.append((name, self.trainer.cur_epoch, self.trainer.cur_iter))
-
-    def before_train(self):
-        self._record("before_train")
-
-    def after_train(self):
-        self._record("after_train")
-
-    def before_epoch(self):
-        self._record("before_epoch")
-
-    def after_epoch(self):
-        self._record("after_epoch")
-
-    def before_iter(self):
-        self._record("before_iter")
-
-    def after_iter(self):
-        self._record("after_iter")
+from conftest import Recorder
 
 
 def test_the_docstring_pseudocode_is_the_real_call_order(make_trainer):
