@@ -28,12 +28,14 @@ if TYPE_CHECKING:
     from .hooks import EvalHook
 
 
-def __getattr__(name: str) -> Any:
-    if name == "EvalHook":  # imported by a run that evaluates
-        from .hooks import EvalHook
+if not TYPE_CHECKING:  # hidden from type checkers, which would take any name through it
 
-        return EvalHook
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    def __getattr__(name: str) -> Any:
+        if name == "EvalHook":  # imported by a run that evaluates
+            from .hooks import EvalHook
+
+            return EvalHook
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

@@ -45,6 +45,13 @@ from .step import total_loss, unwrapped, wrappers
 
 logger = logging.getLogger(__name__)
 
+# The default hooks' classes, of which a trainer has one at most, and what a second one would do.
+_ONE_OF_EACH = {
+    DistributedHook: "set the samplers' epoch twice",
+    LRUpdateHook: "step the LR schedule twice",
+    CheckpointHook: "save on its own schedule, each hook pruning only its own files",
+    LoggerHook: "write every row twice",
+}
 _NO_OP = contextlib.nullcontext()  # reusable: entering it does nothing
 _NO_METRICS: dict[str, Any] = {}  # no extra metrics (never modified)
 
@@ -323,14 +330,22 @@ class Trainer:
     # Hooks
 
     def register_hook(self, hook: HookBase) -> None:
-        """Add a hook; hooks run by ascending ``priority``, ties in registration order."""
+        """Add a hook; hooks run by ascending ``priority``, ties in registration order. A second
+        hook of a default hook's class is refused: replace the default one instead."""
+        for cls, twice in _ONE_OF_EACH.items():
+            if isinstance(hook, cls) and any(isinstance(h, cls) for h in self._hooks.hooks):
+                raise ValueError(
+                    f"A {cls.__name__} is registered already, and a second one would {twice}. "
+                    f"To configure it, replace it: trainer.unregister_hook({cls.__name__}), then "
+                    f"trainer.register_hook({type(hook).__name__}(...))."
+                )
         self._hooks.register(hook)
 
     def register_hooks(self, hooks: Sequence[Optional[HookBase]]) -> None:
         """Add several hooks; None entries are skipped."""
         for hook in hooks:
             if hook is not None:
-                self._hooks.register(hook)
+                self.register_hook(hook)
 
     def unregister_hook(self, hook: Union[HookBase, type]) -> list[HookBase]:
         """Remove ``hook``, or every hook of that class (a default one, say, to replace it with

@@ -79,3 +79,12 @@ def test_an_epoch_schedule_is_not_called_after_iterations_but_counts_them(make_t
     per_iter = make_trainer(max_iters=3, scheduler=step, by_epoch=False,
                             work_dir=trainer.work_dir + "i")  # fmt: skip
     assert per_iter.lr_scheduler.changes_per_iter
+
+
+def test_a_plateau_metric_that_never_came_is_warned_about(make_trainer, caplog):
+    trainer = make_trainer(max_epochs=2, scheduler=plateau, plateau_metric="val_los")  # a typo
+    trainer.register_hook(EvalHook(1, lambda: {"val_loss": 1.0}))
+    trainer.train()
+    assert trainer.lr == pytest.approx(0.1)  # never stepped
+    assert "plateau_metric='val_los'): no value of it was logged in training" in caplog.text
+    assert "Logged: data_time, iter_time, lr, total_loss, val_loss." in caplog.text

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from trainer.hooks import CheckpointHook, HookBase, LoggerHook
+from trainer.hooks import CheckpointHook, HookBase, LoggerHook, LRUpdateHook
 
 
 def test_default_outputs_are_one_argument_away(make_trainer, tmp_path):
@@ -174,3 +174,34 @@ def test_an_after_iter_period_that_is_not_an_int_of_0_or_more_is_refused(make_tr
         LoggerHook(period=0)
     with pytest.raises(TypeError, match="period must be a positive int, got float 50.0"):
         LoggerHook(period=50.0)
+
+
+@pytest.mark.parametrize(
+    "hook, twice",
+    [
+        (lambda: LRUpdateHook(), "step the LR schedule twice"),
+        (lambda: CheckpointHook(3, 2, by_epoch=False), "save on its own schedule"),
+        (lambda: LoggerHook(tensorboard=False), "write every row twice"),
+    ],
+)
+def test_a_second_hook_of_a_default_hooks_class_is_refused_naming_the_swap(
+    make_trainer, hook, twice
+):
+    trainer = make_trainer(max_epochs=1)
+    new = hook()
+    name = type(new).__name__
+    with pytest.raises(ValueError, match=rf"A {name} is registered already.*{twice}.*"
+                       rf"trainer.unregister_hook\({name}\)"):  # fmt: skip
+        trainer.register_hook(new)
+    trainer.unregister_hook(type(new))
+    trainer.register_hook(new)  # in place of the default one
+    assert sum(isinstance(h, type(new)) for h in trainer.hooks) == 1
+
+
+def test_a_logger_hook_with_another_period_than_the_trainers_is_refused(make_trainer):
+    trainer = make_trainer(max_epochs=1, log_period=4)
+    trainer.unregister_hook(LoggerHook)
+    trainer.register_hook(LoggerHook(period=3))
+    with pytest.raises(ValueError, match=r"LoggerHook\(period=3\) differs from the trainer's "
+                       r"log_period=4.*would repeat stale values"):  # fmt: skip
+        trainer.train()

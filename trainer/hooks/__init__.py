@@ -32,10 +32,12 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .watchdog_hook import WatchdogHook
 
 
-def __getattr__(name: str) -> Any:
-    if name in _EXTRAS:
-        return getattr(importlib.import_module(f".{_EXTRAS[name]}", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+if not TYPE_CHECKING:  # hidden from type checkers, which would take any name through it
+
+    def __getattr__(name: str) -> Any:
+        if name in _EXTRAS:
+            return getattr(importlib.import_module(f".{_EXTRAS[name]}", __name__), name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:

@@ -34,26 +34,28 @@ class LoggerHook(HookBase):
     in data loading, the evaluated metrics' final and best values, checkpoints and logs.
 
     Args:
-        period: Iterations between log points.
+        period: Iterations between log points: the trainer's ``log_period`` (None), where the
+            values it writes are flushed; another period is refused when training starts.
         writers: More :class:`~trainer.writers.MetricWriter` objects (rank 0 only).
         tensorboard: Write TensorBoard files.
         metrics_jsonl: Write ``work_dir/metrics.jsonl``.
 
     Example::
 
-        >>> hook = LoggerHook(period=20)  # the Trainer registers one with log_period
+        >>> hook = LoggerHook(tensorboard=False)  # the Trainer registers one by default
     """
 
     priority = Priority.LOGGER
 
     def __init__(
         self,
-        period: int = 50,
+        period: Optional[int] = None,
         writers: Optional[list[MetricWriter]] = None,
         tensorboard: bool = True,
         metrics_jsonl: bool = True,
     ) -> None:
-        check_int("period", period, minimum=1)
+        if period is not None:
+            check_int("period", period, minimum=1)
         if writers is not None:
             check_writers("writers", writers)
         self._period = period
@@ -72,12 +74,19 @@ class LoggerHook(HookBase):
         its checkpoint (steps this run repeats) is dropped from TensorBoard and
         ``metrics.jsonl``."""
         trainer = self.trainer
+        if self._period not in (None, trainer.log_period):
+            raise ValueError(
+                f"LoggerHook(period={self._period}) differs from the trainer's "
+                f"log_period={trainer.log_period}, where it flushes the values a LoggerHook "
+                "writes: its rows would repeat stale values. Pass Trainer(log_period=N), and "
+                "LoggerHook() or LoggerHook(trainer.log_period)."
+            )
         self._log_start()
         self._train_start = time.perf_counter()
         self._written = {name: buffer.count for name, buffer in trainer.metric_storage.items()}
         self._writers = [ConsoleWriter(self._train_start, trainer.start_iter)]
         if is_main_process():
-            # the settings, and the hooks that carry the rest (each hook's own options)
+            # the settings, and the hooks in run order (the options they take are theirs)
             config = {**trainer.run_config, "hooks": trainer.hook_info}
             with open_no_follow(os.path.join(trainer.work_dir, "run.json"), append=False) as f:
                 json.dump(config, f, indent=2)
@@ -113,8 +122,8 @@ class LoggerHook(HookBase):
         logger.info(f"Start training from iteration {done} in {work_dir}, {origin}.")
 
     def after_iter_period(self) -> int:
-        """Every ``period``-th iteration, and the last."""
-        return self._period
+        """Every log point: every ``log_period``-th iteration, and the last."""
+        return self.trainer.log_period
 
     def after_iter(self) -> None:
         """Write a log point."""
@@ -124,7 +133,7 @@ class LoggerHook(HookBase):
         """Write this iteration's log point, if it is one (the checkpoint covers it, and a run
         resumed from it starts after it), and put every writer's rows on disk, so that a kill
         after the save loses no row that the resumed run will not write again."""
-        if self.every_n_iters(self._period) or self.is_last_iter():
+        if self.every_n_iters(self.trainer.log_period) or self.is_last_iter():
             self._write(log_point=True)
         for writer in self._writers:
             writer.flush()

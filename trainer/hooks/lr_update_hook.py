@@ -1,9 +1,12 @@
 """Steps the warmup-wrapped LR schedule."""
 
+import logging
 from typing import Any, Optional
 
 from ..checks import check_type
 from .hookbase import HookBase, Priority
+
+logger = logging.getLogger(__name__)
 
 # What ReduceLROnPlateau judges without a plateau_metric (core-pytorch-utils' name).
 DEFAULT_PLATEAU_METRIC = "Eval Metric"
@@ -75,6 +78,21 @@ class LRUpdateHook(HookBase):
                 metric = buffer.latest
                 self._metric_count = buffer.count
         scheduler.epoch_update(metric)
+
+    def after_train(self) -> None:
+        """Warn when a named plateau metric never came: a typo leaves the LR unchanged."""
+        trainer = self.trainer
+        if (
+            self._metric_named
+            and self._metric_count == 0
+            and trainer.lr_scheduler.is_plateau
+            and trainer.progress.finished
+        ):
+            logger.warning(
+                f"LRUpdateHook(plateau_metric={self._plateau_metric!r}): no value of it was "
+                "logged in training, so ReduceLROnPlateau never stepped. Logged: "
+                f"{', '.join(sorted(trainer.metric_storage))}."
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """How many plateau metric values were used."""
