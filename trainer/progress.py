@@ -31,7 +31,8 @@ class Progress:
     iterations); ``position`` is where a checkpoint taken now resumes: it moves when an
     iteration or an epoch ends. ``stopped``: :meth:`Trainer.stop` was called (or the resumed
     checkpoint remembers it). ``saved``: the position and stop of the last checkpoint saved or
-    loaded. ``epoch_len`` is None for a data loader without a length (a stream), whose epochs
+    loaded. ``last_log_iter``: the last iteration that was a log point (set at log points
+    only). ``epoch_len`` is None for a data loader without a length (a stream), whose epochs
     are passes that end when its iterator does. The Trainer's loop sets ``inner_iter``,
     ``iter`` and ``position`` itself at each iteration (attribute writes, no calls).
     """
@@ -46,6 +47,7 @@ class Progress:
     position: Position = (0, 0)
     stopped: bool = False
     saved: tuple[Position, bool] = ((-1, -1), False)
+    last_log_iter: int = -1
 
     def begin_epoch(self, epoch: int) -> int:
         """Enter ``epoch``; returns the iterations of it already done (when resuming)."""

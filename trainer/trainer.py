@@ -634,6 +634,7 @@ class Trainer:
         # latest value is ever shown, so it is recorded at log points alone.
         self._storage.add(it, {"lr": self.lr}, smooth=False)
         self._storage.flush(every_rank=True)
+        self.progress.last_log_iter = it  # what hooks ask: is this iteration a log point
 
     def stop(self) -> None:
         """End training after this iteration (or epoch, called at its end): the remaining hooks

@@ -48,6 +48,12 @@ class MetricWriter:
         """Flush and release what the writer holds; called when training ends."""
 
 
+def time_left(elapsed: float, iters_done: int, iters_left: int) -> datetime.timedelta:
+    """The ETA: the time of everything since training started (evaluations and checkpoints
+    included) spread over the iterations done, for those left."""
+    return datetime.timedelta(seconds=int(elapsed / max(iters_done, 1) * iters_left))
+
+
 def check_writers(name: str, writers: Any) -> None:
     """Raise ``TypeError`` naming ``name`` unless ``writers`` is a list or tuple of
     :class:`MetricWriter` objects."""
@@ -80,9 +86,8 @@ class ConsoleWriter(MetricWriter):
         if not logger.isEnabledFor(logging.INFO):
             return  # the line would go nowhere: no need to format it
         done = iter + 1
-        elapsed = time.perf_counter() - self._start_time
-        seconds_per_iter = elapsed / max(done - self._start_iter, 1)
-        eta = datetime.timedelta(seconds=int(seconds_per_iter * (trainer.max_iters - done)))
+        eta = time_left(time.perf_counter() - self._start_time, done - self._start_iter,
+                        trainer.max_iters - done)  # fmt: skip
         metrics = dict(metrics)
         if trainer.max_epochs is None:  # a stream: its passes have no known length
             epoch = f"epoch {trainer.cur_epoch + 1} [{trainer.inner_iter + 1}]"

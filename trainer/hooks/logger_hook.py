@@ -133,7 +133,7 @@ class LoggerHook(HookBase):
         """Write this iteration's log point, if it is one (the checkpoint covers it, and a run
         resumed from it starts after it), and put every writer's rows on disk, so that a kill
         after the save loses no row that the resumed run will not write again."""
-        if self.every_n_iters(self.trainer.log_period) or self.is_last_iter():
+        if self.trainer.progress.last_log_iter == self.trainer.cur_iter:
             self._write(log_point=True)
         for writer in self._writers:
             writer.flush()

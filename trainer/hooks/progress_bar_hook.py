@@ -1,6 +1,5 @@
 """A live progress bar on a terminal: a line per epoch, redrawn a few times a second."""
 
-import datetime
 import shutil
 import sys
 import time
@@ -9,6 +8,7 @@ from typing import Optional, TextIO
 from ..checks import NUMBER, check_type
 from ..distributed import is_main_process
 from ..logger import draws_safely_on, is_terminal, live_line
+from ..writers import time_left
 from .hookbase import HookBase, Priority
 
 
@@ -103,9 +103,10 @@ class ProgressBarHook(HookBase):
         done_in_epoch = self._done_in_epoch()
         started, done_before = self._epoch_start
         rate = (done_in_epoch - done_before) / max(now - started, 1e-9)
-        run_done = trainer.cur_iter + 1 - trainer.start_iter
-        per_iter = (now - self._train_start) / max(run_done, 1)
-        eta = datetime.timedelta(seconds=int(per_iter * (trainer.max_iters - trainer.cur_iter - 1)))
+        done = trainer.cur_iter + 1
+        eta = time_left(
+            now - self._train_start, done - trainer.start_iter, trainer.max_iters - done
+        )
         tail = f"  {rate:.3g} it/s  ETA {eta}{self._loss}"
         if trainer.max_epochs is None:  # a stream: its passes have no known length
             return f"epoch {trainer.cur_epoch + 1} [{done_in_epoch}]{tail}"
