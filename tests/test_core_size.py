@@ -32,6 +32,7 @@ print(json.dumps({n: sum(1 for _ in open(f)) for n, f in modules.items()}))
 
 # Features a default run does not use, which it must not import.
 EXTRAS = [
+    "trainer.checkpoint_load",
     "trainer.cuda_graph",
     "trainer.evaluation",
     "trainer.history_buffer",

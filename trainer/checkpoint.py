@@ -1,29 +1,19 @@
-"""Checkpoints: what they hold (:class:`Checkpointer` gathers and restores the trainer's
-state), their names, the search for the newest one that loads, and loading their weights.
-The files themselves (atomic background writes, ``latest.txt``) are ``checkpoint_files.py``'s;
-what makes a checkpoint usable (keys, types, finite values, a matching configuration) is
-``checkpoint_checks.py``'s."""
+"""Checkpoints: what they hold (:class:`Checkpointer` gathers and restores the trainer's state)
+and their names. The files themselves (atomic background writes, ``latest.txt``) are
+``checkpoint_files.py``'s; loading them (the newest one that loads, what makes one usable,
+weights in) is ``checkpoint_load.py``'s."""
 
 import logging
 import os
-import re
-from collections.abc import Collection
 from typing import Any, Callable, Optional, Sequence
 
-import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from .checkpoint_checks import (
-    bad_tensors,
-    check_config,
-    check_finite,
-    check_keys,
-    check_structure,
-)
 from .checkpoint_files import (
     BackgroundWriter,
     UnloadableState,
+    bad_tensors,
     check_plain,
     copy_to_cpu,
     describe,
@@ -34,21 +24,11 @@ from .checkpoint_files import (
     save_in_background,
 )
 from .distributed import CpuGroup, all_gather, gather, get_world_size, is_main_process
-from .fsdp import (
-    full_state_dicts,
-    is_sharded,
-    keyed_by_name,
-    load_full_model_state,
-    load_full_optimizer_state,
-)
+from .fsdp import full_state_dicts, is_sharded
 from .progress import DataStream, Progress, map_position
 from .step import unwrapped
 
 logger = logging.getLogger(__name__)
-
-# What a checkpoint needs to resume a run (a weights-only load needs "model" alone).
-RESUME_KEYS = ("progress", "config", "model", "optimizer", "lr_scheduler", "grad_scaler",
-               "metric_storage", "hooks", "rng")  # fmt: skip
 
 
 class Checkpointer:
@@ -272,14 +252,19 @@ class Checkpointer:
         Returns:
             Whether a checkpoint was loaded.
         """
-        if revise_keys is not None:
-            check_revise_keys(revise_keys, resume)
+        if path is None and not auto_resume:
+            raise ValueError("Pass a checkpoint path, or auto_resume=True to use the latest.")
         self.wait()  # a write in flight may be the newest checkpoint
+        if path is None and not list_checkpoints(self.ckpt_dir) and revise_keys is None:
+            logger.debug(f"No checkpoint in {self.ckpt_dir}: training from scratch.")
+            return False  # (the loading code is not even imported)
+        from . import checkpoint_load as loading  # imported by a run that loads a checkpoint
+
+        if revise_keys is not None:
+            loading.check_revise_keys(revise_keys, resume)
         auto_picked = path is None
         if path is None:
-            if not auto_resume:
-                raise ValueError("Pass a checkpoint path, or auto_resume=True to use the latest.")
-            found = load_newest(self.ckpt_dir, self._parameter_names())
+            found = loading.load_newest(self.ckpt_dir, self._parameter_names())
             if found is None:
                 logger.debug(f"No checkpoint in {self.ckpt_dir}: training from scratch.")
                 return False
@@ -287,18 +272,18 @@ class Checkpointer:
             weights = data["model"]
         elif resume:
             data = load_checkpoint_file(path)
-            check_keys(data, path, RESUME_KEYS)
-            check_structure(data, path, RESUME_KEYS)
-            check_finite(data, path, self._parameter_names())
+            loading.check_keys(data, path, loading.RESUME_KEYS)
+            loading.check_structure(data, path, loading.RESUME_KEYS)
+            loading.check_finite(data, path, self._parameter_names())
             weights = data["model"]
         else:
-            weights = model_weights(load_checkpoint_file(path), path)
+            weights = loading.model_weights(load_checkpoint_file(path), path)
         # weights saved from a torch.compile-d model by other means carry its prefix
         weights = {k.replace("_orig_mod.", ""): v for k, v in weights.items()}
-        weights = revised(weights, revise_keys or (), path)
+        weights = loading.revised(weights, revise_keys or (), path)
         if not resume and not auto_picked:  # load_newest checked the one it picked
-            check_finite({"model": weights}, path, self._parameter_names())
-        load_model_state(self._module, weights, path, strict, self._sharded)
+            loading.check_finite({"model": weights}, path, self._parameter_names())
+        loading.load_model_state(self._module, weights, path, strict, self._sharded)
         if not resume:
             logger.info(f"Loaded model weights from {path}; the training state is not restored.")
             return True
@@ -308,6 +293,8 @@ class Checkpointer:
         return True
 
     def _load_state_dict(self, data: dict[str, Any], path: str) -> None:
+        from .checkpoint_load import check_config, load_optimizer_state
+
         check_config(data["config"], {**self._config, "classes": self._classes()}, path)
         progress = self._progress
         accumulation = self._config["accumulation_steps"]
@@ -349,185 +336,6 @@ def checkpoint_name(by_epoch: bool, position: tuple[int, int], iters_done: int) 
     if by_epoch and inner == 0:
         return f"epoch_{epoch}.pth"
     return f"iter_{iters_done}.pth"
-
-
-def load_newest(ckpt_dir: str, parameters: Collection[str]) -> Optional[tuple[str, dict[str, Any]]]:
-    """The newest checkpoint in ``ckpt_dir`` that loads and can resume a run, ``latest.txt``'s
-    first, as ``(path, data)``; None when there is none. One that fails to load (its model's
-    ``parameters`` not finite, say) is skipped with a warning; if none loads, this raises rather
-    than let training start from scratch."""
-    failures = []
-    for path in list_checkpoints(ckpt_dir):
-        try:
-            data = load_checkpoint_file(path)
-            check_keys(data, path, RESUME_KEYS)
-            check_structure(data, path, RESUME_KEYS)
-            check_finite(data, path, parameters)
-        except (RuntimeError, OSError) as e:
-            logger.warning(f"Skipping a checkpoint that does not load: {e}")
-            failures.append(str(e))
-            continue
-        if failures:
-            logger.warning(f"Resuming from {path}, the newest checkpoint that loads.")
-        return path, data
-    if failures:
-        raise RuntimeError(
-            f"None of the {len(failures)} checkpoints in {ckpt_dir} loads:\n"
-            + "\n".join(failures)
-            + "\nMove them out of the folder to start afresh, or pass "
-            "resume_from_checkpoint= a good file."
-        )
-    return None
-
-
-def load_model_state(
-    module: nn.Module, state: dict[str, Any], path: str, strict: bool, sharded: bool
-) -> None:
-    """Load checkpointed weights into ``module`` (the unwrapped model), listing the keys and
-    shapes that differ; ``strict=False`` loads those that match."""
-    own = module.state_dict()
-    shape = {k: _shape(v) for k, v in own.items()}
-    wrong_shape = [k for k in own if k in state and _shape(state[k]) != shape[k]]
-    problems = "".join(
-        f"\n  {title}: {', '.join(keys)}"
-        for title, keys in [
-            ("missing from the checkpoint", [k for k in own if k not in state]),
-            ("not in the model", [k for k in state if k not in own]),
-            (
-                "shapes differ",
-                [f"{k} {_shape(state[k])} vs {shape[k]}" for k in wrong_shape],
-            ),
-        ]
-        if keys
-    )
-    matching = [k for k in state if k in own and k not in wrong_shape]
-    hint = _prefix_hint(list(state), list(own)) if problems else ""
-    if problems and strict:
-        raise RuntimeError(
-            f"Checkpoint {path!r} does not match the model:{problems}\nIf the model changed on "
-            "purpose, train it in a new work_dir, or pass train(auto_resume=False) to start "
-            "afresh in this one. To fine-tune from these weights instead, loading those that "
-            f"match: load_checkpoint(path, resume=False, strict=False).{hint}"
-        )
-    if problems and not matching:  # strict=False would load nothing, and say it succeeded
-        raise RuntimeError(
-            f"Checkpoint {path!r} holds no weight that matches the model in name and shape: its "
-            f"keys begin {_first(state)}, the model's {_first(own)}.{hint}"
-        )
-    if problems:
-        logger.warning(
-            f"Loading {path} with strict=False loaded {len(matching)} of the model's {len(own)} "
-            f"entries and skipped:{problems}"
-        )
-        state = {k: state[k] for k in matching}
-    if sharded:
-        load_full_model_state(module, state, strict)
-    else:
-        module.load_state_dict(state, strict=strict)
-
-
-def model_weights(data: dict[str, Any], path: str) -> dict[str, Any]:
-    """The model's ``state_dict`` in a file of weights: a dict holding it under
-    ``"state_dict"``, ``"model_state_dict"`` (PyTorch's tutorials) or ``"model"`` (a trainer
-    checkpoint), or the file's dict itself."""
-    for key in ("state_dict", "model_state_dict", "model"):
-        if isinstance(data.get(key), dict):
-            data = data[key]
-            break
-    if not any(isinstance(value, torch.Tensor) for value in data.values()):
-        raise RuntimeError(
-            f"Checkpoint {path!r} holds no weights: expected a model's state_dict (names to "
-            f"tensors), or a dict holding one under 'state_dict', 'model_state_dict' or 'model'; "
-            f"its keys are {_first(data)}."
-        )
-    return data
-
-
-def check_revise_keys(revise_keys: Any, resume: bool) -> None:
-    """Refuse ``revise_keys`` that are not ``(regex, replacement)`` pairs of strings, or that
-    come with ``resume=True``, whose checkpoint is loaded as it was saved."""
-    if resume:
-        raise ValueError(
-            "revise_keys renames the weights of a file loaded with resume=False (fine-tuning, "
-            "evaluation); a resumed run loads its own checkpoint as saved. Pass resume=False."
-        )
-    pairs = list(revise_keys) if isinstance(revise_keys, (list, tuple)) else None
-    if pairs is None or not all(
-        isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, str) for x in p)
-        for p in pairs
-    ):
-        raise TypeError(
-            f"revise_keys must be a list of (regex, replacement) pairs of strings, got "
-            f"{revise_keys!r}; e.g. revise_keys=[(r'^module\\.', '')]."
-        )
-    for pattern, replacement in pairs:
-        try:
-            re.sub(pattern, replacement, "")  # parses both: a bad group reference raises too
-        except (re.error, IndexError) as e:  # IndexError: an unknown group name
-            raise ValueError(
-                f"revise_keys holds ({pattern!r}, {replacement!r}), which re.sub refuses: {e}."
-            ) from None
-
-
-def revised(
-    state: dict[str, Any], revise_keys: Sequence[tuple[str, str]], path: str
-) -> dict[str, Any]:
-    """``state`` with its keys renamed by ``revise_keys``, in order; two keys renamed alike
-    are refused (one would be lost)."""
-    for pattern, replacement in revise_keys:
-        renamed: dict[str, Any] = {}
-        for key, value in state.items():
-            new = re.sub(pattern, replacement, key)
-            if new in renamed:
-                raise ValueError(
-                    f"revise_keys ({pattern!r} -> {replacement!r}) renames two keys of "
-                    f"{path!r} to {new!r}: one would be lost. Make the renaming one to one."
-                )
-            renamed[new] = value
-        state = renamed
-    return state
-
-
-def _shape(value: Any) -> Any:
-    """A tensor's shape as a tuple, for comparing and naming; another value's type."""
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-
-
-def _first(keys: Any, n: int = 3) -> str:
-    keys = list(keys)
-    return f"{keys[:n]}{' ...' if len(keys) > n else ''} ({len(keys)} in all)"
-
-
-def _prefix_hint(theirs: list[str], ours: list[str]) -> str:
-    """A ``revise_keys`` that would match the file's keys to the model's, if they differ by a
-    prefix (``module.`` of a DDP checkpoint, say)."""
-    for keys, others, add in ((theirs, ours, False), (ours, theirs, True)):
-        common = os.path.commonprefix(keys)
-        for end in (i + 1 for i, c in enumerate(common) if c == "."):
-            if {k[end:] for k in keys} & set(others):
-                prefix = common[:end]
-                pair = ("^", prefix) if add else ("^" + re.escape(prefix), "")
-                return (
-                    " The keys differ by a prefix: load_checkpoint(path, resume=False, "
-                    f"revise_keys=[{pair!r}]) renames them."
-                )
-    return ""
-
-
-def load_optimizer_state(
-    module: nn.Module, optimizer: Optimizer, state: dict[str, Any], path: str, sharded: bool
-) -> None:
-    """Load an optimizer's checkpointed state; sharded models' checkpoints key it by name."""
-    if keyed_by_name(state):
-        load_full_optimizer_state(module, optimizer, state)
-    elif sharded:
-        raise RuntimeError(
-            f"Checkpoint {path!r} was saved by a model that was not sharded; this one is "
-            "(fully_shard), and the optimizer state cannot be mapped. Resume it without "
-            "sharding, or load the weights alone: load_checkpoint(path, resume=False)."
-        )
-    else:
-        optimizer.load_state_dict(state)
 
 
 # The owners of a checkpoint's top-level keys, as a message names them.

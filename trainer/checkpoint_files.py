@@ -1,5 +1,6 @@
 """Checkpoint files: atomic writes in the background, the ``latest.txt`` pointer, the listing
-newest first, leftovers of interrupted writes, and ``weights_only`` loads."""
+newest first, leftovers of interrupted writes, ``weights_only`` loads, and what a save refuses
+(state that would not load, tensors that are not finite)."""
 
 import collections
 import glob
@@ -7,7 +8,7 @@ import logging
 import os
 import tempfile
 import threading
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -336,3 +337,43 @@ def _chain(error: BaseException) -> Iterator[BaseException]:
         seen.add(id(current))
         yield current
         current = current.__cause__ or current.__context__
+
+
+def non_finite(state: Any, prefix: str = "", inf_ok: Collection[str] = ()) -> list[str]:
+    """The names (``model.linear.weight``, ``optimizer.0.momentum_buffer``, ...) of the
+    floating-point tensors in the nested dicts and lists of ``state`` that hold a NaN or an
+    infinity (only a NaN for the names in ``inf_ok``); sharded tensors are checked in this
+    rank's shard. One host read per device."""
+    by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
+    for name, tensor in _named_tensors(state, prefix):
+        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor
+        if local.is_floating_point() or local.is_complex():
+            by_device.setdefault(local.device, []).append((name, local))
+    bad = []
+    for items in by_device.values():
+        fine = [
+            torch.isnan(t).any().logical_not() if name in inf_ok else torch.isfinite(t).all()
+            for name, t in items
+        ]
+        bad += [name for (name, _), ok in zip(items, torch.stack(fine).tolist()) if not ok]
+    return bad
+
+
+def _named_tensors(state: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(state, torch.Tensor):
+        yield prefix, state
+    elif isinstance(state, dict):
+        for key, value in state.items():
+            yield from _named_tensors(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(state, (list, tuple)):
+        for i, value in enumerate(state):
+            yield from _named_tensors(value, f"{prefix}.{i}" if prefix else str(i))
+
+
+def bad_tensors(data: dict[str, Any], parameters: Collection[str]) -> list[str]:
+    """The tensors of a checkpoint's ``data`` that no run should go on from: the model's
+    ``parameters``, the optimizer's state and the registered objects' must be finite, the
+    model's buffers free of NaN (an infinity may be on purpose, as a causal mask's -inf is)."""
+    state = {key: data[key] for key in ("model", "optimizer", "extra") if key in data}
+    buffers = {f"model.{key}" for key in state.get("model", {}) if key not in parameters}
+    return non_finite(state, inf_ok=buffers)

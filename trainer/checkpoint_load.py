@@ -1,0 +1,318 @@
+"""Loading checkpoints: the newest one that loads, what makes one usable (keys, types, finite
+values, a matching configuration), and the model's and optimizer's state put back. Imported by
+a run that loads a checkpoint: a fresh run never does."""
+
+import logging
+import math
+import os
+import re
+from collections.abc import Collection
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from .checkpoint_files import bad_tensors, list_checkpoints, load_checkpoint_file
+from .fsdp import keyed_by_name, load_full_model_state, load_full_optimizer_state
+
+logger = logging.getLogger(__name__)
+
+# What a checkpoint needs to resume a run (a weights-only load needs "model" alone).
+RESUME_KEYS = ("progress", "config", "model", "optimizer", "lr_scheduler", "grad_scaler",
+               "metric_storage", "hooks", "rng")  # fmt: skip
+
+
+def load_newest(ckpt_dir: str, parameters: Collection[str]) -> Optional[tuple[str, dict[str, Any]]]:
+    """The newest checkpoint in ``ckpt_dir`` that loads and can resume a run, ``latest.txt``'s
+    first, as ``(path, data)``; None when there is none. One that fails to load (its model's
+    ``parameters`` not finite, say) is skipped with a warning; if none loads, this raises rather
+    than let training start from scratch."""
+    failures = []
+    for path in list_checkpoints(ckpt_dir):
+        try:
+            data = load_checkpoint_file(path)
+            check_keys(data, path, RESUME_KEYS)
+            check_structure(data, path, RESUME_KEYS)
+            check_finite(data, path, parameters)
+        except (RuntimeError, OSError) as e:
+            logger.warning(f"Skipping a checkpoint that does not load: {e}")
+            failures.append(str(e))
+            continue
+        if failures:
+            logger.warning(f"Resuming from {path}, the newest checkpoint that loads.")
+        return path, data
+    if failures:
+        raise RuntimeError(
+            f"None of the {len(failures)} checkpoints in {ckpt_dir} loads:\n"
+            + "\n".join(failures)
+            + "\nMove them out of the folder to start afresh, or pass "
+            "resume_from_checkpoint= a good file."
+        )
+    return None
+
+
+def load_model_state(
+    module: nn.Module, state: dict[str, Any], path: str, strict: bool, sharded: bool
+) -> None:
+    """Load checkpointed weights into ``module`` (the unwrapped model), listing the keys and
+    shapes that differ; ``strict=False`` loads those that match."""
+    own = module.state_dict()
+    shape = {k: _shape(v) for k, v in own.items()}
+    wrong_shape = [k for k in own if k in state and _shape(state[k]) != shape[k]]
+    problems = "".join(
+        f"\n  {title}: {', '.join(keys)}"
+        for title, keys in [
+            ("missing from the checkpoint", [k for k in own if k not in state]),
+            ("not in the model", [k for k in state if k not in own]),
+            (
+                "shapes differ",
+                [f"{k} {_shape(state[k])} vs {shape[k]}" for k in wrong_shape],
+            ),
+        ]
+        if keys
+    )
+    matching = [k for k in state if k in own and k not in wrong_shape]
+    hint = _prefix_hint(list(state), list(own)) if problems else ""
+    if problems and strict:
+        raise RuntimeError(
+            f"Checkpoint {path!r} does not match the model:{problems}\nIf the model changed on "
+            "purpose, train it in a new work_dir, or pass train(auto_resume=False) to start "
+            "afresh in this one. To fine-tune from these weights instead, loading those that "
+            f"match: load_checkpoint(path, resume=False, strict=False).{hint}"
+        )
+    if problems and not matching:  # strict=False would load nothing, and say it succeeded
+        raise RuntimeError(
+            f"Checkpoint {path!r} holds no weight that matches the model in name and shape: its "
+            f"keys begin {_first(state)}, the model's {_first(own)}.{hint}"
+        )
+    if problems:
+        logger.warning(
+            f"Loading {path} with strict=False loaded {len(matching)} of the model's {len(own)} "
+            f"entries and skipped:{problems}"
+        )
+        state = {k: state[k] for k in matching}
+    if sharded:
+        load_full_model_state(module, state, strict)
+    else:
+        module.load_state_dict(state, strict=strict)
+
+
+def model_weights(data: dict[str, Any], path: str) -> dict[str, Any]:
+    """The model's ``state_dict`` in a file of weights: a dict holding it under
+    ``"state_dict"``, ``"model_state_dict"`` (PyTorch's tutorials) or ``"model"`` (a trainer
+    checkpoint), or the file's dict itself."""
+    for key in ("state_dict", "model_state_dict", "model"):
+        if isinstance(data.get(key), dict):
+            data = data[key]
+            break
+    if not any(isinstance(value, torch.Tensor) for value in data.values()):
+        raise RuntimeError(
+            f"Checkpoint {path!r} holds no weights: expected a model's state_dict (names to "
+            f"tensors), or a dict holding one under 'state_dict', 'model_state_dict' or 'model'; "
+            f"its keys are {_first(data)}."
+        )
+    return data
+
+
+def check_revise_keys(revise_keys: Any, resume: bool) -> None:
+    """Refuse ``revise_keys`` that are not ``(regex, replacement)`` pairs of strings, or that
+    come with ``resume=True``, whose checkpoint is loaded as it was saved."""
+    if resume:
+        raise ValueError(
+            "revise_keys renames the weights of a file loaded with resume=False (fine-tuning, "
+            "evaluation); a resumed run loads its own checkpoint as saved. Pass resume=False."
+        )
+    pairs = list(revise_keys) if isinstance(revise_keys, (list, tuple)) else None
+    if pairs is None or not all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, str) for x in p)
+        for p in pairs
+    ):
+        raise TypeError(
+            f"revise_keys must be a list of (regex, replacement) pairs of strings, got "
+            f"{revise_keys!r}; e.g. revise_keys=[(r'^module\\.', '')]."
+        )
+    for pattern, replacement in pairs:
+        try:
+            re.sub(pattern, replacement, "")  # parses both: a bad group reference raises too
+        except (re.error, IndexError) as e:  # IndexError: an unknown group name
+            raise ValueError(
+                f"revise_keys holds ({pattern!r}, {replacement!r}), which re.sub refuses: {e}."
+            ) from None
+
+
+def revised(
+    state: dict[str, Any], revise_keys: Sequence[tuple[str, str]], path: str
+) -> dict[str, Any]:
+    """``state`` with its keys renamed by ``revise_keys``, in order; two keys renamed alike
+    are refused (one would be lost)."""
+    for pattern, replacement in revise_keys:
+        renamed: dict[str, Any] = {}
+        for key, value in state.items():
+            new = re.sub(pattern, replacement, key)
+            if new in renamed:
+                raise ValueError(
+                    f"revise_keys ({pattern!r} -> {replacement!r}) renames two keys of "
+                    f"{path!r} to {new!r}: one would be lost. Make the renaming one to one."
+                )
+            renamed[new] = value
+        state = renamed
+    return state
+
+
+def _shape(value: Any) -> Any:
+    """A tensor's shape as a tuple, for comparing and naming; another value's type."""
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def _first(keys: Any, n: int = 3) -> str:
+    keys = list(keys)
+    return f"{keys[:n]}{' ...' if len(keys) > n else ''} ({len(keys)} in all)"
+
+
+def _prefix_hint(theirs: list[str], ours: list[str]) -> str:
+    """A ``revise_keys`` that would match the file's keys to the model's, if they differ by a
+    prefix (``module.`` of a DDP checkpoint, say)."""
+    for keys, others, add in ((theirs, ours, False), (ours, theirs, True)):
+        common = os.path.commonprefix(keys)
+        for end in (i + 1 for i, c in enumerate(common) if c == "."):
+            if {k[end:] for k in keys} & set(others):
+                prefix = common[:end]
+                pair = ("^", prefix) if add else ("^" + re.escape(prefix), "")
+                return (
+                    " The keys differ by a prefix: load_checkpoint(path, resume=False, "
+                    f"revise_keys=[{pair!r}]) renames them."
+                )
+    return ""
+
+
+def load_optimizer_state(
+    module: nn.Module, optimizer: Optimizer, state: dict[str, Any], path: str, sharded: bool
+) -> None:
+    """Load an optimizer's checkpointed state; sharded models' checkpoints key it by name."""
+    if keyed_by_name(state):
+        load_full_optimizer_state(module, optimizer, state)
+    elif sharded:
+        raise RuntimeError(
+            f"Checkpoint {path!r} was saved by a model that was not sharded; this one is "
+            "(fully_shard), and the optimizer state cannot be mapped. Resume it without "
+            "sharding, or load the weights alone: load_checkpoint(path, resume=False)."
+        )
+    else:
+        optimizer.load_state_dict(state)
+
+
+def check_keys(data: dict[str, Any], path: str, keys: tuple[str, ...]) -> None:
+    """Raise a RuntimeError naming ``path`` when ``data`` lacks any of ``keys``."""
+    missing = [k for k in keys if k not in data]
+    if missing:
+        raise RuntimeError(
+            f"Checkpoint {path!r} lacks {missing}: it was not written by trainer.save_checkpoint. "
+            "For weights alone, use load_checkpoint(path, resume=False)."
+        )
+
+
+# What each part of a checkpoint must be: its type, and for dicts the keys it must have.
+_STRUCTURE: dict[str, tuple[type, tuple[str, ...]]] = {
+    "model": (dict, ()),
+    "optimizer": (dict, ("state", "param_groups")),
+    "progress": (dict, ("epoch", "inner_iter", "epoch_len")),
+    "config": (dict, ("accumulation_steps", "amp")),
+    "lr_scheduler": (dict, ()),
+    "grad_scaler": (dict, ()),
+    "metric_storage": (dict, ()),
+    "hooks": (dict, ()),
+    "rng": (list, ()),
+}
+
+
+def check_structure(data: dict[str, Any], path: str, keys: tuple[str, ...]) -> None:
+    """Raise a RuntimeError naming ``path`` and the first problem when the parts ``keys`` of a
+    checkpoint do not have the types and keys that loading them uses."""
+
+    def damaged(reason: str) -> RuntimeError:
+        return RuntimeError(f"Checkpoint {path!r} is damaged: {reason}.")
+
+    for key in keys:
+        kind, required = _STRUCTURE[key]
+        value = data[key]
+        if not isinstance(value, kind):
+            raise damaged(f"{key!r} is of type {type(value).__name__}, expected {kind.__name__}")
+        for name in required:
+            if name not in value:
+                raise damaged(f"{key!r} lacks {name!r}")
+    if "model" in keys:
+        wrong = [k for k, v in data["model"].items() if not isinstance(v, torch.Tensor)]
+        if wrong:
+            raise damaged(f"'model' holds {len(wrong)} entries that are not tensors ({wrong[0]!r})")
+    if "progress" in keys:
+        problem = _progress_problem(data["progress"])
+        if problem:
+            raise damaged(f"'progress' has {problem}")
+    if "rng" in keys and not (
+        data["rng"] and all(isinstance(r, dict) and "now" in r for r in data["rng"])
+    ):
+        raise damaged("'rng' is not a list of per-rank RNG states")
+
+
+def _progress_problem(progress: dict[str, Any]) -> Optional[str]:
+    """What is out of range in a checkpoint's ``progress``, or None: a wrong position would
+    train from a negative iteration, or take an unfinished epoch for a finished one."""
+    epoch_len = progress["epoch_len"]
+    if epoch_len is not None and (not _is_int(epoch_len) or epoch_len < 1):
+        return f"'epoch_len' = {epoch_len!r}, expected an int >= 1 or None"
+    last_inner = epoch_len if epoch_len is not None else math.inf
+    for key, upper in (("epoch", math.inf), ("inner_iter", last_inner), ("iters_done", math.inf)):
+        if key == "iters_done" and key not in progress:  # older checkpoints lack it
+            continue
+        value = progress[key]
+        if not _is_int(value) or not 0 <= value <= upper:
+            expected = "an int >= 0" if upper == math.inf else f"an int from 0 to {upper}"
+            return f"{key!r} = {value!r}, expected {expected}"
+    return None
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_finite(data: dict[str, Any], path: str, parameters: Collection[str]) -> None:
+    """Raise a RuntimeError naming ``path`` when its tensors hold values no run should go on
+    from (see :func:`bad_tensors`): a checkpoint written before saves refused them, or weights
+    from elsewhere."""
+    bad = bad_tensors(data, parameters)
+    if bad:
+        what = "resuming it would fail at once. Resume from an older checkpoint."
+        if "optimizer" not in data:  # weights alone
+            what = "training or evaluating from them would give NaN. Load other weights."
+        raise RuntimeError(
+            f"Checkpoint {path!r} holds NaN or infinite values in {len(bad)} tensors "
+            f"({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}): {what}"
+        )
+
+
+def check_config(saved: dict[str, Any], now: dict[str, Any], path: str) -> None:
+    """Refuse a checkpoint whose ``accumulation_steps`` (the data position would not map) or
+    optimizer classes differ; warn about a changed AMP setting (training goes on, not bit for
+    bit)."""
+    if saved["accumulation_steps"] != now["accumulation_steps"]:
+        raise ValueError(
+            f"Checkpoint {path!r} was trained with accumulation_steps="
+            f"{saved['accumulation_steps']}, this trainer has {now['accumulation_steps']}; "
+            "the data position cannot be mapped. Resume with the same accumulation_steps."
+        )
+    for key, saved_class in saved.get("classes", {}).items():  # none in older checkpoints
+        now_class = now["classes"].get(key, saved_class)
+        if now_class != saved_class:
+            raise ValueError(
+                f"Checkpoint {path!r} holds the state of a {saved_class} for {key}, and this "
+                f"trainer's {key} is a {now_class}: that state does not fit it. Resume with a "
+                f"{saved_class}, or start the new optimizer from the checkpoint's weights alone: "
+                "trainer.load_checkpoint(path, resume=False), then train(auto_resume=False) in "
+                "a new work_dir."
+            )
+    if saved["amp"] != now["amp"]:
+        logger.warning(
+            f"Checkpoint {path} was trained with AMP {saved['amp']}, this run uses AMP "
+            f"{now['amp']}: training goes on, but not bit for bit as the original run would."
+        )
