@@ -25,7 +25,7 @@ from .checkpoint_files import (
 )
 from .distributed import CpuGroup, all_gather, gather, get_world_size, is_main_process
 from .fsdp import full_state_dicts, is_sharded
-from .progress import DataStream, Progress, map_position
+from .progress import DataStream, Progress
 from .step import unwrapped
 
 logger = logging.getLogger(__name__)
@@ -293,7 +293,7 @@ class Checkpointer:
         return True
 
     def _load_state_dict(self, data: dict[str, Any], path: str) -> None:
-        from .checkpoint_load import check_config, load_optimizer_state
+        from .checkpoint_load import check_config, load_optimizer_state, map_position
 
         check_config(data["config"], {**self._config, "classes": self._classes()}, path)
         progress = self._progress

@@ -1,5 +1,6 @@
 """Loading checkpoints: the newest one that loads, what makes one usable (keys, types, finite
-values, a matching configuration), and the model's and optimizer's state put back. Imported by
+values, a matching configuration), the model's and optimizer's state put back, and where a
+resumed run goes on (mapped when the world size or batch size changed). Imported by
 a run that loads a checkpoint: a fresh run never does."""
 
 import logging
@@ -14,7 +15,9 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .checkpoint_files import bad_tensors, list_checkpoints, load_checkpoint_file
+from .distributed import get_world_size
 from .fsdp import keyed_by_name, load_full_model_state, load_full_optimizer_state
+from .progress import Position
 
 logger = logging.getLogger(__name__)
 
@@ -316,3 +319,64 @@ def check_config(saved: dict[str, Any], now: dict[str, Any], path: str) -> None:
             f"Checkpoint {path} was trained with AMP {saved['amp']}, this run uses AMP "
             f"{now['amp']}: training goes on, but not bit for bit as the original run would."
         )
+
+
+def map_position(
+    saved: dict[str, Any],
+    path: str,
+    epoch_len: Optional[int],
+    batch_size: Optional[int],
+    accumulation: int,
+) -> Position:
+    """Where to go on from a checkpoint's ``progress``: (epoch, iterations done in it). When the
+    number of processes or the batch size changed, the iterations done are mapped by the samples
+    they consumed (a stream's position is not mapped: its iterations are counted as they were)."""
+    epoch, inner, saved_len = saved["epoch"], saved["inner_iter"], saved["epoch_len"]
+    if (saved_len is None) != (epoch_len is None):
+        lengths = [
+            f"{n} iterations per epoch" if n else "no length" for n in (saved_len, epoch_len)
+        ]
+        raise ValueError(
+            f"Checkpoint {path!r} was saved with a data loader of {lengths[0]}, this trainer's "
+            f"has {lengths[1]}; resume with the same kind of data loader."
+        )
+    if epoch_len is None:
+        if not isinstance(saved.get("iters_done"), int):
+            raise ValueError(f"Checkpoint {path!r} does not say how many iterations it did.")
+        return epoch, inner
+    before = (saved.get("world_size", get_world_size()), saved.get("batch_size"))
+    now = (get_world_size(), batch_size)
+    if before == now or "world_size" not in saved:  # the latter: an older checkpoint
+        if saved_len != epoch_len:
+            raise ValueError(
+                f"Checkpoint {path!r} was saved with {saved_len} iterations per epoch, this "
+                f"trainer has {epoch_len}; resume with the same data loader."
+            )
+        return epoch, inner
+    how = f"{before[0]} processes x batches of {before[1]} to {now[0]} x {now[1]}"
+    if inner in (0, saved_len):  # between epochs: nothing to map
+        logger.warning(
+            f"Resuming {path} with {how}, at the {'start' if inner == 0 else 'end'} of "
+            f"epoch {epoch}: the data position needs no mapping."
+        )
+        return epoch, 0 if inner == 0 else epoch_len
+    samples = [w * b * accumulation if b else None for w, b in (before, now)]
+    consumed = inner * samples[0] if samples[0] else None
+    if consumed is None or samples[1] is None or consumed % samples[1]:
+        raise RuntimeError(
+            f"Checkpoint {path!r} stopped in the middle of epoch {epoch} ({inner} of "
+            f"{saved_len} iterations, {consumed or 'an unknown number of'} samples), and "
+            f"this run changes from {how}: {samples[1] or 'an unknown number of'} samples "
+            "per iteration cannot continue at that sample. Resume with the same number of "
+            "processes and batch size, pick a batch size whose iterations divide the "
+            "samples consumed, or resume from a checkpoint saved at an epoch's end."
+        )
+    new_inner = min(consumed // samples[1], epoch_len)
+    logger.warning(
+        f"Resuming {path} with {how}: epoch {epoch} stopped after {inner} iterations = "
+        f"{consumed} samples, so this run goes on from iteration {new_inner} of "
+        f"{epoch_len} of that epoch. With a DistributedSampler (its order depends "
+        "on seed and epoch only) these are exactly the samples not yet seen; the LR "
+        "schedule goes on from its saved step."
+    )
+    return epoch, new_inner
