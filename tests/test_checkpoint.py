@@ -202,7 +202,7 @@ def test_a_damaged_newest_checkpoint_or_pointer_falls_back_with_a_warning(
     rerun = make_trainer(max_epochs=3)
     rerun.train()  # falls back; and the next save replaces a damaged pointer
     assert rerun.start_iter == start_iter
-    assert warning in caplog.text
+    assert caplog.text.count(warning) == 1  # the folder is listed once per resume
     assert read_latest_pointer(rerun.ckpt_dir) == os.path.join(rerun.ckpt_dir, "epoch_3.pth")
 
 

@@ -252,23 +252,22 @@ class Checkpointer:
         Returns:
             Whether a checkpoint was loaded.
         """
+        if revise_keys is not None:
+            from .checkpoint_load import check_revise_keys
+
+            check_revise_keys(revise_keys, resume)
         if path is None and not auto_resume:
             raise ValueError("Pass a checkpoint path, or auto_resume=True to use the latest.")
         self.wait()  # a write in flight may be the newest checkpoint
-        if path is None and not list_checkpoints(self.ckpt_dir) and revise_keys is None:
+        candidates = list_checkpoints(self.ckpt_dir) if path is None else []
+        if path is None and not candidates:
             logger.debug(f"No checkpoint in {self.ckpt_dir}: training from scratch.")
-            return False  # (the loading code is not even imported)
+            return False  # a fresh run: the loading code is not even imported
         from . import checkpoint_load as loading  # imported by a run that loads a checkpoint
 
-        if revise_keys is not None:
-            loading.check_revise_keys(revise_keys, resume)
         auto_picked = path is None
         if path is None:
-            found = loading.load_newest(self.ckpt_dir, self._parameter_names())
-            if found is None:
-                logger.debug(f"No checkpoint in {self.ckpt_dir}: training from scratch.")
-                return False
-            path, data = found
+            path, data = loading.load_newest(candidates, self.ckpt_dir, self._parameter_names())
             weights = data["model"]
         elif resume:
             data = load_checkpoint_file(path)

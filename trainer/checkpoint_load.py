@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from .checkpoint_files import bad_tensors, list_checkpoints, load_checkpoint_file
+from .checkpoint_files import bad_tensors, load_checkpoint_file
 from .distributed import get_world_size
 from .fsdp import keyed_by_name, load_full_model_state, load_full_optimizer_state
 from .progress import Position
@@ -26,13 +26,17 @@ RESUME_KEYS = ("progress", "config", "model", "optimizer", "lr_scheduler", "grad
                "metric_storage", "hooks", "rng")  # fmt: skip
 
 
-def load_newest(ckpt_dir: str, parameters: Collection[str]) -> Optional[tuple[str, dict[str, Any]]]:
-    """The newest checkpoint in ``ckpt_dir`` that loads and can resume a run, ``latest.txt``'s
-    first, as ``(path, data)``; None when there is none. One that fails to load (its model's
-    ``parameters`` not finite, say) is skipped with a warning; if none loads, this raises rather
-    than let training start from scratch."""
+def load_newest(
+    candidates: list[str], ckpt_dir: str, parameters: Collection[str]
+) -> tuple[str, dict[str, Any]]:
+    """The first of ``candidates`` (``ckpt_dir``'s checkpoints, newest first, from
+    :func:`~trainer.checkpoint_files.list_checkpoints`) that loads and can resume a run, as
+    ``(path, data)``. One that fails to load (its model's ``parameters`` not finite, say) is
+    skipped with a warning; if none loads, this raises rather than let training start from
+    scratch."""
+    assert candidates, "the caller found no checkpoint to load"
     failures = []
-    for path in list_checkpoints(ckpt_dir):
+    for path in candidates:
         try:
             data = load_checkpoint_file(path)
             check_keys(data, path, RESUME_KEYS)
@@ -45,14 +49,12 @@ def load_newest(ckpt_dir: str, parameters: Collection[str]) -> Optional[tuple[st
         if failures:
             logger.warning(f"Resuming from {path}, the newest checkpoint that loads.")
         return path, data
-    if failures:
-        raise RuntimeError(
-            f"None of the {len(failures)} checkpoints in {ckpt_dir} loads:\n"
-            + "\n".join(failures)
-            + "\nMove them out of the folder to start afresh, or pass "
-            "resume_from_checkpoint= a good file."
-        )
-    return None
+    raise RuntimeError(
+        f"None of the {len(failures)} checkpoints in {ckpt_dir} loads:\n"
+        + "\n".join(failures)
+        + "\nMove them out of the folder to start afresh, or pass "
+        "resume_from_checkpoint= a good file."
+    )
 
 
 def load_model_state(
