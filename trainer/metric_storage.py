@@ -246,8 +246,7 @@ class MetricStorage(Mapping):
                 for name, value in metrics.items()
                 if not isinstance(value, torch.Tensor) and name not in self._pending
             }
-            for name, value in now.items():
-                self.update(iter, smooth, **{name: value})
+            self.update(iter, smooth, **now)
             metrics = {name: value for name, value in metrics.items() if name not in now}
         # Called every iteration, so kept lean: a detached scalar tensor (a loss) passes as is.
         for name, value in metrics.items():

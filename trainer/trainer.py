@@ -193,7 +193,6 @@ class Trainer:
         elif enable_amp:  # float16 needs a GradScaler, and is the fast one on GPUs
             self.amp_dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
         self.progress = Progress(self.epoch_len, self.max_iters)
-        amp_dtype = self.amp_dtype
         self.model = model
         self._unpack_batch_dict = unpack_batch_dict
         self.optimizer = optimizer
@@ -205,14 +204,14 @@ class Trainer:
         self._sharded_model = model if is_sharded(model) else None  # by FSDP2's fully_shard
         self._autocast = (
             functools.partial(
-                torch.autocast, self.device.type, amp_dtype, cache_enabled=not cuda_graph
+                torch.autocast, self.device.type, self.amp_dtype, cache_enabled=not cuda_graph
             )
-            if amp_dtype is not None
+            if self.amp_dtype is not None
             else None
         )
         # bfloat16 has float32's range, so only float16 needs loss scaling.
         self.grad_scaler = torch.amp.GradScaler(
-            self.device.type, enabled=amp_dtype == torch.float16
+            self.device.type, enabled=self.amp_dtype == torch.float16
         )
         self._scaling = self.grad_scaler.is_enabled()
         # Whether the GradScaler skipped the last step: a bool, or a device tensor with fused
@@ -224,7 +223,7 @@ class Trainer:
         if cuda_graph:
             from .cuda_graph import GraphedStep, check_graphable
 
-            check_graphable(model, optimizer, self.device, self.grad_scaler.is_enabled())
+            check_graphable(model, optimizer, self.device, self._scaling)
             self._graphed_step = GraphedStep(self.forward_backward_step, optimizer, self.device)
         self._cpu = CpuGroup()  # under torchrun, a gloo group of the trainer's while it trains
         self._lock = WorkDirLock(self.work_dir)  # rank 0's, while it trains
