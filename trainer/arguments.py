@@ -327,3 +327,26 @@ def make_writable_dir(path: str) -> None:
             f"{path!r} (the checkpoint folder in work_dir) is not writable ({e.strerror or e}); "
             "pass a writable work_dir."
         ) from e
+
+
+def refuse_restart(cur_iter: int, max_iters: int, ckpt_dir: str, auto_resume: bool) -> None:
+    """Raise for a Trainer that trained before and has no checkpoint to resume from now:
+    training on from its live state would log iterations as if run afresh."""
+    done = f"iteration {cur_iter + 1} of {max_iters}"
+    if auto_resume:
+        why = f"and {ckpt_dir} holds no checkpoint to resume from"
+    else:
+        why = "so train(auto_resume=False) cannot start afresh"
+    if cur_iter + 1 >= max_iters:
+        raise RuntimeError(
+            f"This Trainer has trained to the end already ({done}): its model and optimizer "
+            f"hold that state, {why}, and there is nothing left to train. To train again "
+            "from scratch, build a new model, optimizer and Trainer; to train longer, build "
+            "the Trainer with a larger max_epochs or max_iters."
+        )
+    go_on = "" if auto_resume else "To go on from the last checkpoint, call train(). "
+    raise RuntimeError(
+        f"This Trainer has trained up to {done} in an earlier train(): its model and "
+        f"optimizer hold that state, {why}. {go_on}To train again from scratch, build a new "
+        "model, optimizer and Trainer."
+    )

@@ -1,8 +1,6 @@
-"""The :class:`Trainer`: the training loop, the step's public building blocks, and the hooks
-around them. What it holds lives in modules of its own: ``progress.py`` (where training is, the
-resumable data passes), ``metric_storage.py`` (metrics, reduced and NaN-checked at log points),
-``preemption.py`` (signals agreed across ranks), ``checkpoint.py`` (what checkpoints hold) and
-``hooks/`` (the hooks, and in ``registry.py`` their order and timing).
+"""The :class:`Trainer`: the loop, the step's public building blocks, and the hooks around them.
+What it holds lives beside it: ``progress.py`` (where training is, the resumable data passes),
+``metric_storage.py``, ``preemption.py``, ``checkpoint.py`` and ``hooks/``.
 """
 
 import contextlib
@@ -30,13 +28,7 @@ from .fsdp import is_sharded, local_value, no_gradient_sync
 from .hooks import CheckpointHook, DistributedHook, HookBase, LoggerHook, LRUpdateHook
 from .hooks.registry import HookRegistry
 from .lock import WorkDirLock
-from .logger import (
-    TRACEBACK_FOLLOWS,
-    ensure_console_logging,
-    live_line,
-    log_to_file,
-    rank_log_file,
-)
+from .logger import TRACEBACK_FOLLOWS, ensure_console_logging, live_line, log_to_file, rank_log_file
 from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import MetricStorage
 from .preemption import WRITE_FAILED, Preemption
@@ -60,58 +52,39 @@ class Trainer:
     """Trains a model that returns its loss; hooks do everything around the loop.
 
     Each iteration fetches ``accumulation_steps`` batches, runs ``model(batch)`` (or
-    ``model(**batch)``), which returns a scalar loss or a dict of scalar losses, back-propagates
-    their sum and steps the optimizer. The default hooks update the LR, save checkpoints under
-    ``work_dir/checkpoints`` and log to the console, ``work_dir/log.txt``, TensorBoard and
-    ``work_dir/metrics.jsonl``. For anything fancier, subclass and override
-    :meth:`train_one_iter`: the public methods it uses (:meth:`autocast`, :meth:`backward`,
-    :meth:`clip_and_step`, :meth:`log_losses`, ...) keep every feature. SIGTERM or SIGUSR1
-    (preemption) makes :meth:`train` save after the current iteration and exit with status
-    128 + the signal number (after the last iteration: finish, then exit).
+    ``model(**batch)``), which returns a scalar loss or a dict of them, back-propagates their sum
+    and steps the optimizer. The default hooks update the LR, save checkpoints under
+    ``work_dir/checkpoints`` and log to the console, ``log.txt``, TensorBoard and
+    ``metrics.jsonl``. Override :meth:`train_one_iter` for anything fancier: the public methods
+    it uses keep every feature. SIGTERM or SIGUSR1 saves after the current iteration and exits
+    with status 128 + the signal number.
 
     Args:
-        model: Returns a scalar loss tensor or a dict of them. Moving the batch to the model's
-            device is the model's job.
+        model: Returns a scalar loss tensor or a dict of them; it moves the batch to its device.
         optimizer: The optimizer of ``model``'s parameters.
-        lr_scheduler: A ``torch.optim.lr_scheduler`` scheduler (ReduceLROnPlateau included), an
-            :class:`LRWarmupScheduler`, or None for a constant LR.
-        data_loader: A data loader, or any iterable that yields batches (a list of batches
-            already on the GPU, say). One without a length (a stream) needs ``max_iters``: its
-            epochs are passes that end when its iterator does.
+        lr_scheduler: A ``torch.optim.lr_scheduler`` scheduler, an :class:`LRWarmupScheduler`,
+            or None for a constant LR.
+        data_loader: Any iterable of batches; one without a length needs ``max_iters``.
         max_epochs: Train this many epochs (pass exactly one of ``max_epochs``, ``max_iters``).
         max_iters: Train this many iterations, crossing data-loader passes as needed.
-        work_dir: Where checkpoints, ``log.txt`` and TensorBoard files go (a relative path is
-            taken from the current directory when the Trainer is built).
+        work_dir: Where checkpoints and logs go.
         unpack_batch_dict: Call ``model(**batch)`` instead of ``model(batch)``.
-        max_num_checkpoints: Keep only the newest N periodic checkpoints (3 by default); None
-            keeps all.
-        checkpoint_period: Save every N epochs, and at the end; 0 saves no periodic checkpoint
-            (no ``CheckpointHook``). For checkpoints every N iterations, pass 0 and register
-            ``CheckpointHook(N, by_epoch=False)``.
+        max_num_checkpoints: Keep the newest N periodic checkpoints; None keeps all.
+        checkpoint_period: Save every N epochs and at the end; 0: no ``CheckpointHook``.
         log_period: Turn device metrics into numbers and log them every N iterations.
         clip_grad_norm: Clip the gradient norm to this value; 0 disables clipping.
-        enable_amp: Mixed precision through ``torch.autocast``: True picks float16 (with a
-            GradScaler) on CUDA and bfloat16 on CPU; ``torch.float16`` or ``torch.bfloat16``
-            picks that dtype.
+        enable_amp: Mixed precision: True picks float16 (with a GradScaler) on CUDA and bfloat16
+            on CPU; ``torch.float16`` or ``torch.bfloat16`` picks that dtype.
         accumulation_steps: Micro-batches whose gradients are summed per optimizer step.
         by_epoch: Step ``lr_scheduler`` once per epoch (True) or once per iteration.
-        warmup_t: The warmup's length in iterations (or epochs, with ``warmup_by_epoch``); 0:
-            no warmup. See :class:`LRWarmupScheduler` for the warmup settings.
+        warmup_t: The warmup's length in iterations (epochs with ``warmup_by_epoch``); 0: none.
         warmup_by_epoch: Count ``warmup_t`` in epochs.
-        warmup_mode: ``"fix"``, ``"factor"`` or ``"auto"``.
+        warmup_mode: ``"fix"``, ``"factor"`` or ``"auto"`` (see :class:`LRWarmupScheduler`).
         warmup_init_lr: The first LR of ``"fix"`` warmup.
         warmup_factor: The starting factor of ``"factor"`` and ``"auto"`` warmup.
-        cuda_graph: Capture the whole step in a CUDA graph after 3 eager iterations and replay
-            it; see :class:`~trainer.cuda_graph.GraphedStep` for what it needs.
+        cuda_graph: Capture the whole step in a CUDA graph after 3 eager iterations.
         preempt_check_period: Under torchrun, the ranks share caught preemption signals every N
-            iterations, and stop within 2N iterations of one (see :class:`Preemption`).
-
-    The default hooks (:class:`~trainer.hooks.DistributedHook`,
-    :class:`~trainer.hooks.LRUpdateHook`, :class:`~trainer.hooks.CheckpointHook`,
-    :class:`~trainer.hooks.LoggerHook`, and a :class:`~trainer.hooks.ProgressBarHook` on a
-    terminal) take their other options themselves: replace one to set them, e.g.
-    ``trainer.unregister_hook(LoggerHook)`` and then
-    ``trainer.register_hook(LoggerHook(trainer.log_period, tensorboard=False))``.
+            iterations.
 
     Example::
 
@@ -122,9 +95,8 @@ class Trainer:
         >>> data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
         >>> model = Regressor(4, 1)
         >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
         >>> loader = torch.utils.data.DataLoader(data, batch_size=8)
-        >>> trainer = Trainer(model, optimizer, scheduler, loader, max_epochs=2,
+        >>> trainer = Trainer(model, optimizer, None, loader, max_epochs=2,
         ...                   work_dir=tempfile.mkdtemp(), log_period=2)
         >>> trainer.train()
         >>> trainer.cur_iter, trainer.metric_storage["total_loss"].count
@@ -202,23 +174,19 @@ class Trainer:
             (m for m in wrappers(model) if isinstance(m, DistributedDataParallel)), None
         )
         self._sharded_model = model if is_sharded(model) else None  # by FSDP2's fully_shard
-        self._autocast = (
-            functools.partial(
+        self._autocast = None
+        if self.amp_dtype is not None:
+            self._autocast = functools.partial(
                 torch.autocast, self.device.type, self.amp_dtype, cache_enabled=not cuda_graph
             )
-            if self.amp_dtype is not None
-            else None
-        )
-        # bfloat16 has float32's range, so only float16 needs loss scaling.
+        # bfloat16 has float32's range: only float16 needs loss scaling
         self.grad_scaler = torch.amp.GradScaler(
             self.device.type, enabled=self.amp_dtype == torch.float16
         )
         self._scaling = self.grad_scaler.is_enabled()
-        # Whether the GradScaler skipped the last step: a bool, or a device tensor with fused
-        # optimizers, which skip on the device.
+        # Whether the GradScaler skipped the last step: a device tensor with fused optimizers
         self._skipped: Union[bool, torch.Tensor] = False
         self._update_due = False  # the scaler stepped an optimizer since its last update
-
         self._graphed_step: Optional[Callable[[list[Any]], Any]] = None
         if cuda_graph:
             from .cuda_graph import GraphedStep, check_graphable
@@ -243,8 +211,7 @@ class Trainer:
         )  # fmt: skip
         self._period_start = (0.0, -1)  # (time, iteration before it) of the log period running
         self._data_seconds = 0.0  # waiting for batches, up to the last log point
-        #: The run's settings, as plain data (written to ``work_dir/run.json`` and TensorBoard
-        #: when training starts).
+        #: The run's settings as plain data (``work_dir/run.json``, TensorBoard).
         self.run_config = args.run_config(self, lr_scheduler, {
             "max_epochs": max_epochs, "max_iters": max_iters, "log_period": log_period,
             "checkpoint_period": checkpoint_period, "max_num_checkpoints": max_num_checkpoints,
@@ -252,9 +219,8 @@ class Trainer:
             "unpack_batch_dict": unpack_batch_dict, "cuda_graph": cuda_graph,
             "preempt_check_period": preempt_check_period,
         })  # fmt: skip
-
         args.make_writable_dir(self.ckpt_dir)
-        # the default hooks; replace one to configure it further (see docs/arguments.md)
+        # the default hooks; replace one to configure it (see docs/arguments.md)
         self.register_hooks([
             DistributedHook(),
             LRUpdateHook(),
@@ -263,22 +229,21 @@ class Trainer:
             *args.progress_bar(),
         ])  # fmt: skip
 
-    # ----------------------------------------------------------------------------------------
     # Where training is
 
     @property
     def cur_epoch(self) -> int:
-        """The current (or last) epoch, counted from 0."""
+        """The current (or last) epoch, from 0."""
         return self.progress.epoch
 
     @property
     def inner_iter(self) -> int:
-        """The current (or last finished) iteration within the epoch, counted from 0."""
+        """The current (or last finished) iteration within the epoch, from 0."""
         return self.progress.inner_iter
 
     @property
     def cur_iter(self) -> int:
-        """The current (or last finished) iteration, counted from 0; -1 before the first."""
+        """The current (or last finished) iteration, from 0; -1 before the first."""
         return self.progress.iter
 
     @property
@@ -298,8 +263,7 @@ class Trainer:
 
     @property
     def model_or_module(self) -> nn.Module:
-        """The model without its torch.compile and DistributedDataParallel / DataParallel
-        wrappers: the module whose weights checkpoints hold."""
+        """The model without its torch.compile and DDP / DataParallel wrappers."""
         return unwrapped(self.model)
 
     @property
@@ -319,13 +283,10 @@ class Trainer:
 
     @property
     def cpu_group(self) -> Any:
-        """Under torchrun, while :meth:`train` runs: the trainer's gloo group of every rank, for
-        small CPU collectives of hooks (``all_gather(obj, group=trainer.cpu_group)``). It is
-        released when training ends, which joins its threads (see
-        :class:`~trainer.distributed.CpuGroup`); None otherwise, where the default group serves."""
+        """Under torchrun while :meth:`train` runs, the trainer's gloo group, for hooks' small
+        CPU collectives; None otherwise."""
         return self._cpu.group
 
-    # ----------------------------------------------------------------------------------------
     # Hooks
 
     def register_hook(self, hook: HookBase) -> None:
@@ -347,8 +308,7 @@ class Trainer:
                 self.register_hook(hook)
 
     def unregister_hook(self, hook: Union[HookBase, type]) -> list[HookBase]:
-        """Remove ``hook``, or every hook of that class (a default one, say, to replace it with
-        your own); returns what was removed."""
+        """Remove ``hook``, or every hook of that class; returns what was removed."""
         return self._hooks.unregister(hook)
 
     def call_hooks(self, event: str, *args: Any) -> None:
@@ -357,8 +317,7 @@ class Trainer:
 
     @property
     def hooks(self) -> list[HookBase]:
-        """The registered hooks in the order they run (a copy: register and unregister them
-        with the methods)."""
+        """The registered hooks in the order they run (a copy)."""
         return list(self._hooks.hooks)
 
     @property
@@ -368,11 +327,9 @@ class Trainer:
 
     @property
     def hook_seconds(self) -> dict[str, float]:
-        """Seconds spent in each hook since :meth:`train` started, by class name (a hook's
-        ``after_eval`` time also counts in the ``EvalHook`` that calls it)."""
+        """Seconds spent in each hook since :meth:`train` started, by class name."""
         return self._hooks.seconds_by_class()
 
-    # ----------------------------------------------------------------------------------------
     # Checkpoints
 
     def checkpoint_name(self) -> str:
@@ -386,9 +343,8 @@ class Trainer:
         return self._checkpointer.last_path
 
     def register_checkpointable(self, name: str, obj: Any) -> None:
-        """Save ``obj.state_dict()`` in every checkpoint under ``name`` and restore it with
-        ``obj.load_state_dict()`` on resume: an extra optimizer, LR scheduler or module that an
-        overridden :meth:`train_one_iter` uses."""
+        """Save ``obj.state_dict()`` in every checkpoint under ``name`` and restore it on resume:
+        an extra optimizer, scheduler or module that an overridden step uses."""
         self._checkpointer.register(name, obj)
 
     def save_checkpoint(
@@ -413,12 +369,9 @@ class Trainer:
         revise_keys: Optional[Sequence[tuple[str, str]]] = None,
     ) -> bool:
         """Load the whole state (``resume``) or the weights alone from ``path``, or with
-        ``auto_resume`` from the newest checkpoint that loads; see :meth:`Checkpointer.load`.
-        ``load_checkpoint(path, resume=False)`` loads pretrained weights (a plain
-        ``state_dict`` file too), ``strict=False`` those that match, ``revise_keys`` renamed."""
+        ``auto_resume`` from the newest checkpoint that loads; see :meth:`Checkpointer.load`."""
         return self._checkpointer.load(path, auto_resume, resume, strict, revise_keys)
 
-    # ----------------------------------------------------------------------------------------
     # The loop
 
     def train(
@@ -427,15 +380,9 @@ class Trainer:
         auto_resume: bool = True,
         continue_after_stop: bool = False,
     ) -> None:
-        """Train, first resuming from ``resume_from_checkpoint`` or the latest checkpoint.
-
-        Args:
-            resume_from_checkpoint: A checkpoint to resume from; it must exist.
-            auto_resume: Without ``resume_from_checkpoint``, resume from ``work_dir``'s latest
-                checkpoint when there is one.
-            continue_after_stop: Train on from a checkpoint that :meth:`stop` ended; by default
-                such a run stays stopped.
-        """
+        """Train, first resuming from ``resume_from_checkpoint`` or (``auto_resume``) from
+        ``work_dir``'s latest checkpoint. A run that :meth:`stop` ended stays stopped unless
+        ``continue_after_stop``."""
         ensure_console_logging("trainer", get_rank())
         with self._session():
             self._agree_at_start()
@@ -450,9 +397,7 @@ class Trainer:
                 if self.progress.stopped and not self.progress.is_saved:
                     self.save_checkpoint(self.checkpoint_name())  # a rerun stays stopped
             except KeyboardInterrupt:
-                live_line.erase()  # the progress bar's line, with the ^C in it
-                self._data.release()
-                self._keep_pending_metrics()
+                self._after_failure()
                 logger.warning(
                     f"Interrupted (Ctrl-C) in iteration {self.cur_iter + 1} of {self.max_iters}: "
                     "not saved. Rerun to resume from the last checkpoint "
@@ -460,16 +405,11 @@ class Trainer:
                 )
                 raise SystemExit(128 + signal.SIGINT) from None  # what a shell reports for it
             except Exception as e:
-                live_line.erase()
-                self._data.release()  # its worker processes, now rather than with the Trainer
-                self._keep_pending_metrics()
+                self._after_failure()
                 # the traceback in this rank's log file; on the console Python prints it, once
-                started = self.cur_iter >= self.start_iter
-                where = (
-                    f"in iteration {self.cur_iter + 1} of {self.max_iters}"
-                    if started
-                    else "as it started"
-                )
+                where = "as it started"
+                if self.cur_iter >= self.start_iter:
+                    where = f"in iteration {self.cur_iter + 1} of {self.max_iters}"
                 logger.exception(
                     f"Training failed {where}: {type(e).__name__}: {e}",
                     extra={TRACEBACK_FOLLOWS: True},
@@ -481,17 +421,18 @@ class Trainer:
                 finally:
                     self.wait_for_checkpoint()  # the last checkpoint is on disk when train() ends
 
-    def _keep_pending_metrics(self) -> None:
-        """After a failure, this rank's values logged since the last log point go into the
-        storage, for the logs' last rows (no collective: the other ranks may never get here)."""
+    def _after_failure(self) -> None:
+        """Erase the progress bar's line, release the loader's workers, and put this rank's
+        values logged since the last log point in the storage (no collective)."""
+        live_line.erase()
+        self._data.release()
         try:
             self._storage.flush()
         except FloatingPointError:
             pass  # a NaN loss among them: kept up to it, and the error in flight says the rest
 
     def _train_epoch(self) -> bool:
-        """Run the epoch of the position (what is left of it, when resuming); whether training
-        goes on. A stream's epoch ends with its pass, which ``has_next`` finds out."""
+        """Run (the rest of) the position's epoch; whether training goes on."""
         progress, data, hooks = self.progress, self._data, self._hooks
         preemption, writer = self._preemption, self._checkpointer.writer
         start = progress.begin_epoch(progress.position[0])
@@ -522,9 +463,7 @@ class Trainer:
             return False  # stop() in mid-epoch
         data.end_pass()
         progress.end_epoch()
-        # what the epoch logged since its last log point, for the epoch's hooks (nothing to do,
-        # and no sync, when its last iteration logged)
-        self._storage.flush(every_rank=True)
+        self._storage.flush(every_rank=True)  # for the epoch's hooks (no sync if just logged)
         self.call_hooks("after_epoch")
         return not progress.stopped
 
@@ -542,9 +481,8 @@ class Trainer:
 
     @contextlib.contextmanager
     def _session(self) -> Iterator[None]:
-        """What :meth:`train` holds while it runs: rank 0's lock on ``work_dir``, this rank's log
-        file, the trainer's gloo group, and the preemption signals (caught from the start: one
-        during start-up exits after the first iteration)."""
+        """What :meth:`train` holds: rank 0's lock on ``work_dir``, this rank's log file, the
+        gloo group, and the preemption signals (caught from the start)."""
         with contextlib.ExitStack() as stack:
             if is_main_process():
                 stack.enter_context(self._lock.held())
@@ -554,10 +492,8 @@ class Trainer:
             yield
 
     def _agree_at_start(self) -> None:
-        """Refuse to train where the ranks would part ways: another run holds ``work_dir``
-        (rank 0's lock), or the ranks' data loaders differ in length (they would disagree on
-        the run's length and hang in mismatched collectives). Under torchrun every rank learns
-        it at once, in one small gather."""
+        """Refuse, on every rank at once, to train where another run holds ``work_dir`` or the
+        ranks' data loaders differ in length (they would hang in mismatched collectives)."""
         mine = (self._lock.problem if is_main_process() else None, self.epoch_len)
         everyone = [mine] if get_world_size() == 1 else all_gather(mine, group=self.cpu_group)
         if everyone[0][0]:
@@ -590,38 +526,16 @@ class Trainer:
         if (path is not None or auto_resume) and self.load_checkpoint(path, auto_resume):
             trained = False
         if trained:
-            self._refuse_restart(auto_resume)
+            args.refuse_restart(self.cur_iter, self.max_iters, self.ckpt_dir, auto_resume)
         if self.progress.stay_stopped(continue_after_stop):  # (LoggerHook tells other starts)
             logger.info(
                 f"The run was ended by stop() at iteration {self.start_iter}: not training "
                 "on. Pass train(continue_after_stop=True) to go on."
             )
 
-    def _refuse_restart(self, auto_resume: bool) -> None:
-        """Raise for a Trainer that trained before and has no checkpoint to resume from now:
-        training on from its live state would log iterations as if run afresh."""
-        done = f"iteration {self.cur_iter + 1} of {self.max_iters}"
-        if auto_resume:
-            why = f"and {self.ckpt_dir} holds no checkpoint to resume from"
-        else:
-            why = "so train(auto_resume=False) cannot start afresh"
-        if self.cur_iter + 1 >= self.max_iters:
-            raise RuntimeError(
-                f"This Trainer has trained to the end already ({done}): its model and optimizer "
-                f"hold that state, {why}, and there is nothing left to train. To train again "
-                "from scratch, build a new model, optimizer and Trainer; to train longer, build "
-                "the Trainer with a larger max_epochs or max_iters."
-            )
-        go_on = "" if auto_resume else "To go on from the last checkpoint, call train(). "
-        raise RuntimeError(
-            f"This Trainer has trained up to {done} in an earlier train(): its model and "
-            f"optimizer hold that state, {why}. {go_on}To train again from scratch, build a new "
-            "model, optimizer and Trainer."
-        )
-
     def _log_point(self, it: int) -> None:
-        """Every ``log_period`` iterations and at the last: the times per iteration over the
-        period (measured here rather than per iteration), the LR, and the flush."""
+        """Every ``log_period`` iterations and at the last: the period's times per iteration,
+        the LR, and the flush."""
         start, before = self._period_start
         now, n = time.perf_counter(), it - before
         times = {"data_time": self._data.data_time / n, "iter_time": (now - start) / n}
@@ -629,17 +543,15 @@ class Trainer:
         self._data.data_time, self._period_start = 0.0, (now, it)
         # the period's own means, not smoothed: a logged time says what this period took
         self._storage.add(it, times, smooth=False, reduce=True)
-        # The LR this iteration used (LRUpdateHook changes it after the iteration); only the
-        # latest value is ever shown, so it is recorded at log points alone.
+        # the LR this iteration used (LRUpdateHook changes it after the iteration)
         self._storage.add(it, {"lr": self.lr}, smooth=False)
         self._storage.flush(every_rank=True)
         self.progress.last_log_iter = it  # what hooks ask: is this iteration a log point
 
     def stop(self) -> None:
-        """End training after this iteration (or epoch, called at its end): the remaining hooks
-        run, then ``after_train``, and a checkpoint remembers the stop, so a rerun does not train
-        on unless ``train(continue_after_stop=True)``. Under torchrun, call it on every rank at
-        the same iteration (hooks acting on evaluation results do)."""
+        """End training after this iteration (or epoch): the remaining hooks run, then
+        ``after_train``, and a checkpoint remembers the stop. Under torchrun, call it on every
+        rank at the same iteration."""
         if not self.progress.stopped:
             logger.info(f"Stopping after iteration {self.cur_iter + 1}, as stop() asked.")
         self.progress.stopped = True
@@ -647,21 +559,10 @@ class Trainer:
     def evaluate(
         self, data_loader: Any, metric_fn: Callable[[nn.Module, Any], dict[str, torch.Tensor]]
     ) -> dict[str, float]:
-        """The mean of ``metric_fn(model, batch)``'s per-sample values over every sample of
-        ``data_loader``, each counted once, with the model in eval mode and autograd off (every
-        module is put back in its mode after, also when ``metric_fn`` raises).
-
-        ``metric_fn`` returns ``{name: tensor of shape [batch]}`` and moves the batch to the
-        model's device itself. Under torchrun every rank calls this and gets the same numbers,
-        equal to one process's evaluation of the whole set: a ``DistributedSampler`` gives
-        each rank its shard (the samples it repeats to even them out are not counted), and any
-        other loader is shared, each rank evaluating every world_size-th batch. Sums and
-        counts stay on the device until one small gather at the end, over :attr:`cpu_group`.
-        A DDP model is evaluated through its module, so the ranks' numbers of forwards may
-        differ, with rank 0's buffers (BatchNorm's running statistics): those checkpoints hold,
-        and that DDP's training forward gives every rank unless ``broadcast_buffers=False``. An
-        FSDP2 model, whose forward gathers parameters from every rank, runs as many forwards on
-        every rank.
+        """The mean of ``metric_fn(model, batch)``'s per-sample values (``{name: tensor of
+        shape [batch]}``) over every sample of ``data_loader``, each counted once, in eval mode
+        without autograd. Under torchrun every rank gets the numbers one process would; see
+        docs/evaluation.md.
 
         Example::
 
@@ -681,14 +582,12 @@ class Trainer:
                 stack.enter_context(rank_0_buffers(model, self._ddp.process_group))
             return evaluate(model, data_loader, metric_fn, self._cpu.group)
 
-    # ----------------------------------------------------------------------------------------
     # Metrics
 
     @property
     def metric_storage(self) -> MetricStorage:
-        """The metrics as of the last log point (or epoch end, or save): the same numbers in one
-        process and under torchrun, where they are reduced over ranks, with evaluation results
-        and a rank's own numbers as soon as they are logged. Reading it costs nothing."""
+        """The metrics as of the last log point (or epoch end, or save), reduced over ranks
+        under torchrun; reading it costs nothing."""
         return self._storage
 
     def log(
@@ -700,45 +599,37 @@ class Trainer:
         check_finite: bool = False,
         **metrics: Union[float, torch.Tensor],
     ) -> None:
-        """Record ``metrics`` of iteration ``iter``: this rank's own numbers go in the storage at
-        once; scalar tensors, and what is ``reduce``-d or ``check_finite``, wait (on their device:
-        no sync) for the next log point. The logger
-        shows their window mean (``smooth``) or latest value. ``reduce``: average them over
-        ranks under torchrun at log points (log them on every rank at the same iterations);
-        otherwise they stay this rank's own. ``check_finite``: a NaN or infinite value raises at
-        the next log point, as losses do."""
+        """Record ``metrics`` of iteration ``iter``, shown as their window mean (``smooth``) or
+        latest value. Tensors, and what is ``reduce``-d (averaged over ranks) or
+        ``check_finite`` (a NaN raises), wait on their device for the next log point; a rank's
+        own numbers go in at once."""
         self._storage.add(iter, metrics, smooth, check_finite, reduce)
 
     def log_losses(self, **losses: torch.Tensor) -> None:
-        """Record losses of the current iteration as the built-in step does: checked at the next
-        log point (a NaN or infinite one raises ``FloatingPointError`` naming the iteration,
-        before any checkpoint can hold it) and averaged over ranks under torchrun."""
+        """Record losses of the current iteration as the built-in step does: NaN-checked at the
+        next log point and averaged over ranks."""
         self._storage.add(self.progress.iter, losses, check_finite=True, reduce=True)
 
-    # ----------------------------------------------------------------------------------------
     # The step, and the public building blocks it is made of
 
     def train_one_iter(self) -> None:
-        """Fetch, forward, backward and step once: subclass and override this for anything fancier,
-        with the same public methods (:meth:`next_batch`, :meth:`autocast` or
-        :meth:`compute_losses`, :meth:`backward`, :meth:`clip_and_step`, :meth:`log_losses`,
-        :meth:`register_checkpointable`)."""
-        # 1. fetch one batch per micro-step (no comprehension: in Python 3.11 that is one more
-        # function call per iteration)
+        """Fetch, forward, backward and step once; override it for anything fancier, with
+        :meth:`next_batch`, :meth:`compute_losses`, :meth:`backward`, :meth:`clip_and_step` and
+        :meth:`log_losses`."""
+        # 1. fetch one batch per micro-step (a loop, not a comprehension: one call fewer)
         batches = [self.next_batch()]
         while len(batches) < self.accumulation_steps:
             batches.append(self.next_batch())
         # 2.-4. forward, backward, clip and step: one CUDA graph replay with cuda_graph=True
         losses, extras = (self._graphed_step or self.forward_backward_step)(batches)
-        # 5. log: the values stay on the device until the next log point. A NaN gradient norm
-        # fails like a NaN loss, unless float16's GradScaler skipped that step.
+        # 5. log, on the device until the next log point; a NaN gradient norm fails like a NaN
+        # loss, unless float16's GradScaler skipped that step
         self.log_losses(**losses)
         if extras:
             self.log(self.cur_iter, reduce=True, check_finite=not self._scaling, **extras)
 
     def next_batch(self) -> Any:
-        """The next batch of the current epoch's pass over the data loader (time counted as
-        ``data_time``)."""
+        """The next batch of the current epoch's pass over the data loader."""
         return self._data.next_batch()
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -746,8 +637,7 @@ class Trainer:
         return _NO_OP if self._autocast is None else self._autocast()
 
     def no_gradient_sync(self, skip: bool = True) -> contextlib.AbstractContextManager:
-        """A context for the forward and backward of a micro-batch whose gradients stay local
-        (all but the last, when accumulating): DDP's ``no_sync``, FSDP2's
+        """A context for a micro-batch whose gradients stay local: DDP's ``no_sync``, FSDP2's
         ``set_requires_gradient_sync(False)``; a no-op when not ``skip`` or in one process."""
         if skip and self._ddp is not None:
             return self._ddp.no_sync()
@@ -756,19 +646,17 @@ class Trainer:
         return _NO_OP
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, the loss multiplied by the GradScaler's scale with float16 AMP."""
+        """``loss.backward()``, the loss scaled by the GradScaler with float16 AMP."""
         (self.grad_scaler.scale(loss) if self._scaling else loss).backward()
 
     def clip_and_step(self, optimizer: Optional[Optimizer] = None) -> Optional[torch.Tensor]:
-        """Unscale and clip (``clip_grad_norm``) the gradients of ``optimizer``'s parameters,
-        then step it (the trainer's by default) through the GradScaler, which skips a step whose
-        float16 gradients overflowed. Returns the gradient norm before clipping, as a device
-        tensor, or None without clipping."""
+        """Unscale and clip (``clip_grad_norm``) the gradients of ``optimizer`` (the trainer's
+        by default), then step it through the GradScaler. Returns the gradient norm before
+        clipping as a device tensor, or None without clipping."""
         optimizer = self.optimizer if optimizer is None else optimizer
         norm = None
         if self._clip_grad_norm > 0:
-            # unscaled first, so the threshold means what it says
-            self.grad_scaler.unscale_(optimizer)
+            self.grad_scaler.unscale_(optimizer)  # first, so the threshold means what it says
             params = [p for group in optimizer.param_groups for p in group["params"]]
             norm = nn.utils.clip_grad_norm_(params, self._clip_grad_norm).detach()
             if self._sharded_model is not None:
@@ -783,16 +671,15 @@ class Trainer:
         return norm
 
     def update_scaler(self) -> None:
-        """Adjust the float16 loss scale, once per iteration after every optimizer stepped (the
+        """Adjust the float16 loss scale once per iteration, after every optimizer stepped (the
         trainer does it after ``train_one_iter`` if the iteration did not)."""
         if self._update_due:
             self.grad_scaler.update()
             self._update_due = False
 
     def compute_losses(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Run the model on ``batch`` (``model(**batch)`` with ``unpack_batch_dict``) under
-        :meth:`autocast`; returns the loss to back-propagate and the detached losses to log,
-        ``total_loss`` among them (see :func:`total_loss`)."""
+        """Run the model on ``batch`` under :meth:`autocast`; returns the loss to back-propagate
+        and the detached losses to log, ``total_loss`` among them."""
         model, unpack = self.model, self._unpack_batch_dict
         if self._autocast is None:  # no AMP: not even a null context, this runs every step
             out = model(**batch) if unpack else model(batch)
@@ -806,18 +693,15 @@ class Trainer:
     def forward_backward_step(
         self, batches: list[Any], set_to_none: bool = True
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """The built-in step, in numbered steps with the public methods: forward, backward and
-        step on ``batches`` (one per micro-step, gradients summed); returns the losses and the
-        other metrics as device tensors. ``cuda_graph=True`` captures this whole method."""
+        """The built-in step on ``batches`` (one per micro-step): forward, backward, clip and
+        step; returns the losses and the other metrics as device tensors."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
         if len(batches) == 1:
-            # 2. forward under autocast, 3. backward (the GradScaler multiplies the loss with
-            # float16 AMP)
-            loss, losses = self.compute_losses(batches[0])
-            self.backward(loss)
+            loss, losses = self.compute_losses(batches[0])  # 2. forward under autocast
+            self.backward(loss)  # 3. backward
         else:
             losses = self._accumulate(batches)  # 2. and 3. per micro-batch
-        # 4. clip the gradients and step; float16 steps with inf or NaN gradients are skipped
+        # 4. clip and step; float16 steps with inf or NaN gradients are skipped
         grad_norm = self.clip_and_step()
         if not self._scaling and grad_norm is None:
             return losses, _NO_METRICS  # the plain configuration: no other metric
@@ -830,9 +714,8 @@ class Trainer:
         return losses, extras
 
     def _accumulate(self, batches: list[Any]) -> dict[str, torch.Tensor]:
-        """Steps 2 and 3 of :meth:`forward_backward_step` for each of several micro-batches, the
-        loss divided by their number so that the summed gradients average them; the gradients
-        of all but the last stay local. Returns the losses averaged over the micro-batches."""
+        """Forward and backward each micro-batch, the loss divided by their number; the
+        gradients of all but the last stay local. Returns the mean losses."""
         k = len(batches)
         total: dict[str, torch.Tensor] = {}
         for micro_step, batch in enumerate(batches):
@@ -844,10 +727,8 @@ class Trainer:
 
     @property
     def step_skipped(self) -> bool:
-        """Whether the float16 GradScaler skipped the last optimizer step (inf/NaN gradients).
-
-        With fused optimizers the flag lives on the device: reading it is a CPU-GPU sync.
-        """
+        """Whether the float16 GradScaler skipped the last optimizer step (a sync with fused
+        optimizers)."""
         return bool(self._skipped)
 
     @contextlib.contextmanager
@@ -855,7 +736,7 @@ class Trainer:
         if not self._scaling:
             yield
             return
-        # Removed when training ends, so the optimizer never keeps the trainer alive.
+        # removed when training ends, so the optimizer never keeps the trainer alive
         handle = self.optimizer.register_step_post_hook(self._on_optimizer_step)
         try:
             yield
@@ -863,7 +744,7 @@ class Trainer:
             handle.remove()
 
     def _on_optimizer_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        # GradScaler calls optimizer.step() only for finite gradients, except with optimizers
-        # that skip on the device (fused ones), which it hands the inf flag as `found_inf`.
+        # GradScaler calls step() only for finite gradients, except with fused optimizers, which
+        # it hands the inf flag as `found_inf`
         found_inf = getattr(optimizer, "found_inf", None)
         self._skipped = False if found_inf is None else found_inf
