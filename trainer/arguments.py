@@ -1,5 +1,5 @@
-"""The Trainer's arguments: their checks, in one place (each error names the argument, what was
-expected, what was received and how to fix it), and the run's settings they make."""
+"""The Trainer's arguments: their checks (each error names the argument, what was expected,
+what was received and how to fix it), and the run's settings they make."""
 
 import inspect
 import logging
@@ -36,33 +36,15 @@ _FLAG = ((bool,), "True or False")
 _NUMBER = (NUMBER, "a number")
 
 
-def check_arguments(
-    model: Any,
-    optimizer: Any,
-    lr_scheduler: Any,
-    data_loader: Any,
-    max_epochs: Any,
-    max_iters: Any,
-    *,
-    work_dir: Any,
-    unpack_batch_dict: Any,
-    max_num_checkpoints: Any,
-    checkpoint_period: Any,
-    log_period: Any,
-    clip_grad_norm: Any,
-    enable_amp: Any,
-    accumulation_steps: Any,
-    by_epoch: Any,
-    warmup_t: Any,
-    warmup_by_epoch: Any,
-    warmup_mode: Any,
-    warmup_init_lr: Any,
-    warmup_factor: Any,
-    cuda_graph: Any,
+def check_arguments(  # each is checked here, so Any
+    model: Any, optimizer: Any, lr_scheduler: Any, data_loader: Any, max_epochs: Any,
+    max_iters: Any, *, work_dir: Any, unpack_batch_dict: Any, max_num_checkpoints: Any,
+    checkpoint_period: Any, log_period: Any, clip_grad_norm: Any, enable_amp: Any,
+    accumulation_steps: Any, by_epoch: Any, warmup_t: Any, warmup_by_epoch: Any,
+    warmup_mode: Any, warmup_init_lr: Any, warmup_factor: Any, cuda_graph: Any,
     preempt_check_period: Any,
-) -> Optional[int]:
-    """Check the Trainer's constructor arguments; returns iterations per epoch, None for a data
-    loader without a length (a stream)."""
+) -> Optional[int]:  # fmt: skip
+    """Check the Trainer's arguments; returns iterations per epoch (None for a stream)."""
     _check_types(model, optimizer, lr_scheduler, data_loader)
     check_type("work_dir", work_dir, (str, os.PathLike), "a str or os.PathLike path")
     for name, value, (types, what) in (
@@ -134,9 +116,8 @@ def check_arguments(
 
 
 def run_config(trainer: Any, given_scheduler: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    """The run's settings as JSON-ready data: ``settings`` (the Trainer's plain arguments), the
-    warmup's, then what the trainer's objects are (model, optimizer and its base LRs,
-    scheduler, data), the batch size, world size, AMP dtype, torch's seed and torch version."""
+    """The run's settings as JSON-ready data: ``settings``, the warmup's, what the trainer's
+    objects are, and the batch size, world size, AMP dtype, seed and torch version."""
     optimizer, loader, scheduler = trainer.optimizer, trainer.data_loader, trainer.lr_scheduler
     warmup = {name: getattr(scheduler, name) for name in WARMUP_DEFAULTS}
     return {
@@ -146,8 +127,7 @@ def run_config(trainer: Any, given_scheduler: Any, settings: dict[str, Any]) -> 
         "model": type(unwrapped(trainer.model)).__name__,
         "compiled": _compiled(trainer.model),
         "optimizer": type(optimizer).__name__,
-        # The LRs the optimizer was given: a torch scheduler keeps them as initial_lr, the
-        # warmup (which has set its first LRs already) as its base_lrs; float(): may be tensors
+        # the LRs given: a torch scheduler's initial_lr, else the warmup's base_lrs
         "base_lrs": [
             float(group.get("initial_lr", base))
             for group, base in zip(optimizer.param_groups, scheduler.base_lrs)
@@ -164,13 +144,11 @@ def run_config(trainer: Any, given_scheduler: Any, settings: dict[str, Any]) -> 
 
 
 def _compiled(model: nn.Module) -> bool:
-    """Whether ``model`` (or a module it wraps) is torch.compile's wrapper."""
     return any(type(m).__name__ == "OptimizedModule" for m in wrappers(model))
 
 
 def progress_bar() -> list[HookBase]:
-    """A progress bar where it would draw (rank 0, on a terminal); elsewhere it would cost a call
-    per iteration for nothing, and its module is not even imported."""
+    """A progress bar where it would draw (rank 0, on a terminal); elsewhere not imported."""
     if not (is_main_process() and is_terminal(sys.stderr)):
         return []
     from .hooks.progress_bar_hook import ProgressBarHook
@@ -228,8 +206,7 @@ def _check_wiring(model: nn.Module, optimizer: Optimizer, lr_scheduler: Any) -> 
 
 
 def check_closure_free(optimizer: Optimizer) -> None:
-    """Refuse an optimizer whose ``step`` needs a closure (LBFGS): the built-in step calls
-    ``step()`` once, without one."""
+    """Refuse an optimizer whose ``step`` needs a closure (LBFGS) for the built-in step."""
     closure = inspect.signature(optimizer.step).parameters.get("closure")
     if closure is not None and closure.default is inspect.Parameter.empty:
         name = type(optimizer).__name__
@@ -250,8 +227,7 @@ def check_closure_free(optimizer: Optimizer) -> None:
 
 
 def warn_unoptimized(model: nn.Module, optimizers: list[Optimizer]) -> None:
-    """Warn about trainable parameters of ``model`` that none of ``optimizers`` holds: they
-    never change (frozen by omission, which may be meant)."""
+    """Warn about trainable parameters of ``model`` that no optimizer holds."""
     held = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
     left = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
     if left:
@@ -290,8 +266,7 @@ def _check_epoch_len(data_loader: Any, accumulation_steps: int) -> Optional[int]
 
 
 def stream_notice(scheduler: LRWarmupScheduler, hooks: list[HookBase]) -> Optional[str]:
-    """For a data loader without a length (a stream): what the LR schedule and the hooks count
-    in epochs, which then end only with the stream's passes; None when nothing does."""
+    """For a stream: what counts in epochs, which end only with its passes; None if nothing."""
     from .hooks import CheckpointHook
 
     by_epoch = []
@@ -310,14 +285,13 @@ def stream_notice(scheduler: LRWarmupScheduler, hooks: list[HookBase]) -> Option
 
 
 def model_device(model: nn.Module) -> torch.device:
-    """The device of ``model``'s first parameter; a model without any is refused."""
     for tensor in model.parameters():
         return tensor.device
     raise ValueError("model has no parameters to train.")
 
 
 def make_writable_dir(path: str) -> None:
-    """Create ``path`` and prove it writable now, rather than fail at the first checkpoint."""
+    """Create ``path`` and prove it writable now, not at the first checkpoint."""
     os.makedirs(path, exist_ok=True)
     try:
         with tempfile.TemporaryFile(dir=path):
@@ -330,8 +304,7 @@ def make_writable_dir(path: str) -> None:
 
 
 def refuse_restart(cur_iter: int, max_iters: int, ckpt_dir: str, auto_resume: bool) -> None:
-    """Raise for a Trainer that trained before and has no checkpoint to resume from now:
-    training on from its live state would log iterations as if run afresh."""
+    """Raise for a Trainer that trained before and has no checkpoint to resume from now."""
     done = f"iteration {cur_iter + 1} of {max_iters}"
     if auto_resume:
         why = f"and {ckpt_dir} holds no checkpoint to resume from"

@@ -1,5 +1,4 @@
-"""The type and integer checks that the Trainer's arguments, the hooks, the LR warmup and the
-metric buffers share, so that one bad value gives one kind of error wherever it is passed."""
+"""The type and integer checks the Trainer's arguments, the hooks and the LR warmup share."""
 
 from typing import Any, Union
 
@@ -7,9 +6,7 @@ NUMBER = (int, float)
 
 
 def check_type(name: str, value: Any, types: Union[type, tuple[type, ...]], what: str) -> None:
-    """Raise ``TypeError`` unless ``value`` is an instance of ``types``; a bool passes only where
-    ``bool`` is among them (it is an int to Python, but ``True`` is never meant as 1). The message
-    names ``name``, ``what`` it must be and what it got.
+    """Raise ``TypeError`` unless ``value`` is one of ``types`` (a bool is no int here).
 
     Example::
 
@@ -24,9 +21,7 @@ def check_type(name: str, value: Any, types: Union[type, tuple[type, ...]], what
 
 
 def check_int(name: str, value: Any, minimum: int, note: str = "") -> None:
-    """Raise ``TypeError`` unless ``value`` is an int (a bool is not), ``ValueError`` if it is
-    below ``minimum``; the message names ``name``, what it must be (and ``note`` in brackets:
-    what 0 means, say) and what it got.
+    """Raise ``TypeError`` unless ``value`` is an int, ``ValueError`` if below ``minimum``.
 
     Example::
 

@@ -1,5 +1,4 @@
-"""What the training step needs besides the Trainer's step methods: the losses a model returned,
-and the model without its wrappers."""
+"""What the step needs besides the Trainer: the losses a model returned, the unwrapped model."""
 
 import sys
 from collections.abc import Iterator
@@ -11,10 +10,8 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 
 def total_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss to back-propagate, and the detached values to log (``total_loss`` among them),
-    from what a model returned: a scalar loss tensor or a dict of them. In a dict, the values
-    that require no gradient while others do are metrics (an accuracy, say): logged under their
-    names, not added to ``total_loss``."""
+    """The loss to back-propagate and the detached values to log, from a scalar loss or a dict
+    of them; in a dict, values without a gradient beside ones with are metrics, not losses."""
     losses = {"total_loss": out} if isinstance(out, torch.Tensor) else out
     if not isinstance(losses, dict) or not losses:
         raise TypeError(
