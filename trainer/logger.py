@@ -25,17 +25,17 @@ def setup_logger(
     log_level: Optional[int] = None,
     color: bool = False,
 ) -> logging.Logger:
-    """Make logger ``name`` print to the console on rank 0 and, optionally, to a file.
-
-    Calling it again with the same arguments adds nothing twice.
+    """Make logger ``name`` print to the console on rank 0 and, optionally, to a file. Calling
+    it again with the same arguments adds nothing twice.
 
     Args:
         name: The logger, e.g. ``"trainer"`` for this library or ``__name__`` for a script.
-        output: A log file (``.txt`` or ``.log``) or a folder to hold ``log.txt``. Ranks other than
-            0 write ``log_rank{rank}.txt`` beside it.
-        rank: This process's rank; only rank 0 prints to the console.
+        output: A log file (``.txt`` or ``.log``) or a folder to hold ``log.txt``; other ranks
+            than 0 write ``log_rank{rank}.txt`` beside it.
+        rank: This process's rank.
         level: The logging level.
-        output_dir, log_level: ``output`` and ``level`` by core-pytorch-utils' names.
+        output_dir: ``output``, by core-pytorch-utils' name.
+        log_level: ``level``, by core-pytorch-utils' name.
         color: Accepted for core-pytorch-utils' sake; the output is never colored.
 
     Example::

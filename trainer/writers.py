@@ -21,14 +21,8 @@ _SUFFIX = ".trainer"  # the end of the trainer's event file names
 
 class MetricWriter:
     """Receives metrics from ``LoggerHook``: override :meth:`write`, and :meth:`close` if the
-    writer holds a resource. Writers other than the console run on rank 0 only.
-
-    Example::
-
-        class PrintWriter(MetricWriter):
-            def write(self, trainer, iter, metrics):
-                print(iter, metrics)
-    """
+    writer holds a resource (docs/logging.md has an example). Writers other than the console run
+    on rank 0 only."""
 
     #: Only at log points (the console line), not for an evaluation's results.
     log_points_only = False
@@ -92,12 +86,10 @@ class ConsoleWriter(MetricWriter):
         else:
             parts = [f"epoch {epoch}/{trainer.max_epochs} [{inner}/{trainer.progress.epoch_iters}]"]
         parts += [f"iter {done}/{trainer.max_iters}", f"ETA {eta}"]
-        if "lr" in metrics:
-            parts.append(f"lr {metrics['lr']:.4g}")
+        lr_first = sorted(metrics.items(), key=lambda item: item[0] != "lr")  # sorted is stable
         parts += [
             f"{name} {format_seconds(value) if name.endswith('_time') else f'{value:.4g}'}"
-            for name, value in metrics.items()
-            if name != "lr"
+            for name, value in lr_first
         ]
         if trainer.device.type == "cuda":  # reads the allocator's counters: no device sync
             parts.append(f"max_mem {torch.cuda.max_memory_allocated(trainer.device) / 2**20:.0f}M")
@@ -106,13 +98,8 @@ class ConsoleWriter(MetricWriter):
 
 class TensorBoardWriter(MetricWriter):
     """Scalars in TensorBoard event files under ``log_dir``, tagged by :func:`tensorboard_tag`,
-    one event per log point.
-
-    The events reach ``SummaryWriter`` in batches, at most every ``handoff_secs`` seconds (and at
-    :meth:`flush` and :meth:`close`): each hand-over wakes its thread, which computes checksums
-    in Python while training waits for the GIL. The trainer's event files end in ``.trainer``;
-    a run from ``start_iter`` drops their events of that step and later, and never changes the
-    other event files in ``log_dir``.
+    one event per log point. The trainer's event files end in ``.trainer``: a run from
+    ``start_iter`` drops their events of that step and later, and changes no other event file.
 
     Args:
         log_dir: Where the event files go.
@@ -141,6 +128,8 @@ class TensorBoardWriter(MetricWriter):
             self._writer = rewind_event_files(log_dir, start_iter, new_writer)
         else:
             self._writer = new_writer()
+        # Events reach the SummaryWriter in batches: each hand-over wakes its thread, which
+        # computes checksums in Python while training waits for the GIL.
         self._handoff_secs = handoff_secs
         self._next_handoff = time.monotonic() + handoff_secs
         self._events: list[tuple[Any, int, float]] = []  # (summary, step, wall time)
