@@ -116,3 +116,23 @@ def test_files_a_resumed_run_rewrites_keep_the_permissions_open_gives(tmp_path):
     for path in (tmp_path / "tb" / rewritten, tmp_path / "tb" / new, tmp_path / "metrics.jsonl"):
         assert os.stat(path).st_mode & 0o777 == 0o644, path
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+def test_a_resumed_runs_event_file_sorts_after_the_old_ones(tmp_path):
+    # TensorBoard reads event files in name order: the old steps must come first
+    old = TensorBoardWriter(str(tmp_path))
+    for step in range(6):
+        old.write(None, step, {"loss": float(step)})
+    old.close()
+    (old_file,) = os.listdir(tmp_path)
+    # as if made in this second, by this process, with a counter that sorts last
+    old_name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.z"
+    os.rename(tmp_path / old_file, tmp_path / f"{old_name}.trainer")
+    resumed = TensorBoardWriter(str(tmp_path), start_iter=4)
+    resumed.write(None, 4, {"loss": 40.0})
+    resumed.close()
+    assert sorted(os.listdir(tmp_path))[0] == f"{old_name}.trainer"
+    acc = EventAccumulator(str(tmp_path))
+    acc.Reload()
+    steps = [(e.step, e.value) for e in acc.Scalars("train/loss")]
+    assert steps == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]

@@ -9,13 +9,7 @@ from tabulate import tabulate
 
 
 def collect_env() -> str:
-    """The versions and devices that matter for reproducing a run, as a tabulate table.
-
-    Example::
-
-        >>> "PyTorch" in collect_env()
-        True
-    """
+    """The versions and devices that matter for reproducing a run, as a tabulate table."""
     rows = [
         ("sys.platform", sys.platform),
         ("Python", sys.version.replace("\n", " ")),

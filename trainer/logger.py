@@ -10,6 +10,10 @@ from typing import Any, Optional
 _FORMAT = "[%(asctime)s %(name)s %(levelname)s]: %(message)s"
 _DATE_FORMAT = "%m/%d %H:%M:%S"
 
+# A record logged with ``extra={TRACEBACK_FOLLOWS: True}`` shows its traceback in log files only:
+# on the console, Python prints it once, as the exception leaves the program.
+TRACEBACK_FOLLOWS = "trainer_traceback_follows"
+
 
 def setup_logger(
     name: str = "trainer",
@@ -21,16 +25,14 @@ def setup_logger(
     log_level: Optional[int] = None,
     color: bool = False,
 ) -> logging.Logger:
-    """Make logger ``name`` print to the console on rank 0 and, optionally, to a file.
-
-    Calling it again with the same arguments adds nothing twice. core-pytorch-utils' argument
-    names (``output_dir``, ``log_level``, ``color``) are accepted too.
+    """Make logger ``name`` print to the console on rank 0 and, optionally, to a file. Calling
+    it again with the same arguments adds nothing twice.
 
     Args:
         name: The logger, e.g. ``"trainer"`` for this library or ``__name__`` for a script.
-        output: A log file (``.txt`` or ``.log``) or a folder to hold ``log.txt``. Ranks other than
-            0 write ``log_rank{rank}.txt`` beside it.
-        rank: This process's rank; only rank 0 prints to the console.
+        output: A log file (``.txt`` or ``.log``) or a folder to hold ``log.txt``; other ranks
+            than 0 write ``log_rank{rank}.txt`` beside it.
+        rank: This process's rank.
         level: The logging level.
         output_dir: ``output``, by core-pytorch-utils' name.
         log_level: ``level``, by core-pytorch-utils' name.
@@ -47,29 +49,16 @@ def setup_logger(
             f"output_dir={output_dir!r}."
         )
     output = output if output is not None else output_dir
-    level = level if log_level is None else log_level
     log = logging.getLogger(name)
-    log.setLevel(level)
+    log.setLevel(level if log_level is None else log_level)
     log.propagate = False
-    if rank == 0 and not any(getattr(h, "_trainer_console", False) for h in log.handlers):
+    if rank == 0 and not any(isinstance(h, _ConsoleHandler) for h in log.handlers):
         log.addHandler(_console_handler())
     if output is not None:
         path = log_file_path(output, rank)
         if not any(getattr(h, "baseFilename", None) == path for h in log.handlers):
-            log.addHandler(_file_handler(path))
+            log.addHandler(_FileHandler(path))
     return log
-
-
-# A record logged with ``extra={TRACEBACK_FOLLOWS: True}`` shows its traceback in log files only:
-# on the console, Python prints it once, as the exception leaves the program.
-TRACEBACK_FOLLOWS = "trainer_traceback_follows"
-
-
-class _ConsoleFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        if record.exc_info and getattr(record, TRACEBACK_FOLLOWS, False):
-            record = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None})
-        return super().format(record)
 
 
 class LiveLine:
@@ -100,18 +89,11 @@ class LiveLine:
             self.stream.flush()
             self._text = ""
 
-    def clear(self) -> None:
-        if self.stream is not None and self._text:
-            self.stream.write("\r\x1b[K")
-
     def erase(self) -> None:
         """Clear the line and forget it: nothing is drawn again until :meth:`show`."""
-        self.clear()
-        self._text = ""
-
-    def redraw(self) -> None:
         if self.stream is not None and self._text:
-            self.show(self._text)
+            self.stream.write("\r\x1b[K")
+        self._text = ""
 
 
 #: The one live line, drawn on ``sys.stderr`` by a ``ProgressBarHook``.
@@ -134,31 +116,30 @@ def draws_safely_on(stream: Any) -> bool:
 
 class _ConsoleHandler(logging.StreamHandler):
     def emit(self, record: logging.LogRecord) -> None:
-        drawn = live_line.stream is self.stream
+        if record.exc_info and getattr(record, TRACEBACK_FOLLOWS, False):
+            record = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None})
+        drawn = live_line._text if live_line.stream is self.stream else ""
         if drawn:
-            live_line.clear()
+            live_line.erase()
         super().emit(record)
         if drawn:
-            live_line.redraw()
+            live_line.show(drawn)  # the live line again, below the record
 
 
 def _console_handler() -> logging.Handler:
     handler = _ConsoleHandler(sys.stderr)
-    handler._trainer_console = True  # marks ours, so a second setup adds no duplicate
-    handler.setFormatter(_ConsoleFormatter(_FORMAT, datefmt=_DATE_FORMAT))
+    handler.setFormatter(logging.Formatter(_FORMAT, datefmt=_DATE_FORMAT))
     return handler
 
 
 class _FileHandler(logging.FileHandler):
+    def __init__(self, path: str) -> None:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        super().__init__(path)
+        self.setFormatter(logging.Formatter(_FORMAT, datefmt=_DATE_FORMAT))
+
     def _open(self) -> Any:
         return open_no_follow(self.baseFilename, append=True)
-
-
-def _file_handler(path: str) -> logging.Handler:
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    handler = _FileHandler(path)
-    handler.setFormatter(logging.Formatter(_FORMAT, datefmt=_DATE_FORMAT))
-    return handler
 
 
 def open_no_follow(path: str, append: bool) -> Any:
@@ -184,10 +165,7 @@ def open_fd_no_follow(path: str, flags: int) -> int:
 
 def ensure_console_logging(name: str, rank: int) -> None:
     """Show logger ``name``'s INFO records on rank 0, unless the program configured logging.
-
-    Unlike :func:`setup_logger`, records keep propagating, so handlers the program or a test
-    runner put on the root logger see them too (and no console handler is added then).
-    """
+    Records keep propagating, to the handlers a program or test runner put on the root logger."""
     log = logging.getLogger(name)
     if log.level == logging.NOTSET:
         log.setLevel(logging.INFO)
@@ -197,8 +175,7 @@ def ensure_console_logging(name: str, rank: int) -> None:
 
 def log_file_path(output: str, rank: int = 0) -> str:
     """The log file that ``output`` means for ``rank``: ``output`` itself when it names a
-    ``.txt`` or ``.log`` file (not an existing folder), else ``output/log.txt``; other ranks
-    than 0 write ``log_rank{rank}.txt`` beside it."""
+    ``.txt`` or ``.log`` file (not an existing folder), else ``output/log.txt``."""
     output = os.fspath(output)
     is_file = output.endswith((".txt", ".log")) and not os.path.isdir(output)
     return rank_log_file(output if is_file else os.path.join(output, "log.txt"), rank)
@@ -215,12 +192,9 @@ def rank_log_file(path: str, rank: int) -> str:
 
 @contextlib.contextmanager
 def log_to_file(name: str, path: str) -> Iterator[None]:
-    """Copy logger ``name``'s records into ``path`` for the duration of the block, then close it.
-
-    The trainer uses this instead of a permanent handler so that several trainers in one process
-    each write their own log file.
-    """
-    handler = _file_handler(path)
+    """Copy logger ``name``'s records into ``path`` for the block (rather than for good, so that
+    several trainers in one process each write their own log file)."""
+    handler = _FileHandler(path)
     log = logging.getLogger(name)
     log.addHandler(handler)
     try:

@@ -9,13 +9,7 @@ from typing import Any, Optional
 from ..checks import check_int
 from ..distributed import is_main_process
 from ..logger import open_no_follow
-from ..writers import (
-    ConsoleWriter,
-    JSONLinesWriter,
-    MetricWriter,
-    TensorBoardWriter,
-    check_writers,
-)
+from ..writers import ConsoleWriter, JSONLinesWriter, MetricWriter, TensorBoardWriter
 from .hookbase import HookBase, Priority
 from .summary import summary_table
 
@@ -23,15 +17,11 @@ logger = logging.getLogger(__name__)
 
 
 class LoggerHook(HookBase):
-    """Every ``period`` iterations, writes the new metrics to its writers: the console line
-    (progress, ETA, LR, losses, data and iteration time, peak CUDA memory; every rank, to its
-    console and log file), and on rank 0 TensorBoard (``trainer.tb_log_dir``), the JSON Lines
-    file ``work_dir/metrics.jsonl`` and the ``writers`` you pass. Each evaluation's results are
-    written as they come, in a row of their own; before each checkpoint, every writer flushes
-    what the checkpoint covers. At the
-    start, rank 0 writes the run's settings (``trainer.run_config``) to ``work_dir/run.json``
-    and TensorBoard; at the end every rank logs a summary table: time, speed, time per hook and
-    in data loading, the evaluated metrics' final and best values, checkpoints and logs.
+    """Writes the metrics new at each log point: the console line on every rank (to its
+    console and log file), and on rank 0 TensorBoard (``trainer.tb_log_dir``),
+    ``work_dir/metrics.jsonl`` and your ``writers``; an evaluation's results, in a row of their
+    own. Rank 0 writes the run's settings (``trainer.run_config``) to ``work_dir/run.json`` and
+    TensorBoard; every rank logs a summary table at the end.
 
     Args:
         period: Iterations between log points: the trainer's ``log_period`` (None), where the
@@ -56,23 +46,25 @@ class LoggerHook(HookBase):
     ) -> None:
         if period is not None:
             check_int("period", period, minimum=1)
-        if writers is not None:
-            check_writers("writers", writers)
+        extra = [] if writers is None else writers
+        if not isinstance(extra, (list, tuple)) or not all(
+            isinstance(w, MetricWriter) for w in extra
+        ):
+            raise TypeError(
+                f"writers must be a list of trainer.writers.MetricWriter objects, got {writers!r}."
+            )
         self._period = period
-        self._extra = list(writers or [])
+        self._extra = list(extra)
         self._tensorboard = tensorboard
         self._metrics_jsonl = metrics_jsonl
         self._writers: list[MetricWriter] = []
         self._written: dict[str, int] = {}  # metric -> values already written
         self._train_start: Optional[float] = None  # when its before_train ran
-        # the evaluated metrics' final and best values, for the summary
-        self._evals: dict[str, dict[str, Any]] = {}
+        self._evals: dict[str, dict[str, Any]] = {}  # evaluated metrics' final and best values
 
     def before_train(self) -> None:
-        """Open the writers, write the run's settings and start the clock. What a resumed run's
-        metrics already hold was written by the run that saved them; what that run wrote after
-        its checkpoint (steps this run repeats) is dropped from TensorBoard and
-        ``metrics.jsonl``."""
+        """Open the writers (a resumed run's drop what it repeats), write the run's settings and
+        start the clock."""
         trainer = self.trainer
         if self._period not in (None, trainer.log_period):
             raise ValueError(
@@ -102,24 +94,22 @@ class LoggerHook(HookBase):
             self._writers += self._extra
 
     def _log_start(self) -> None:
-        """Say where training starts: afresh or from which checkpoint, in which ``work_dir``;
-        or that the run is finished, and how to start afresh."""
+        """Say where training starts, or that the run is finished and how to start afresh."""
         trainer, progress = self.trainer, self.trainer.progress
-        work_dir = trainer.work_dir
         done = f"{trainer.start_iter} of {trainer.max_iters}"
         if progress.stopped:  # stop() ended the run; the trainer says so
             return
         if progress.finished:
             logger.info(
-                f"Nothing to train: the run in {work_dir} is finished ({trainer.last_checkpoint}, "
-                f"iteration {done}). To train again from scratch, build a new Trainer and pass "
-                "train(auto_resume=False) or another work_dir; to train longer, raise max_epochs "
-                "or max_iters."
+                f"Nothing to train: the run in {trainer.work_dir} is finished "
+                f"({trainer.last_checkpoint}, iteration {done}). To train again from scratch, "
+                "build a new Trainer and pass train(auto_resume=False) or another work_dir; to "
+                "train longer, raise max_epochs or max_iters."
             )
             return
         resumed = trainer.start_iter > 0 and trainer.last_checkpoint is not None
         origin = f"resuming {trainer.last_checkpoint}" if resumed else "afresh"
-        logger.info(f"Start training from iteration {done} in {work_dir}, {origin}.")
+        logger.info(f"Start training from iteration {done} in {trainer.work_dir}, {origin}.")
 
     def after_iter_period(self) -> int:
         """Every log point: every ``log_period``-th iteration, and the last."""
@@ -130,9 +120,9 @@ class LoggerHook(HookBase):
         self._write(log_point=True)
 
     def before_save_checkpoint(self) -> None:
-        """Write this iteration's log point, if it is one (the checkpoint covers it, and a run
-        resumed from it starts after it), and put every writer's rows on disk, so that a kill
-        after the save loses no row that the resumed run will not write again."""
+        """Write this iteration's log point, if it is one (the checkpoint covers it), and flush
+        every writer, so that a kill after the save loses no row the resumed run will not
+        write again."""
         if self.trainer.progress.last_log_iter == self.trainer.cur_iter:
             self._write(log_point=True)
         for writer in self._writers:

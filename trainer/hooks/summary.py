@@ -10,36 +10,22 @@ from ..writers import format_seconds
 
 
 def summary_table(
-    trainer: Any,
-    seconds: float,
-    iters: int,
-    evals: dict[str, dict[str, Any]],
-    logs: list[str],
+    trainer: Any, seconds: float, iters: int, evals: dict[str, dict[str, Any]], logs: list[str]
 ) -> str:
-    """The table printed when training ends: time, speed, where it went, the evaluated metrics,
-    the checkpoints and the logs.
-
-    Args:
-        trainer: The trainer, for its hooks, data time and checkpoints.
-        seconds: Wall time of this run of ``train()``.
-        iters: Iterations this run trained.
-        evals: The evaluated metrics' final and best values (see
-            :func:`~trainer.hooks.metric_watch.record_results`).
-        logs: The paths of the logs written.
-    """
+    """The table logged when training ends: the wall time of this ``train()`` (``seconds``, for
+    ``iters`` iterations) and where it went, the evaluated metrics' final and best values
+    (``evals``), the checkpoints and the ``logs`` written."""
     wall = format_seconds(seconds)
     if seconds >= 60:
         wall = str(datetime.timedelta(seconds=round(seconds)))
     done = f"iteration {trainer.cur_iter + 1} of {trainer.max_iters}"
     if iters:
         speed = f"{wall} for {iters} iterations ({iters / max(seconds, 1e-9):.3g} it/s), {done}"
-    else:
-        speed = f"{wall}, no iteration to train: {done}"
-    rows = [["wall time", speed]]
-    if iters:
-        rows.append(["data loading", _share(trainer.data_seconds, seconds)])
+        rows = [["wall time", speed], ["data loading", _share(trainer.data_seconds, seconds)]]
         hooks = sorted(trainer.hook_seconds.items(), key=lambda item: -item[1])
         rows += [[f"hook {name}", _share(s, seconds)] for name, s in hooks]
+    else:
+        rows = [["wall time", f"{wall}, no iteration to train: {done}"]]
     for name, entry in evals.items():
         value = f"final {entry['final']:.5g}"
         if entry["best"] is not None:
@@ -51,9 +37,8 @@ def summary_table(
         rows.append(["best checkpoint", os.path.abspath(best)])
     folders = {os.path.dirname(path) for path in logs}
     if len(folders) == 1:  # the usual: all in work_dir
-        rows.append(["logs", f"{', '.join(map(os.path.basename, logs))} in {folders.pop()}"])
-    else:
-        rows.append(["logs", ", ".join(logs)])
+        logs = [f"{', '.join(map(os.path.basename, logs))} in {folders.pop()}"]
+    rows.append(["logs", ", ".join(logs)])
     return tabulate(rows, headers=["Run summary", ""], tablefmt="simple")
 
 
