@@ -36,6 +36,7 @@ EXTRAS = [
     "trainer.cuda_graph",
     "trainer.evaluation",
     "trainer.history_buffer",
+    "trainer.log_rewind",
     "trainer.misc",
     "trainer.hooks.best_checkpoint_hook",
     "trainer.hooks.early_stopping_hook",
