@@ -1,8 +1,8 @@
 """Checkpoints: what they hold (:class:`Checkpointer` gathers and restores the trainer's state)
-and their names. The files themselves (atomic background writes, ``latest.txt``) are
-``checkpoint_files.py``'s; loading them (the newest one that loads, what makes one usable,
-weights in) is ``checkpoint_load.py``'s."""
+and their names. Writing the files is ``checkpoint_files.py``'s, loading them
+``checkpoint_load.py``'s."""
 
+import glob
 import logging
 import os
 from typing import Any, Callable, Optional, Sequence
@@ -18,8 +18,6 @@ from .checkpoint_files import (
     copy_to_cpu,
     describe,
     format_path,
-    list_checkpoints,
-    load_checkpoint_file,
     remove_temp_files,
     save_in_background,
 )
@@ -35,10 +33,8 @@ class Checkpointer:
     """Gathers the trainer's whole state into checkpoints and restores it.
 
     A checkpoint is a dict of tensors and plain data (it loads with ``weights_only=True``):
-    ``model`` (the unwrapped module's weights), ``optimizer``, the ``parts`` (LR scheduler,
-    GradScaler, metrics), ``hooks`` (each stateful hook's state), ``extra`` (what
-    :meth:`register` added), ``rng`` (per rank: the RNG states, and the state of a data loader
-    that keeps one), ``progress`` and ``config``.
+    ``model`` (the unwrapped module's weights), ``optimizer``, the ``parts``, ``hooks``,
+    ``extra`` (what :meth:`register` added), ``rng`` (per rank), ``progress`` and ``config``.
 
     Args:
         ckpt_dir: The checkpoint folder.
@@ -107,19 +103,10 @@ class Checkpointer:
     def save(self, file_name: str, then: Optional[Callable[[], None]] = None) -> Optional[str]:
         """Save the whole state as ``ckpt_dir/file_name`` and point ``latest.txt`` at it.
 
-        Training waits only while the state is copied (to CPU memory); the file is written in the
-        background, atomically, and ``latest.txt`` moves once it is durable. The next save, the
-        end of ``train()``, a preemption exit and :meth:`wait` wait for the write and raise its
-        error, if any (an ``OSError``; the previous checkpoint and ``latest.txt`` are untouched).
-        Every rank calls this, handing rank 0 its RNG state; rank 0 alone writes.
-
-        Args:
-            file_name: The checkpoint's file name in ``ckpt_dir``.
-            then: Called in the background once the file and ``latest.txt`` are durable (e.g. to
-                delete older checkpoints).
-
-        Returns:
-            The path being written, or None on other ranks.
+        Training waits only while the state is copied to CPU memory; rank 0 writes the file in
+        the background, atomically, and calls ``then()`` once it is durable. The next save,
+        :meth:`wait` and the end of ``train()`` raise a failed write's ``OSError``. Every rank
+        calls this, and gets the path being written (None on other ranks).
         """
         state = self._live_state()
         self._refuse_unloadable(file_name, state)
@@ -151,7 +138,7 @@ class Checkpointer:
         """Every part's ``state_dict()``, as the parts return it (tensors on their devices)."""
         return {
             "progress": self._progress.state_dict(self._batch_size),
-            "config": {**self._config, "classes": self._classes()},
+            "config": self.config(),
             "model": self._module.state_dict(),
             "optimizer": self._optimizer.state_dict(),
             **{key: part.state_dict() for key, part in self._parts.items()},
@@ -160,14 +147,10 @@ class Checkpointer:
         }
 
     def _refuse_unloadable(self, file_name: str, state: dict[str, Any]) -> None:
-        """Refuse to save a state that no resume could use: tensors holding NaN or infinite
-        values, or values that ``torch.load(weights_only=True)`` cannot rebuild. Under torchrun
-        every rank raises alike (with rank 0's last write failure, if any)."""
-        # One host read per device: a checkpoint with NaN weights would become `latest` and
-        # make every rerun fail at the same iteration.
-        bad = bad_tensors(
-            {**state, "optimizer": state["optimizer"]["state"]}, self._parameter_names()
-        )
+        """Refuse a state that no resume could use: tensors not finite (it would become `latest`
+        and make every rerun fail alike), or values that ``weights_only`` loads cannot rebuild.
+        Under torchrun every rank raises alike (with rank 0's last write failure, if any)."""
+        bad = bad_tensors({**state, "optimizer": state["optimizer"]["state"]}, self.parameters())
         try:
             check_plain(state)
             unloadable = None
@@ -195,8 +178,7 @@ class Checkpointer:
         self.writer.wait()
 
     def raise_write_error(self) -> None:
-        """Raise the failed write's ``OSError`` on rank 0, and on the other ranks an error that
-        points at rank 0's: every rank stops."""
+        """Raise the failed write's ``OSError`` on rank 0, elsewhere an error pointing at it."""
         self.writer.wait()
         raise RuntimeError(
             "Rank 0 could not write a checkpoint (its log names the file and the reason); "
@@ -209,18 +191,20 @@ class Checkpointer:
             for stray in remove_temp_files(self.ckpt_dir):
                 logger.info(f"Removed {stray}, left by an interrupted checkpoint write.")
 
-    def _parameter_names(self) -> set[str]:
+    def parameters(self) -> set[str]:
         """The names of the model's parameters in its ``state_dict`` (a tied weight's every
         name), which must be finite."""
         return {name for name, _ in self._module.named_parameters(remove_duplicate=False)}
 
-    def _classes(self) -> dict[str, str]:
-        # What resuming needs unchanged: an optimizer's state does not fit another class's.
+    def config(self) -> dict[str, Any]:
+        """The ``config`` a checkpoint holds, with the optimizers' classes (a state does not
+        fit another class)."""
         objects = {
             "optimizer": self._optimizer,
             **{f"extra.{n}": o for n, o in self._extra.items()},
         }
-        return {key: type(obj).__name__ for key, obj in objects.items()}
+        classes = {key: type(obj).__name__ for key, obj in objects.items()}
+        return {**self._config, "classes": classes}
 
     def load(
         self,
@@ -230,28 +214,8 @@ class Checkpointer:
         strict: bool,
         revise_keys: Optional[Sequence[tuple[str, str]]] = None,
     ) -> bool:
-        """Load a checkpoint: the whole training state, or only the model's weights.
-
-        Args:
-            path: A checkpoint file; it must exist and load.
-            auto_resume: With no ``path``, use the newest checkpoint in ``ckpt_dir`` that loads,
-                ``latest.txt``'s first. One that fails to load is skipped with a warning; if none
-                loads, this raises rather than start from scratch.
-            resume: Restore everything (optimizer, LR schedule, GradScaler, progress, RNG,
-                metrics, hooks, registered extras) to continue the run exactly. False loads the
-                model's weights only, for fine-tuning or evaluation, from a trainer checkpoint
-                or any file of weights: a ``state_dict``, or a dict holding one under
-                ``"state_dict"`` or ``"model"``.
-            strict: The model's keys and shapes must match the checkpoint's. False loads the
-                weights that match in name and shape and logs what it skipped (fine-tuning a
-                changed head, say); a file of which none matches is refused.
-            revise_keys: ``[(regex, replacement), ...]`` applied in order to the file's keys
-                with ``re.sub`` before loading, with ``resume=False``: ``[("^module[.]", "")]``
-                drops the prefix of a checkpoint saved from a DDP model.
-
-        Returns:
-            Whether a checkpoint was loaded.
-        """
+        """Load a checkpoint: the whole training state, or only the model's weights; whether
+        one was loaded. See :func:`trainer.checkpoint_load.load` for the arguments."""
         if revise_keys is not None:
             from .checkpoint_load import check_revise_keys
 
@@ -259,82 +223,19 @@ class Checkpointer:
         if path is None and not auto_resume:
             raise ValueError("Pass a checkpoint path, or auto_resume=True to use the latest.")
         self.wait()  # a write in flight may be the newest checkpoint
-        candidates = list_checkpoints(self.ckpt_dir) if path is None else []
-        if path is None and not candidates:
+        if path is None and not glob.glob(os.path.join(self.ckpt_dir, "*.pth")):
             logger.debug(f"No checkpoint in {self.ckpt_dir}: training from scratch.")
             return False  # a fresh run: the loading code is not even imported
-        from . import checkpoint_load as loading  # imported by a run that loads a checkpoint
+        from .checkpoint_load import load
 
-        auto_picked = path is None
-        if path is None:
-            path, data = loading.load_newest(candidates, self.ckpt_dir, self._parameter_names())
-            weights = data["model"]
-        elif resume:
-            data = load_checkpoint_file(path)
-            loading.check_keys(data, path, loading.RESUME_KEYS)
-            loading.check_structure(data, path, loading.RESUME_KEYS)
-            loading.check_finite(data, path, self._parameter_names())
-            weights = data["model"]
-        else:
-            weights = loading.model_weights(load_checkpoint_file(path), path)
-        # weights saved from a torch.compile-d model by other means carry its prefix
-        weights = {k.replace("_orig_mod.", ""): v for k, v in weights.items()}
-        weights = loading.revised(weights, revise_keys or (), path)
-        if not resume and not auto_picked:  # load_newest checked the one it picked
-            loading.check_finite({"model": weights}, path, self._parameter_names())
-        loading.load_model_state(self._module, weights, path, strict, self._sharded)
-        if not resume:
-            logger.info(f"Loaded model weights from {path}; the training state is not restored.")
-            return True
-        self._load_state_dict(data, path)
-        self.last_path = path
-        logger.info(f"Resumed from checkpoint {path} at iteration {self._progress.start_iter}.")
-        return True
-
-    def _load_state_dict(self, data: dict[str, Any], path: str) -> None:
-        from .checkpoint_load import check_config, load_optimizer_state, map_position
-
-        check_config(data["config"], {**self._config, "classes": self._classes()}, path)
-        progress = self._progress
-        accumulation = self._config["accumulation_steps"]
-        position = map_position(
-            data["progress"], path, progress.epoch_len, self._batch_size, accumulation
-        )
-        load_optimizer_state(self._module, self._optimizer, data["optimizer"], path, self._sharded)
-        for key, part in self._parts.items():
-            part.load_state_dict(data[key])
-        for kind, owners, states in (
-            ("hook", self._hooks(), data["hooks"]),
-            ("checkpointable", self._extra, data.get("extra", {})),
-        ):
-            for key, owner in owners.items():
-                if key in states:
-                    owner.load_state_dict(states[key])
-                else:
-                    logger.warning(f"Checkpoint {path} holds no state for {kind} {key!r}.")
-            for key in states.keys() - owners.keys():
-                logger.warning(f"Checkpoint {path} has state for {kind} {key!r}, not registered.")
-        # A checkpoint from an epoch's last iteration (a preemption there) resumes with the
-        # epoch's end: the next pass starts fresh, nothing to skip.
-        inner = position[1]
-        mid_pass = progress.epoch_len is None or inner < progress.epoch_len
-        self._data.resume(
-            data["rng"], path, inner * accumulation if mid_pass else 0,
-            remapped=inner != data["progress"]["inner_iter"]
-            or len(data["rng"]) != get_world_size(),
-        )  # fmt: skip
-        saved = data["progress"]
-        progress.resume(position, saved.get("stopped", False), saved.get("iters_done", 0))
+        return load(self, path, resume, strict, revise_keys)
 
 
 def checkpoint_name(by_epoch: bool, position: tuple[int, int], iters_done: int) -> str:
     """The file name of a checkpoint taken at ``position`` (epoch, iterations done in it):
-    ``epoch_{N}.pth`` at an epoch's end in epoch-based training (N epochs done), otherwise
-    ``iter_{N}.pth`` (N iterations done)."""
+    ``epoch_{N}.pth`` at an epoch's end in epoch-based training, otherwise ``iter_{N}.pth``."""
     epoch, inner = position
-    if by_epoch and inner == 0:
-        return f"epoch_{epoch}.pth"
-    return f"iter_{iters_done}.pth"
+    return f"epoch_{epoch}.pth" if by_epoch and inner == 0 else f"iter_{iters_done}.pth"
 
 
 # The owners of a checkpoint's top-level keys, as a message names them.
