@@ -1,5 +1,5 @@
 """Checkpoints: what they hold (:class:`Checkpointer` gathers and restores the trainer's state)
-and their names. Writing the files is ``checkpoint_files.py``'s, loading them
+and their names. The file operations are ``checkpoint_files.py``'s; loading is
 ``checkpoint_load.py``'s."""
 
 import glob
@@ -10,17 +10,7 @@ from typing import Any, Callable, Optional, Sequence
 from torch import nn
 from torch.optim import Optimizer
 
-from .checkpoint_files import (
-    BackgroundWriter,
-    UnloadableState,
-    bad_tensors,
-    check_plain,
-    copy_to_cpu,
-    describe,
-    format_path,
-    remove_temp_files,
-    save_in_background,
-)
+from . import checkpoint_files as files
 from .distributed import CpuGroup, all_gather, gather, get_world_size, is_main_process
 from .fsdp import full_state_dicts, is_sharded
 from .progress import DataStream, Progress
@@ -33,22 +23,11 @@ class Checkpointer:
     """Gathers the trainer's whole state into checkpoints and restores it.
 
     A checkpoint is a dict of tensors and plain data (it loads with ``weights_only=True``):
-    ``model`` (the unwrapped module's weights), ``optimizer``, the ``parts``, ``hooks``,
-    ``extra`` (what :meth:`register` added), ``rng`` (per rank), ``progress`` and ``config``.
-
-    Args:
-        ckpt_dir: The checkpoint folder.
-        model: The model as trained (wrapped, compiled or sharded, maybe).
-        optimizer: The trainer's optimizer.
-        progress: Where training is; saved, and moved on resume.
-        data: The data passes, whose RNG states are saved.
-        parts: Top-level keys and the objects (with ``state_dict()`` and ``load_state_dict()``)
-            saved under them.
-        hooks: Returns the stateful hooks by key.
-        config: What a resumed run must match: ``accumulation_steps`` (refused if changed) and
-            ``amp`` (reported if changed).
-        batch_size: Per process, to map the position when it changes on resume.
-        cpu: The trainer's gloo group, for the gathers of a save while it trains.
+    ``model`` (the unwrapped module's weights), ``optimizer``, the ``parts`` by key, ``hooks``
+    (the stateful ones' states, by key), ``extra`` (what :meth:`register` added), ``rng`` (the
+    ``data``'s RNG states, per rank), ``progress`` and ``config`` (``accumulation_steps``,
+    refused if changed on resume, and ``amp``, reported). ``batch_size`` is per process, to map
+    the position when it changes on resume; ``cpu`` is the trainer's gloo group.
     """
 
     def __init__(
@@ -77,7 +56,7 @@ class Checkpointer:
         self._extra: dict[str, Any] = {}
         self.last_path: Optional[str] = None  # the checkpoint saved (rank 0) or loaded last
         self._sharded = is_sharded(model)  # by FSDP2's fully_shard
-        self.writer = BackgroundWriter()  # its ``failed`` flag is read every iteration
+        self.writer = files.BackgroundWriter()  # its ``failed`` flag is read every iteration
 
     @property
     def _module(self) -> nn.Module:
@@ -122,14 +101,20 @@ class Checkpointer:
         path = os.path.join(self.ckpt_dir, file_name)
         if weights is not None:  # gathered into fresh CPU tensors already: no second copy
             del state["model"], state["optimizer"]
+        self.writer.wait()  # one copy in memory at a time; raises if the last write failed
+        copied = files.copy_to_cpu({**state, "rng": rng})  # training goes on, changing `state`
+        if weights is not None:
+            copied["model"], copied["optimizer"] = weights
+        mode = 0o666 & ~files.current_umask()  # read here, in the training thread
 
-        def copy() -> dict[str, Any]:
-            copied = copy_to_cpu({**state, "rng": rng})
-            if weights is not None:
-                copied["model"], copied["optimizer"] = weights
-            return copied
+        def write() -> None:
+            files.atomic_save(copied, path, mode)
+            files.update_latest_pointer(self.ckpt_dir, file_name, mode)
+            logger.debug(f"Saved checkpoint {path}")  # the next log line names it
+            if then is not None:
+                then()
 
-        save_in_background(self.writer, copy, path, then)
+        self.writer.submit(write)
         self.last_path = path
         logger.info(f"Saving checkpoint {path} (after iteration {self._progress.iter + 1}).")
         return path
@@ -150,12 +135,16 @@ class Checkpointer:
         """Refuse a state that no resume could use: tensors not finite (it would become `latest`
         and make every rerun fail alike), or values that ``weights_only`` loads cannot rebuild.
         Under torchrun every rank raises alike (with rank 0's last write failure, if any)."""
-        bad = bad_tensors({**state, "optimizer": state["optimizer"]["state"]}, self.parameters())
+        bad = files.bad_tensors(
+            {**state, "optimizer": state["optimizer"]["state"]}, self.parameters()
+        )
         try:
-            check_plain(state)
+            files.check_plain(state)
             unloadable = None
-        except UnloadableState as e:
-            unloadable = _unloadable_message(file_name, e)
+        except files.UnloadableState as e:
+            from .checkpoint_load import unloadable_message
+
+            unloadable = unloadable_message(file_name, e.path, e.value)
         if get_world_size() > 1:  # sharded state differs by rank: every rank must agree
             everyone = all_gather((bad, unloadable, self.writer.failed), group=self._cpu.group)
             if any(failed for *_, failed in everyone):
@@ -188,7 +177,8 @@ class Checkpointer:
     def remove_temp_files(self) -> None:
         """On rank 0, delete what writes interrupted by a crash left behind."""
         if is_main_process():
-            for stray in remove_temp_files(self.ckpt_dir):
+            for stray in glob.glob(os.path.join(self.ckpt_dir, f".*{files.TEMP_SUFFIX}")):
+                os.remove(stray)
                 logger.info(f"Removed {stray}, left by an interrupted checkpoint write.")
 
     def parameters(self) -> set[str]:
@@ -216,19 +206,14 @@ class Checkpointer:
     ) -> bool:
         """Load a checkpoint: the whole training state, or only the model's weights; whether
         one was loaded. See :func:`trainer.checkpoint_load.load` for the arguments."""
-        if revise_keys is not None:
-            from .checkpoint_load import check_revise_keys
-
-            check_revise_keys(revise_keys, resume)
-        if path is None and not auto_resume:
-            raise ValueError("Pass a checkpoint path, or auto_resume=True to use the latest.")
-        self.wait()  # a write in flight may be the newest checkpoint
-        if path is None and not glob.glob(os.path.join(self.ckpt_dir, "*.pth")):
-            logger.debug(f"No checkpoint in {self.ckpt_dir}: training from scratch.")
-            return False  # a fresh run: the loading code is not even imported
+        if path is None and auto_resume and revise_keys is None:
+            self.wait()  # a write in flight may be the newest checkpoint
+            if not glob.glob(os.path.join(self.ckpt_dir, "*.pth")):
+                logger.debug(f"No checkpoint in {self.ckpt_dir}: training from scratch.")
+                return False  # a fresh run: the loading code is not even imported
         from .checkpoint_load import load
 
-        return load(self, path, resume, strict, revise_keys)
+        return load(self, path, auto_resume, resume, strict, revise_keys)
 
 
 def checkpoint_name(by_epoch: bool, position: tuple[int, int], iters_done: int) -> str:
@@ -236,29 +221,3 @@ def checkpoint_name(by_epoch: bool, position: tuple[int, int], iters_done: int) 
     ``epoch_{N}.pth`` at an epoch's end in epoch-based training, otherwise ``iter_{N}.pth``."""
     epoch, inner = position
     return f"epoch_{epoch}.pth" if by_epoch and inner == 0 else f"iter_{iters_done}.pth"
-
-
-# The owners of a checkpoint's top-level keys, as a message names them.
-_OWNERS = {
-    "model": "the model", "optimizer": "the optimizer", "lr_scheduler": "the LR scheduler",
-    "grad_scaler": "the GradScaler", "metric_storage": "the metric storage",
-}  # fmt: skip
-
-
-def _unloadable_message(file_name: str, error: UnloadableState) -> str:
-    """Why a state cannot be saved: whose ``state_dict()`` holds what, where, and the fix."""
-    top, *rest = error.path or ("?",)
-    if top in ("hooks", "extra") and rest:
-        kind = "hook" if top == "hooks" else "checkpointable"
-        owner, rest = f"{kind} {rest[0]!r}", rest[1:]
-    else:
-        owner = _OWNERS.get(top, f"the trainer's {top!r}")
-    return (
-        f"Not saving {file_name}: the state_dict() of {owner} holds {describe(error.value)} at "
-        f"state_dict(){format_path(tuple(rest))}, which torch.load(weights_only=True) cannot "
-        "rebuild, so no run could resume from this checkpoint. Return plain data from "
-        "state_dict() (dicts, lists, tuples, str, numbers, None, tensors) and rebuild the "
-        "object in load_state_dict(): e.g. dict(x) for a defaultdict, tuple(x) or x._asdict() "
-        "for a namedtuple, x.tolist() or torch.from_numpy(x) for a NumPy array, float(x) for a "
-        "NumPy float32, x.as_subclass(torch.Tensor) for a tensor subclass."
-    )

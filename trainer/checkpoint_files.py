@@ -1,10 +1,7 @@
 """Checkpoint files: atomic writes in the background, the ``latest.txt`` pointer, and what a save
-refuses (state that ``torch.load(weights_only=True)`` cannot rebuild, tensors not finite). Reading
-them is ``checkpoint_load.py``'s."""
+refuses (state that ``torch.load(weights_only=True)`` cannot rebuild, tensors not finite)."""
 
 import collections
-import glob
-import logging
 import os
 import tempfile
 import threading
@@ -16,9 +13,8 @@ import torch
 
 from .fsdp import is_dtensor
 
-logger = logging.getLogger(__name__)
 LATEST_POINTER = "latest.txt"
-_TEMP_SUFFIX = ".tmp"
+TEMP_SUFFIX = ".tmp"
 
 
 class BackgroundWriter:
@@ -54,30 +50,6 @@ class BackgroundWriter:
             self._error, self.failed = e, True
 
 
-def save_in_background(
-    writer: BackgroundWriter,
-    copy: Callable[[], dict[str, Any]],
-    path: str,
-    then: Optional[Callable[[], None]] = None,
-) -> None:
-    """Write what ``copy()`` returns to ``path`` on ``writer``'s thread, point ``latest.txt`` at
-    it, then call ``then()``. ``copy()`` runs once the previous write ended (one copy in memory
-    at a time) and must return state that training cannot change (:func:`copy_to_cpu`)."""
-    writer.wait()
-    copied = copy()
-    ckpt_dir, file_name = os.path.split(path)
-    mode = 0o666 & ~current_umask()  # read here, in the training thread
-
-    def write() -> None:
-        atomic_save(copied, path, mode)
-        update_latest_pointer(ckpt_dir, file_name, mode)
-        logger.debug(f"Saved checkpoint {path}")  # the next log line names it
-        if then is not None:
-            then()
-
-    writer.submit(write)
-
-
 def atomic_save(obj: Any, path: str, mode: Optional[int] = None) -> None:
     """``torch.save`` that leaves ``path`` untouched or complete (see :func:`atomic_write`)."""
     _atomic_write(path, lambda f: torch.save(obj, f), mode)
@@ -105,14 +77,6 @@ def current_umask() -> int:
     return mask
 
 
-def remove_temp_files(ckpt_dir: str) -> list[str]:
-    """Delete the temporary files that writes interrupted by a crash left behind."""
-    stray = glob.glob(os.path.join(ckpt_dir, f".*{_TEMP_SUFFIX}"))
-    for path in stray:
-        os.remove(path)
-    return stray
-
-
 def atomic_write(path: str, write: Callable[[Any], Any], mode: Optional[int] = None) -> None:
     """Write ``path`` through ``write(binary file)`` so that it is either untouched or complete:
     a fresh temporary file in its folder, fsynced, ``os.replace``-d, then the folder fsynced. The
@@ -121,7 +85,7 @@ def atomic_write(path: str, write: Callable[[Any], Any], mode: Optional[int] = N
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(
-            prefix=f".{os.path.basename(path)}.", suffix=_TEMP_SUFFIX, dir=folder
+            prefix=f".{os.path.basename(path)}.", suffix=TEMP_SUFFIX, dir=folder
         )
         os.fchmod(fd, 0o666 & ~current_umask() if mode is None else mode)
         with os.fdopen(fd, "wb") as f:
@@ -184,20 +148,8 @@ class UnloadableState(TypeError):
     ``torch.load(weights_only=True)`` cannot rebuild."""
 
     def __init__(self, path: tuple, value: Any) -> None:
+        super().__init__(f"{type(value).__name__} at {list(path)}")
         self.path, self.value = path, value
-        super().__init__(f"{describe(value)} at {format_path(path)}")
-
-
-def describe(value: Any) -> str:
-    """``value``'s type for a message: ``a defaultdict``, ``a numpy.float32``."""
-    kind = type(value)
-    module = "" if kind.__module__ == "builtins" else kind.__module__.split(".")[0] + "."
-    return f"a {module}{kind.__qualname__}"
-
-
-def format_path(path: tuple) -> str:
-    """Keys and indices as Python reads them: ``['lr_lambdas'][0]['table']``."""
-    return "".join(f"[{key!r}]" for key in path) or "the top"
 
 
 def copy_to_cpu(state: Any) -> Any:

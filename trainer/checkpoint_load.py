@@ -32,30 +32,43 @@ RESUME_KEYS = ("progress", "config", "model", "optimizer", "lr_scheduler", "grad
 def load(
     ckpt: "Checkpointer",
     path: Optional[str],
+    auto_resume: bool,
     resume: bool,
     strict: bool,
     revise_keys: Optional[Sequence[tuple[str, str]]],
 ) -> bool:
-    """The body of :meth:`Checkpointer.load`, once a checkpoint is known to be there.
+    """What :meth:`Checkpointer.load` does once a fresh run is ruled out.
 
     Args:
-        path: A checkpoint file; it must exist and load. None: the newest checkpoint in
-            ``ckpt_dir`` that loads, ``latest.txt``'s first; one that fails to load is skipped
-            with a warning, and if none loads, this raises rather than start from scratch.
-        resume: Restore everything (optimizer, LR schedule, GradScaler, progress, RNG, metrics,
-            hooks, registered extras) to continue the run exactly. False loads the model's
-            weights only, from a trainer checkpoint or any file of weights: a ``state_dict``, or
-            a dict holding one under ``"state_dict"`` or ``"model"``.
-        strict: The model's keys and shapes must match the checkpoint's. False loads the weights
-            that match in name and shape and logs what it skipped; a file of which none matches
-            is refused.
-        revise_keys: ``[(regex, replacement), ...]`` applied in order to the file's keys with
-            ``re.sub``, with ``resume=False``: ``[("^module[.]", "")]`` drops a DDP prefix.
+        path: A checkpoint file; it must exist and load.
+        auto_resume: With no ``path``, use the newest checkpoint in ``ckpt_dir`` that loads,
+            ``latest.txt``'s first. One that fails to load is skipped with a warning; if none
+            loads, this raises rather than start from scratch.
+        resume: Restore everything (optimizer, LR schedule, GradScaler, progress, RNG,
+            metrics, hooks, registered extras) to continue the run exactly. False loads the
+            model's weights only, for fine-tuning or evaluation, from a trainer checkpoint
+            or any file of weights: a ``state_dict``, or a dict holding one under
+            ``"state_dict"`` or ``"model"``.
+        strict: The model's keys and shapes must match the checkpoint's. False loads the
+            weights that match in name and shape and logs what it skipped (fine-tuning a
+            changed head, say); a file of which none matches is refused.
+        revise_keys: ``[(regex, replacement), ...]`` applied in order to the file's keys
+            with ``re.sub`` before loading, with ``resume=False``: ``[("^module[.]", "")]``
+            drops the prefix of a checkpoint saved from a DDP model.
     """
+    if revise_keys is not None:
+        check_revise_keys(revise_keys, resume)
+    if path is None and not auto_resume:
+        raise ValueError("Pass a checkpoint path, or auto_resume=True to use the latest.")
+    ckpt.wait()  # a write in flight may be the newest checkpoint
+    candidates = list_checkpoints(ckpt.ckpt_dir) if path is None else []
+    if path is None and not candidates:
+        logger.debug(f"No checkpoint in {ckpt.ckpt_dir}: training from scratch.")
+        return False
     parameters = ckpt.parameters()
     auto_picked = path is None
     if path is None:
-        path, data = load_newest(list_checkpoints(ckpt.ckpt_dir), ckpt.ckpt_dir, parameters)
+        path, data = load_newest(candidates, ckpt.ckpt_dir, parameters)
         weights = data["model"]
     elif resume:
         data = load_checkpoint_file(path)
@@ -520,3 +533,33 @@ def map_position(
         "schedule goes on from its saved step."
     )
     return epoch, new_inner
+
+
+# The owners of a checkpoint's top-level keys, as a message names them.
+_OWNERS = {
+    "model": "the model", "optimizer": "the optimizer", "lr_scheduler": "the LR scheduler",
+    "grad_scaler": "the GradScaler", "metric_storage": "the metric storage",
+}  # fmt: skip
+
+
+def unloadable_message(file_name: str, path: tuple, value: Any) -> str:
+    """Why a state cannot be saved (``value`` at ``path`` would not load): whose
+    ``state_dict()`` holds what, where, and the fix."""
+    top, *rest = path or ("?",)
+    if top in ("hooks", "extra") and rest:
+        kind = "hook" if top == "hooks" else "checkpointable"
+        owner, rest = f"{kind} {rest[0]!r}", rest[1:]
+    else:
+        owner = _OWNERS.get(top, f"the trainer's {top!r}")
+    kind = type(value)
+    module = "" if kind.__module__ == "builtins" else kind.__module__.split(".")[0] + "."
+    where = "".join(f"[{key!r}]" for key in rest) or "the top"
+    return (
+        f"Not saving {file_name}: the state_dict() of {owner} holds a {module}"
+        f"{kind.__qualname__} at state_dict(){where}, which torch.load(weights_only=True) "
+        "cannot rebuild, so no run could resume from this checkpoint. Return plain data from "
+        "state_dict() (dicts, lists, tuples, str, numbers, None, tensors) and rebuild the "
+        "object in load_state_dict(): e.g. dict(x) for a defaultdict, tuple(x) or x._asdict() "
+        "for a namedtuple, x.tolist() or torch.from_numpy(x) for a NumPy array, float(x) for a "
+        "NumPy float32, x.as_subclass(torch.Tensor) for a tensor subclass."
+    )

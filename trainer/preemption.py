@@ -19,25 +19,22 @@ logger = logging.getLogger(__name__)
 
 # SIGUSR1 is what SLURM sends ahead of preemption (with --signal=USR1@<seconds>).
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-# What agreed_signal returns when rank 0's checkpoint write failed: above any signal number, so
-# that it wins the ranks' maximum.
+# agreed_signal's answer when a checkpoint write failed: above any signal, it wins the maximum.
 WRITE_FAILED = 1000
 
 
 class Preemption:
     """Catches the preemption signals while training and tells when every rank stops for one.
 
-    In one process the stop comes after the iteration during which the signal arrived. Under
-    torchrun the ranks share what they caught every ``check_period`` iterations, in a small
-    asynchronous all-reduce of a CPU flag over the trainer's gloo group: started at one check
-    and read at the next, it never waits on the device nor stalls the loop, and every rank
-    stops at the same iteration, at most ``2 * check_period`` iterations after the signal.
-    How often metrics are logged plays no part.
+    In one process the stop comes after the iteration the signal arrived in. Under torchrun the
+    ranks share what they caught every ``check_period`` iterations, in an asynchronous all-reduce
+    of a CPU flag over the trainer's gloo group started at one check and read at the next: it
+    never stalls the loop, and every rank stops at the same iteration, at most
+    ``2 * check_period`` iterations after the signal.
 
     Args:
         check_period: Iterations between the checks under torchrun.
-        cpu: The trainer's gloo group, open while it trains (a CPU flag needs gloo, and the
-            checks never interleave with the model's collectives).
+        cpu: The trainer's gloo group, open while it trains.
     """
 
     def __init__(self, check_period: int = 10, cpu: Optional[CpuGroup] = None) -> None:
@@ -49,10 +46,9 @@ class Preemption:
 
     @contextlib.contextmanager
     def catching(self) -> Iterator[None]:
-        """Catch the signals for the duration of the block (in the main thread only). A signal
-        that the block did not act on (it came in the last iteration, or after it) is not
-        dropped: once the block has ended normally, the process exits for it, with the status
-        of a preemption."""
+        """Catch the signals for the block (in the main thread only). A signal that the block did
+        not act on (it came in the last iteration, or after it) is not dropped: once the block
+        has ended normally, the process exits for it, with the status of a preemption."""
         self.caught, self._pending = None, None
         self.distributed = get_world_size() > 1
         if threading.current_thread() is not threading.main_thread():
@@ -75,24 +71,21 @@ class Preemption:
             raise SystemExit(status)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if self.caught is not None:
-            # A second signal: exit at once, the way the default handler does.
+        if self.caught is not None:  # a second signal: exit at once, as the default handler does
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
         self.caught = signum
 
     def agreed_signal(self, iteration: int, write_failed: bool = False) -> int:
         """The signal that every rank stops for after ``iteration``, 0 to go on, or
-        :data:`WRITE_FAILED` when a rank's ``write_failed`` (its checkpoint write failed): every
-        rank then learns it in the same bound as a signal."""
+        :data:`WRITE_FAILED` when a rank's checkpoint write failed (learnt like a signal)."""
         local = WRITE_FAILED if write_failed else (self.caught or 0)
         if not self.distributed:
             return local
         if (iteration + 1) % self.check_period:
             return 0
         agreed = self._finish_check()
-        # a numpy-backed CPU tensor: reading it needs no device sync
-        flag = np.array([local], dtype=np.int32)
+        flag = np.array([local], dtype=np.int32)  # numpy-backed: reading it needs no device sync
         work = dist.all_reduce(
             torch.from_numpy(flag), op=dist.ReduceOp.MAX, group=self._cpu.group, async_op=True
         )
