@@ -142,7 +142,7 @@ class Checkpointer:
             files.check_plain(state)
             unloadable = None
         except files.UnloadableState as e:
-            from .checkpoint_load import unloadable_message
+            from .checkpoint_errors import unloadable_message
 
             unloadable = unloadable_message(file_name, e.path, e.value)
         if get_world_size() > 1:  # sharded state differs by rank: every rank must agree
@@ -151,16 +151,10 @@ class Checkpointer:
                 self.raise_write_error()
             bad = sorted({name for names, _, _ in everyone for name in names})
             unloadable = next((message for _, message, _ in everyone if message), None)
-        if unloadable:
-            raise TypeError(unloadable)
-        if bad:
-            raise FloatingPointError(
-                f"Not saving {file_name}: after iteration {self._progress.iter + 1}, "
-                f"{len(bad)} tensors hold NaN or infinite values ({', '.join(bad[:5])}"
-                f"{', ...' if len(bad) > 5 else ''}). The latest checkpoint is still the last "
-                "good one. Lower the LR, enable clip_grad_norm, or check the data and the loss "
-                "of the last iterations (a NaN gradient can come with a finite loss)."
-            )
+        if unloadable or bad:
+            from .checkpoint_errors import refusal
+
+            raise refusal(file_name, self._progress.iter + 1, unloadable, bad)
 
     def wait(self) -> None:
         """Wait for the write in flight; raise its error, if any."""

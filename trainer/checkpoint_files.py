@@ -109,26 +109,12 @@ def _atomic_write(path: str, write: Callable[[Any], Any], mode: Optional[int]) -
     try:
         atomic_write(path, write, mode)
     except BaseException as e:
-        # torch.save reports a failed write (a full disk) as a RuntimeError of its own, with
-        # the OSError as its context
-        cause = next((c for c in _chain(e) if isinstance(c, OSError)), None)
-        if cause is None:
+        from .checkpoint_errors import write_error
+
+        error = write_error(path, e)
+        if error is None:
             raise
-        message = (
-            f"Could not write {path}: {cause.strerror or cause}. The previous checkpoint "
-            "and latest.txt are untouched; free disk space or pick another work_dir."
-        )
-        # OSError(None, message) would read "[Errno None] ..."
-        raise (OSError(cause.errno, message) if cause.errno else OSError(message)) from e
-
-
-def _chain(error: Optional[BaseException]) -> Iterator[BaseException]:
-    """``error`` and the exceptions it was raised from or while handling."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        yield error
-        error = error.__cause__ or error.__context__
+        raise error from e
 
 
 # What ``torch.load(weights_only=True)`` rebuilds as it was saved: tensors, the containers that

@@ -533,33 +533,3 @@ def map_position(
         "schedule goes on from its saved step."
     )
     return epoch, new_inner
-
-
-# The owners of a checkpoint's top-level keys, as a message names them.
-_OWNERS = {
-    "model": "the model", "optimizer": "the optimizer", "lr_scheduler": "the LR scheduler",
-    "grad_scaler": "the GradScaler", "metric_storage": "the metric storage",
-}  # fmt: skip
-
-
-def unloadable_message(file_name: str, path: tuple, value: Any) -> str:
-    """Why a state cannot be saved (``value`` at ``path`` would not load): whose
-    ``state_dict()`` holds what, where, and the fix."""
-    top, *rest = path or ("?",)
-    if top in ("hooks", "extra") and rest:
-        kind = "hook" if top == "hooks" else "checkpointable"
-        owner, rest = f"{kind} {rest[0]!r}", rest[1:]
-    else:
-        owner = _OWNERS.get(top, f"the trainer's {top!r}")
-    kind = type(value)
-    module = "" if kind.__module__ == "builtins" else kind.__module__.split(".")[0] + "."
-    where = "".join(f"[{key!r}]" for key in rest) or "the top"
-    return (
-        f"Not saving {file_name}: the state_dict() of {owner} holds a {module}"
-        f"{kind.__qualname__} at state_dict(){where}, which torch.load(weights_only=True) "
-        "cannot rebuild, so no run could resume from this checkpoint. Return plain data from "
-        "state_dict() (dicts, lists, tuples, str, numbers, None, tensors) and rebuild the "
-        "object in load_state_dict(): e.g. dict(x) for a defaultdict, tuple(x) or x._asdict() "
-        "for a namedtuple, x.tolist() or torch.from_numpy(x) for a NumPy array, float(x) for a "
-        "NumPy float32, x.as_subclass(torch.Tensor) for a tensor subclass."
-    )

@@ -9,10 +9,6 @@ import threading
 from collections.abc import Iterator
 from typing import Any, Optional
 
-import numpy as np
-import torch
-import torch.distributed as dist
-
 from .distributed import CpuGroup, get_world_size
 
 logger = logging.getLogger(__name__)
@@ -27,10 +23,9 @@ class Preemption:
     """Catches the preemption signals while training and tells when every rank stops for one.
 
     In one process the stop comes after the iteration the signal arrived in. Under torchrun the
-    ranks share what they caught every ``check_period`` iterations, in an asynchronous all-reduce
-    of a CPU flag over the trainer's gloo group started at one check and read at the next: it
-    never stalls the loop, and every rank stops at the same iteration, at most
-    ``2 * check_period`` iterations after the signal.
+    ranks share what they caught every ``check_period`` iterations without stalling the loop
+    (``preemption_agreement.py``), and stop at the same iteration, at most ``2 * check_period``
+    iterations after the signal.
 
     Args:
         check_period: Iterations between the checks under torchrun.
@@ -41,7 +36,7 @@ class Preemption:
         self.check_period = check_period
         self.caught: Optional[int] = None  # the signal this process caught
         self._cpu = cpu or CpuGroup()
-        self._pending: Optional[tuple[Any, np.ndarray]] = None  # the check in flight
+        self._agreement: Optional[Any] = None  # under torchrun, while catching
         self.distributed = False  # under torchrun: agreed_signal is due every iteration
 
     @contextlib.contextmanager
@@ -49,8 +44,12 @@ class Preemption:
         """Catch the signals for the block (in the main thread only). A signal that the block did
         not act on (it came in the last iteration, or after it) is not dropped: once the block
         has ended normally, the process exits for it, with the status of a preemption."""
-        self.caught, self._pending = None, None
+        self.caught, self._agreement = None, None
         self.distributed = get_world_size() > 1
+        if self.distributed:
+            from .preemption_agreement import Agreement  # torchrun only
+
+            self._agreement = Agreement(self.check_period, self._cpu)
         if threading.current_thread() is not threading.main_thread():
             yield  # Python lets only the main thread handle signals
             return
@@ -61,7 +60,8 @@ class Preemption:
             # Restored so that no handler keeps the trainer alive after train().
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            self._finish_check()
+            if self._agreement is not None:
+                self._agreement.finish()
         if self.caught is not None:
             status = 128 + self.caught
             logger.warning(
@@ -80,17 +80,7 @@ class Preemption:
         """The signal that every rank stops for after ``iteration``, 0 to go on, or
         :data:`WRITE_FAILED` when a rank's checkpoint write failed (learnt like a signal)."""
         local = WRITE_FAILED if write_failed else (self.caught or 0)
-        if not self.distributed:
-            return local
-        if (iteration + 1) % self.check_period:
-            return 0
-        agreed = self._finish_check()
-        flag = np.array([local], dtype=np.int32)  # numpy-backed: reading it needs no device sync
-        work = dist.all_reduce(
-            torch.from_numpy(flag), op=dist.ReduceOp.MAX, group=self._cpu.group, async_op=True
-        )
-        self._pending = (work, flag)
-        return agreed
+        return local if self._agreement is None else self._agreement.check(iteration, local)
 
     def exit(self, signum: int, path: Optional[str], iters_done: int) -> None:
         """Exit after the checkpoint at ``path`` (None on ranks that do not write) was saved,
@@ -102,10 +92,3 @@ class Preemption:
             "same command to resume."
         )
         raise SystemExit(status)
-
-    def _finish_check(self) -> int:
-        if self._pending is None:
-            return 0
-        (work, flag), self._pending = self._pending, None
-        work.wait()
-        return int(flag[0])
