@@ -1,6 +1,5 @@
 """Checkpoints: what they hold (:class:`Checkpointer` gathers and restores the trainer's state)
-and their names. The file operations are ``checkpoint_files.py``'s; loading is
-``checkpoint_load.py``'s."""
+and their names. Writing files is ``checkpoint_files.py``'s, loading ``checkpoint_load.py``'s."""
 
 import glob
 import logging
@@ -45,6 +44,7 @@ class Checkpointer:
     ) -> None:
         self.ckpt_dir = ckpt_dir
         self._model = model
+        self._module = unwrapped(model)  # whose weights checkpoints hold
         self._optimizer = optimizer
         self._progress = progress
         self._data = data
@@ -57,10 +57,6 @@ class Checkpointer:
         self.last_path: Optional[str] = None  # the checkpoint saved (rank 0) or loaded last
         self._sharded = is_sharded(model)  # by FSDP2's fully_shard
         self.writer = files.BackgroundWriter()  # its ``failed`` flag is read every iteration
-
-    @property
-    def _module(self) -> nn.Module:
-        return unwrapped(self._model)
 
     @property
     def optimizers(self) -> list[Optimizer]:
