@@ -7,13 +7,8 @@ import time
 import pytest
 import torch
 
-from trainer.checkpoint_files import (
-    BackgroundWriter,
-    atomic_save,
-    load_checkpoint_file,
-    read_latest_pointer,
-    update_latest_pointer,
-)
+from trainer.checkpoint_files import BackgroundWriter, atomic_save, update_latest_pointer
+from trainer.checkpoint_load import load_checkpoint_file, read_latest_pointer
 from trainer.hooks import CheckpointHook
 
 

@@ -1,8 +1,7 @@
 """Checkpoints: what they hold (:class:`Checkpointer` gathers and restores the trainer's state)
-and their names. The files themselves (atomic background writes, ``latest.txt``) are
-``checkpoint_files.py``'s; loading them (the newest one that loads, what makes one usable,
-weights in) is ``checkpoint_load.py``'s."""
+and their names. Writing files is ``checkpoint_files.py``'s, loading ``checkpoint_load.py``'s."""
 
+import glob
 import logging
 import os
 from typing import Any, Callable, Optional, Sequence
@@ -10,19 +9,7 @@ from typing import Any, Callable, Optional, Sequence
 from torch import nn
 from torch.optim import Optimizer
 
-from .checkpoint_files import (
-    BackgroundWriter,
-    UnloadableState,
-    bad_tensors,
-    check_plain,
-    copy_to_cpu,
-    describe,
-    format_path,
-    list_checkpoints,
-    load_checkpoint_file,
-    remove_temp_files,
-    save_in_background,
-)
+from . import checkpoint_files as files
 from .distributed import CpuGroup, all_gather, gather, get_world_size, is_main_process
 from .fsdp import full_state_dicts, is_sharded
 from .progress import DataStream, Progress
@@ -35,24 +22,11 @@ class Checkpointer:
     """Gathers the trainer's whole state into checkpoints and restores it.
 
     A checkpoint is a dict of tensors and plain data (it loads with ``weights_only=True``):
-    ``model`` (the unwrapped module's weights), ``optimizer``, the ``parts`` (LR scheduler,
-    GradScaler, metrics), ``hooks`` (each stateful hook's state), ``extra`` (what
-    :meth:`register` added), ``rng`` (per rank: the RNG states, and the state of a data loader
-    that keeps one), ``progress`` and ``config``.
-
-    Args:
-        ckpt_dir: The checkpoint folder.
-        model: The model as trained (wrapped, compiled or sharded, maybe).
-        optimizer: The trainer's optimizer.
-        progress: Where training is; saved, and moved on resume.
-        data: The data passes, whose RNG states are saved.
-        parts: Top-level keys and the objects (with ``state_dict()`` and ``load_state_dict()``)
-            saved under them.
-        hooks: Returns the stateful hooks by key.
-        config: What a resumed run must match: ``accumulation_steps`` (refused if changed) and
-            ``amp`` (reported if changed).
-        batch_size: Per process, to map the position when it changes on resume.
-        cpu: The trainer's gloo group, for the gathers of a save while it trains.
+    ``model`` (the unwrapped module's weights), ``optimizer``, the ``parts`` by key, ``hooks``
+    (the stateful ones' states, by key), ``extra`` (what :meth:`register` added), ``rng`` (the
+    ``data``'s RNG states, per rank), ``progress`` and ``config`` (``accumulation_steps``,
+    refused if changed on resume, and ``amp``, reported). ``batch_size`` is per process, to map
+    the position when it changes on resume; ``cpu`` is the trainer's gloo group.
     """
 
     def __init__(
@@ -70,6 +44,7 @@ class Checkpointer:
     ) -> None:
         self.ckpt_dir = ckpt_dir
         self._model = model
+        self._module = unwrapped(model)  # whose weights checkpoints hold
         self._optimizer = optimizer
         self._progress = progress
         self._data = data
@@ -81,11 +56,7 @@ class Checkpointer:
         self._extra: dict[str, Any] = {}
         self.last_path: Optional[str] = None  # the checkpoint saved (rank 0) or loaded last
         self._sharded = is_sharded(model)  # by FSDP2's fully_shard
-        self.writer = BackgroundWriter()  # its ``failed`` flag is read every iteration
-
-    @property
-    def _module(self) -> nn.Module:
-        return unwrapped(self._model)
+        self.writer = files.BackgroundWriter()  # its ``failed`` flag is read every iteration
 
     @property
     def optimizers(self) -> list[Optimizer]:
@@ -107,19 +78,10 @@ class Checkpointer:
     def save(self, file_name: str, then: Optional[Callable[[], None]] = None) -> Optional[str]:
         """Save the whole state as ``ckpt_dir/file_name`` and point ``latest.txt`` at it.
 
-        Training waits only while the state is copied (to CPU memory); the file is written in the
-        background, atomically, and ``latest.txt`` moves once it is durable. The next save, the
-        end of ``train()``, a preemption exit and :meth:`wait` wait for the write and raise its
-        error, if any (an ``OSError``; the previous checkpoint and ``latest.txt`` are untouched).
-        Every rank calls this, handing rank 0 its RNG state; rank 0 alone writes.
-
-        Args:
-            file_name: The checkpoint's file name in ``ckpt_dir``.
-            then: Called in the background once the file and ``latest.txt`` are durable (e.g. to
-                delete older checkpoints).
-
-        Returns:
-            The path being written, or None on other ranks.
+        Training waits only while the state is copied to CPU memory; rank 0 writes the file in
+        the background, atomically, and calls ``then()`` once it is durable. The next save,
+        :meth:`wait` and the end of ``train()`` raise a failed write's ``OSError``. Every rank
+        calls this, and gets the path being written (None on other ranks).
         """
         state = self._live_state()
         self._refuse_unloadable(file_name, state)
@@ -135,14 +97,20 @@ class Checkpointer:
         path = os.path.join(self.ckpt_dir, file_name)
         if weights is not None:  # gathered into fresh CPU tensors already: no second copy
             del state["model"], state["optimizer"]
+        self.writer.wait()  # one copy in memory at a time; raises if the last write failed
+        copied = files.copy_to_cpu({**state, "rng": rng})  # training goes on, changing `state`
+        if weights is not None:
+            copied["model"], copied["optimizer"] = weights
+        mode = 0o666 & ~files.current_umask()  # read here, in the training thread
 
-        def copy() -> dict[str, Any]:
-            copied = copy_to_cpu({**state, "rng": rng})
-            if weights is not None:
-                copied["model"], copied["optimizer"] = weights
-            return copied
+        def write() -> None:
+            files.atomic_save(copied, path, mode)
+            files.update_latest_pointer(self.ckpt_dir, file_name, mode)
+            logger.debug(f"Saved checkpoint {path}")  # the next log line names it
+            if then is not None:
+                then()
 
-        save_in_background(self.writer, copy, path, then)
+        self.writer.submit(write)
         self.last_path = path
         logger.info(f"Saving checkpoint {path} (after iteration {self._progress.iter + 1}).")
         return path
@@ -151,7 +119,7 @@ class Checkpointer:
         """Every part's ``state_dict()``, as the parts return it (tensors on their devices)."""
         return {
             "progress": self._progress.state_dict(self._batch_size),
-            "config": {**self._config, "classes": self._classes()},
+            "config": self.config(),
             "model": self._module.state_dict(),
             "optimizer": self._optimizer.state_dict(),
             **{key: part.state_dict() for key, part in self._parts.items()},
@@ -160,43 +128,36 @@ class Checkpointer:
         }
 
     def _refuse_unloadable(self, file_name: str, state: dict[str, Any]) -> None:
-        """Refuse to save a state that no resume could use: tensors holding NaN or infinite
-        values, or values that ``torch.load(weights_only=True)`` cannot rebuild. Under torchrun
-        every rank raises alike (with rank 0's last write failure, if any)."""
-        # One host read per device: a checkpoint with NaN weights would become `latest` and
-        # make every rerun fail at the same iteration.
-        bad = bad_tensors(
-            {**state, "optimizer": state["optimizer"]["state"]}, self._parameter_names()
+        """Refuse a state that no resume could use: tensors not finite (it would become `latest`
+        and make every rerun fail alike), or values that ``weights_only`` loads cannot rebuild.
+        Under torchrun every rank raises alike (with rank 0's last write failure, if any)."""
+        bad = files.bad_tensors(
+            {**state, "optimizer": state["optimizer"]["state"]}, self.parameters()
         )
         try:
-            check_plain(state)
+            files.check_plain(state)
             unloadable = None
-        except UnloadableState as e:
-            unloadable = _unloadable_message(file_name, e)
+        except files.UnloadableState as e:
+            from .checkpoint_errors import unloadable_message
+
+            unloadable = unloadable_message(file_name, e.path, e.value)
         if get_world_size() > 1:  # sharded state differs by rank: every rank must agree
             everyone = all_gather((bad, unloadable, self.writer.failed), group=self._cpu.group)
             if any(failed for *_, failed in everyone):
                 self.raise_write_error()
             bad = sorted({name for names, _, _ in everyone for name in names})
             unloadable = next((message for _, message, _ in everyone if message), None)
-        if unloadable:
-            raise TypeError(unloadable)
-        if bad:
-            raise FloatingPointError(
-                f"Not saving {file_name}: after iteration {self._progress.iter + 1}, "
-                f"{len(bad)} tensors hold NaN or infinite values ({', '.join(bad[:5])}"
-                f"{', ...' if len(bad) > 5 else ''}). The latest checkpoint is still the last "
-                "good one. Lower the LR, enable clip_grad_norm, or check the data and the loss "
-                "of the last iterations (a NaN gradient can come with a finite loss)."
-            )
+        if unloadable or bad:
+            from .checkpoint_errors import refusal
+
+            raise refusal(file_name, self._progress.iter + 1, unloadable, bad)
 
     def wait(self) -> None:
         """Wait for the write in flight; raise its error, if any."""
         self.writer.wait()
 
     def raise_write_error(self) -> None:
-        """Raise the failed write's ``OSError`` on rank 0, and on the other ranks an error that
-        points at rank 0's: every rank stops."""
+        """Raise the failed write's ``OSError`` on rank 0, elsewhere an error pointing at it."""
         self.writer.wait()
         raise RuntimeError(
             "Rank 0 could not write a checkpoint (its log names the file and the reason); "
@@ -206,21 +167,24 @@ class Checkpointer:
     def remove_temp_files(self) -> None:
         """On rank 0, delete what writes interrupted by a crash left behind."""
         if is_main_process():
-            for stray in remove_temp_files(self.ckpt_dir):
+            for stray in glob.glob(os.path.join(self.ckpt_dir, f".*{files.TEMP_SUFFIX}")):
+                os.remove(stray)
                 logger.info(f"Removed {stray}, left by an interrupted checkpoint write.")
 
-    def _parameter_names(self) -> set[str]:
+    def parameters(self) -> set[str]:
         """The names of the model's parameters in its ``state_dict`` (a tied weight's every
         name), which must be finite."""
         return {name for name, _ in self._module.named_parameters(remove_duplicate=False)}
 
-    def _classes(self) -> dict[str, str]:
-        # What resuming needs unchanged: an optimizer's state does not fit another class's.
+    def config(self) -> dict[str, Any]:
+        """The ``config`` a checkpoint holds, with the optimizers' classes (a state does not
+        fit another class)."""
         objects = {
             "optimizer": self._optimizer,
             **{f"extra.{n}": o for n, o in self._extra.items()},
         }
-        return {key: type(obj).__name__ for key, obj in objects.items()}
+        classes = {key: type(obj).__name__ for key, obj in objects.items()}
+        return {**self._config, "classes": classes}
 
     def load(
         self,
@@ -230,134 +194,20 @@ class Checkpointer:
         strict: bool,
         revise_keys: Optional[Sequence[tuple[str, str]]] = None,
     ) -> bool:
-        """Load a checkpoint: the whole training state, or only the model's weights.
+        """Load a checkpoint: the whole training state, or only the model's weights; whether
+        one was loaded. See :func:`trainer.checkpoint_load.load` for the arguments."""
+        if path is None and auto_resume and revise_keys is None:
+            self.wait()  # a write in flight may be the newest checkpoint
+            if not glob.glob(os.path.join(self.ckpt_dir, "*.pth")):
+                logger.debug(f"No checkpoint in {self.ckpt_dir}: training from scratch.")
+                return False  # a fresh run: the loading code is not even imported
+        from .checkpoint_load import load
 
-        Args:
-            path: A checkpoint file; it must exist and load.
-            auto_resume: With no ``path``, use the newest checkpoint in ``ckpt_dir`` that loads,
-                ``latest.txt``'s first. One that fails to load is skipped with a warning; if none
-                loads, this raises rather than start from scratch.
-            resume: Restore everything (optimizer, LR schedule, GradScaler, progress, RNG,
-                metrics, hooks, registered extras) to continue the run exactly. False loads the
-                model's weights only, for fine-tuning or evaluation, from a trainer checkpoint
-                or any file of weights: a ``state_dict``, or a dict holding one under
-                ``"state_dict"`` or ``"model"``.
-            strict: The model's keys and shapes must match the checkpoint's. False loads the
-                weights that match in name and shape and logs what it skipped (fine-tuning a
-                changed head, say); a file of which none matches is refused.
-            revise_keys: ``[(regex, replacement), ...]`` applied in order to the file's keys
-                with ``re.sub`` before loading, with ``resume=False``: ``[("^module[.]", "")]``
-                drops the prefix of a checkpoint saved from a DDP model.
-
-        Returns:
-            Whether a checkpoint was loaded.
-        """
-        if revise_keys is not None:
-            from .checkpoint_load import check_revise_keys
-
-            check_revise_keys(revise_keys, resume)
-        if path is None and not auto_resume:
-            raise ValueError("Pass a checkpoint path, or auto_resume=True to use the latest.")
-        self.wait()  # a write in flight may be the newest checkpoint
-        candidates = list_checkpoints(self.ckpt_dir) if path is None else []
-        if path is None and not candidates:
-            logger.debug(f"No checkpoint in {self.ckpt_dir}: training from scratch.")
-            return False  # a fresh run: the loading code is not even imported
-        from . import checkpoint_load as loading  # imported by a run that loads a checkpoint
-
-        auto_picked = path is None
-        if path is None:
-            path, data = loading.load_newest(candidates, self.ckpt_dir, self._parameter_names())
-            weights = data["model"]
-        elif resume:
-            data = load_checkpoint_file(path)
-            loading.check_keys(data, path, loading.RESUME_KEYS)
-            loading.check_structure(data, path, loading.RESUME_KEYS)
-            loading.check_finite(data, path, self._parameter_names())
-            weights = data["model"]
-        else:
-            weights = loading.model_weights(load_checkpoint_file(path), path)
-        # weights saved from a torch.compile-d model by other means carry its prefix
-        weights = {k.replace("_orig_mod.", ""): v for k, v in weights.items()}
-        weights = loading.revised(weights, revise_keys or (), path)
-        if not resume and not auto_picked:  # load_newest checked the one it picked
-            loading.check_finite({"model": weights}, path, self._parameter_names())
-        loading.load_model_state(self._module, weights, path, strict, self._sharded)
-        if not resume:
-            logger.info(f"Loaded model weights from {path}; the training state is not restored.")
-            return True
-        self._load_state_dict(data, path)
-        self.last_path = path
-        logger.info(f"Resumed from checkpoint {path} at iteration {self._progress.start_iter}.")
-        return True
-
-    def _load_state_dict(self, data: dict[str, Any], path: str) -> None:
-        from .checkpoint_load import check_config, load_optimizer_state, map_position
-
-        check_config(data["config"], {**self._config, "classes": self._classes()}, path)
-        progress = self._progress
-        accumulation = self._config["accumulation_steps"]
-        position = map_position(
-            data["progress"], path, progress.epoch_len, self._batch_size, accumulation
-        )
-        load_optimizer_state(self._module, self._optimizer, data["optimizer"], path, self._sharded)
-        for key, part in self._parts.items():
-            part.load_state_dict(data[key])
-        for kind, owners, states in (
-            ("hook", self._hooks(), data["hooks"]),
-            ("checkpointable", self._extra, data.get("extra", {})),
-        ):
-            for key, owner in owners.items():
-                if key in states:
-                    owner.load_state_dict(states[key])
-                else:
-                    logger.warning(f"Checkpoint {path} holds no state for {kind} {key!r}.")
-            for key in states.keys() - owners.keys():
-                logger.warning(f"Checkpoint {path} has state for {kind} {key!r}, not registered.")
-        # A checkpoint from an epoch's last iteration (a preemption there) resumes with the
-        # epoch's end: the next pass starts fresh, nothing to skip.
-        inner = position[1]
-        mid_pass = progress.epoch_len is None or inner < progress.epoch_len
-        self._data.resume(
-            data["rng"], path, inner * accumulation if mid_pass else 0,
-            remapped=inner != data["progress"]["inner_iter"]
-            or len(data["rng"]) != get_world_size(),
-        )  # fmt: skip
-        saved = data["progress"]
-        progress.resume(position, saved.get("stopped", False), saved.get("iters_done", 0))
+        return load(self, path, auto_resume, resume, strict, revise_keys)
 
 
 def checkpoint_name(by_epoch: bool, position: tuple[int, int], iters_done: int) -> str:
     """The file name of a checkpoint taken at ``position`` (epoch, iterations done in it):
-    ``epoch_{N}.pth`` at an epoch's end in epoch-based training (N epochs done), otherwise
-    ``iter_{N}.pth`` (N iterations done)."""
+    ``epoch_{N}.pth`` at an epoch's end in epoch-based training, otherwise ``iter_{N}.pth``."""
     epoch, inner = position
-    if by_epoch and inner == 0:
-        return f"epoch_{epoch}.pth"
-    return f"iter_{iters_done}.pth"
-
-
-# The owners of a checkpoint's top-level keys, as a message names them.
-_OWNERS = {
-    "model": "the model", "optimizer": "the optimizer", "lr_scheduler": "the LR scheduler",
-    "grad_scaler": "the GradScaler", "metric_storage": "the metric storage",
-}  # fmt: skip
-
-
-def _unloadable_message(file_name: str, error: UnloadableState) -> str:
-    """Why a state cannot be saved: whose ``state_dict()`` holds what, where, and the fix."""
-    top, *rest = error.path or ("?",)
-    if top in ("hooks", "extra") and rest:
-        kind = "hook" if top == "hooks" else "checkpointable"
-        owner, rest = f"{kind} {rest[0]!r}", rest[1:]
-    else:
-        owner = _OWNERS.get(top, f"the trainer's {top!r}")
-    return (
-        f"Not saving {file_name}: the state_dict() of {owner} holds {describe(error.value)} at "
-        f"state_dict(){format_path(tuple(rest))}, which torch.load(weights_only=True) cannot "
-        "rebuild, so no run could resume from this checkpoint. Return plain data from "
-        "state_dict() (dicts, lists, tuples, str, numbers, None, tensors) and rebuild the "
-        "object in load_state_dict(): e.g. dict(x) for a defaultdict, tuple(x) or x._asdict() "
-        "for a namedtuple, x.tolist() or torch.from_numpy(x) for a NumPy array, float(x) for a "
-        "NumPy float32, x.as_subclass(torch.Tensor) for a tensor subclass."
-    )
+    return f"epoch_{epoch}.pth" if by_epoch and inner == 0 else f"iter_{iters_done}.pth"

@@ -1,23 +1,26 @@
 """Loading checkpoints: the newest one that loads, what makes one usable (keys, types, finite
-values, a matching configuration), the model's and optimizer's state put back, and where a
-resumed run goes on (mapped when the world size or batch size changed). Imported by
-a run that loads a checkpoint: a fresh run never does."""
+values, a matching configuration), the state put back, and where a resumed run goes on (mapped
+when the world size or batch size changed). Imported by a run that loads a checkpoint."""
 
+import glob
 import logging
 import math
 import os
 import re
 from collections.abc import Collection
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from .checkpoint_files import bad_tensors, load_checkpoint_file
+from .checkpoint_files import LATEST_POINTER, bad_tensors
 from .distributed import get_world_size
 from .fsdp import keyed_by_name, load_full_model_state, load_full_optimizer_state
 from .progress import Position
+
+if TYPE_CHECKING:
+    from .checkpoint import Checkpointer
 
 logger = logging.getLogger(__name__)
 
@@ -26,15 +29,163 @@ RESUME_KEYS = ("progress", "config", "model", "optimizer", "lr_scheduler", "grad
                "metric_storage", "hooks", "rng")  # fmt: skip
 
 
+def load(
+    ckpt: "Checkpointer",
+    path: Optional[str],
+    auto_resume: bool,
+    resume: bool,
+    strict: bool,
+    revise_keys: Optional[Sequence[tuple[str, str]]],
+) -> bool:
+    """What :meth:`Checkpointer.load` does once a fresh run is ruled out.
+
+    Args:
+        path: A checkpoint file; it must exist and load.
+        auto_resume: With no ``path``, use the newest checkpoint in ``ckpt_dir`` that loads,
+            ``latest.txt``'s first. One that fails to load is skipped with a warning; if none
+            loads, this raises rather than start from scratch.
+        resume: Restore everything (optimizer, LR schedule, GradScaler, progress, RNG,
+            metrics, hooks, registered extras) to continue the run exactly. False loads the
+            model's weights only, for fine-tuning or evaluation, from a trainer checkpoint
+            or any file of weights: a ``state_dict``, or a dict holding one under
+            ``"state_dict"`` or ``"model"``.
+        strict: The model's keys and shapes must match the checkpoint's. False loads the
+            weights that match in name and shape and logs what it skipped (fine-tuning a
+            changed head, say); a file of which none matches is refused.
+        revise_keys: ``[(regex, replacement), ...]`` applied in order to the file's keys
+            with ``re.sub`` before loading, with ``resume=False``: ``[("^module[.]", "")]``
+            drops the prefix of a checkpoint saved from a DDP model.
+    """
+    if revise_keys is not None:
+        check_revise_keys(revise_keys, resume)
+    if path is None and not auto_resume:
+        raise ValueError("Pass a checkpoint path, or auto_resume=True to use the latest.")
+    ckpt.wait()  # a write in flight may be the newest checkpoint
+    candidates = list_checkpoints(ckpt.ckpt_dir) if path is None else []
+    if path is None and not candidates:
+        logger.debug(f"No checkpoint in {ckpt.ckpt_dir}: training from scratch.")
+        return False
+    parameters = ckpt.parameters()
+    auto_picked = path is None
+    if path is None:
+        path, data = load_newest(candidates, ckpt.ckpt_dir, parameters)
+        weights = data["model"]
+    elif resume:
+        data = load_checkpoint_file(path)
+        check_keys(data, path, RESUME_KEYS)
+        check_structure(data, path, RESUME_KEYS)
+        check_finite(data, path, parameters)
+        weights = data["model"]
+    else:
+        weights = model_weights(load_checkpoint_file(path), path)
+    # weights saved from a torch.compile-d model by other means carry its prefix
+    weights = {k.replace("_orig_mod.", ""): v for k, v in weights.items()}
+    weights = revised(weights, revise_keys or (), path)
+    if not resume and not auto_picked:  # load_newest checked the one it picked
+        check_finite({"model": weights}, path, parameters)
+    load_model_state(ckpt._module, weights, path, strict, ckpt._sharded)
+    if not resume:
+        logger.info(f"Loaded model weights from {path}; the training state is not restored.")
+        return True
+    _load_state(ckpt, data, path)
+    ckpt.last_path = path
+    logger.info(f"Resumed from checkpoint {path} at iteration {ckpt._progress.start_iter}.")
+    return True
+
+
+def _load_state(ckpt: "Checkpointer", data: dict[str, Any], path: str) -> None:
+    """Put back the training state besides the model's weights."""
+    check_config(data["config"], ckpt.config(), path)
+    progress, accumulation = ckpt._progress, ckpt._config["accumulation_steps"]
+    position = map_position(
+        data["progress"], path, progress.epoch_len, ckpt._batch_size, accumulation
+    )
+    load_optimizer_state(ckpt._module, ckpt._optimizer, data["optimizer"], path, ckpt._sharded)
+    for key, part in ckpt._parts.items():
+        part.load_state_dict(data[key])
+    for kind, owners, states in (
+        ("hook", ckpt._hooks(), data["hooks"]),
+        ("checkpointable", ckpt._extra, data.get("extra", {})),
+    ):
+        for key, owner in owners.items():
+            if key in states:
+                owner.load_state_dict(states[key])
+            else:
+                logger.warning(f"Checkpoint {path} holds no state for {kind} {key!r}.")
+        for key in states.keys() - owners.keys():
+            logger.warning(f"Checkpoint {path} has state for {kind} {key!r}, not registered.")
+    # A checkpoint from an epoch's last iteration (a preemption there) resumes with the
+    # epoch's end: the next pass starts fresh, nothing to skip.
+    inner = position[1]
+    mid_pass = progress.epoch_len is None or inner < progress.epoch_len
+    ckpt._data.resume(
+        data["rng"], path, inner * accumulation if mid_pass else 0,
+        remapped=inner != data["progress"]["inner_iter"] or len(data["rng"]) != get_world_size(),
+    )  # fmt: skip
+    saved = data["progress"]
+    progress.resume(position, saved.get("stopped", False), saved.get("iters_done", 0))
+
+
+def load_checkpoint_file(path: str) -> dict[str, Any]:
+    """Load a checkpoint with ``weights_only=True``: tensors and plain data only, never code."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"Checkpoint {path!r} is a directory, not a file.")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"Checkpoint {path!r} does not exist.")
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise RuntimeError(
+            f"Checkpoint {path!r} could not be loaded safely (weights_only=True): {e}"
+        ) from e
+    if not isinstance(data, dict):
+        raise RuntimeError(f"Checkpoint {path!r} holds a {type(data).__name__}, expected a dict.")
+    return data
+
+
+def read_latest_pointer(ckpt_dir: str) -> Optional[str]:
+    """The path ``latest.txt`` names, or None when there is no pointer yet or it is damaged
+    (then with a warning: the checkpoints are searched by age instead)."""
+    pointer = os.path.join(ckpt_dir, LATEST_POINTER)
+    if not os.path.lexists(pointer):
+        return None
+    try:
+        with open(pointer, "rb") as f:
+            name = f.read().decode("utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        reason = (
+            "a directory, not a file" if os.path.isdir(pointer)
+            else "not UTF-8 text" if isinstance(e, UnicodeDecodeError)
+            else e.strerror or str(e)
+        )  # fmt: skip
+        logger.warning(f"{pointer} is damaged ({reason}); using the newest checkpoint by age.")
+        return None
+    return os.path.join(ckpt_dir, name) if name else None
+
+
+def list_checkpoints(ckpt_dir: str) -> list[str]:
+    """The ``.pth`` entries in ``ckpt_dir``, newest first, ``latest.txt``'s leading (a dangling
+    link stays: loading it fails with a reason worth a warning)."""
+    paths = sorted(glob.glob(os.path.join(ckpt_dir, "*.pth")), key=lambda p: (_mtime(p), p))[::-1]
+    latest = read_latest_pointer(ckpt_dir)
+    if latest in paths:
+        paths.remove(latest)
+        paths.insert(0, latest)
+    return paths
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.path.getmtime(path)
+    except OSError:  # a dangling link
+        return 0.0
+
+
 def load_newest(
     candidates: list[str], ckpt_dir: str, parameters: Collection[str]
 ) -> tuple[str, dict[str, Any]]:
-    """The first of ``candidates`` (``ckpt_dir``'s checkpoints, newest first, from
-    :func:`~trainer.checkpoint_files.list_checkpoints`) that loads and can resume a run, as
-    ``(path, data)``. One that fails to load (its model's ``parameters`` not finite, say) is
-    skipped with a warning; if none loads, this raises rather than let training start from
-    scratch."""
-    assert candidates, "the caller found no checkpoint to load"
+    """The first of ``candidates`` (newest first) that loads and can resume a run, as ``(path,
+    data)``; one that does not is skipped with a warning, and if none does, this raises."""
     failures = []
     for path in candidates:
         try:

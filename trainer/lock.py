@@ -15,9 +15,8 @@ except ImportError:  # Windows: no flock, no lock
     fcntl = None  # type: ignore[assignment]
 
 
-# The lock descriptors this process holds. A forked child (a data loader's worker) closes its
-# copies: an flock belongs to the open file, so a worker that outlived a failed run (persistent
-# workers, say) would otherwise keep its folder locked.
+# The lock descriptors this process holds, which a forked child (a data loader's worker) closes:
+# an flock belongs to the open file, so a worker outliving a failed run would keep it locked.
 _HELD: set[int] = set()
 
 
@@ -32,13 +31,8 @@ if hasattr(os, "register_at_fork"):
 
 
 class WorkDirLock:
-    """An ``flock`` on ``work_dir/.lock``: a second run in the same folder, which would resume
-    the live run's checkpoints and interleave its logs, is refused. The kernel releases the lock
-    when the process ends however it ends (SIGKILL included), so a killed run blocks nothing.
-
-    Args:
-        work_dir: The folder of the run.
-    """
+    """An ``flock`` on ``work_dir/.lock``, refusing a second run in the folder. The kernel
+    releases it however the process ends (SIGKILL included), so a killed run blocks nothing."""
 
     def __init__(self, work_dir: str) -> None:
         self.path = os.path.join(work_dir, ".lock")

@@ -9,52 +9,47 @@ import threading
 from collections.abc import Iterator
 from typing import Any, Optional
 
-import numpy as np
-import torch
-import torch.distributed as dist
-
 from .distributed import CpuGroup, get_world_size
 
 logger = logging.getLogger(__name__)
 
 # SIGUSR1 is what SLURM sends ahead of preemption (with --signal=USR1@<seconds>).
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-# What agreed_signal returns when rank 0's checkpoint write failed: above any signal number, so
-# that it wins the ranks' maximum.
+# agreed_signal's answer when a checkpoint write failed: above any signal, it wins the maximum.
 WRITE_FAILED = 1000
 
 
 class Preemption:
     """Catches the preemption signals while training and tells when every rank stops for one.
 
-    In one process the stop comes after the iteration during which the signal arrived. Under
-    torchrun the ranks share what they caught every ``check_period`` iterations, in a small
-    asynchronous all-reduce of a CPU flag over the trainer's gloo group: started at one check
-    and read at the next, it never waits on the device nor stalls the loop, and every rank
-    stops at the same iteration, at most ``2 * check_period`` iterations after the signal.
-    How often metrics are logged plays no part.
+    In one process the stop comes after the iteration the signal arrived in. Under torchrun the
+    ranks share what they caught every ``check_period`` iterations without stalling the loop
+    (``preemption_agreement.py``), and stop at the same iteration, at most ``2 * check_period``
+    iterations after the signal.
 
     Args:
         check_period: Iterations between the checks under torchrun.
-        cpu: The trainer's gloo group, open while it trains (a CPU flag needs gloo, and the
-            checks never interleave with the model's collectives).
+        cpu: The trainer's gloo group, open while it trains.
     """
 
     def __init__(self, check_period: int = 10, cpu: Optional[CpuGroup] = None) -> None:
         self.check_period = check_period
         self.caught: Optional[int] = None  # the signal this process caught
         self._cpu = cpu or CpuGroup()
-        self._pending: Optional[tuple[Any, np.ndarray]] = None  # the check in flight
+        self._agreement: Optional[Any] = None  # under torchrun, while catching
         self.distributed = False  # under torchrun: agreed_signal is due every iteration
 
     @contextlib.contextmanager
     def catching(self) -> Iterator[None]:
-        """Catch the signals for the duration of the block (in the main thread only). A signal
-        that the block did not act on (it came in the last iteration, or after it) is not
-        dropped: once the block has ended normally, the process exits for it, with the status
-        of a preemption."""
-        self.caught, self._pending = None, None
+        """Catch the signals for the block (in the main thread only). A signal that the block did
+        not act on (it came in the last iteration, or after it) is not dropped: once the block
+        has ended normally, the process exits for it, with the status of a preemption."""
+        self.caught, self._agreement = None, None
         self.distributed = get_world_size() > 1
+        if self.distributed:
+            from .preemption_agreement import Agreement  # torchrun only
+
+            self._agreement = Agreement(self.check_period, self._cpu)
         if threading.current_thread() is not threading.main_thread():
             yield  # Python lets only the main thread handle signals
             return
@@ -65,7 +60,8 @@ class Preemption:
             # Restored so that no handler keeps the trainer alive after train().
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-            self._finish_check()
+            if self._agreement is not None:
+                self._agreement.finish()
         if self.caught is not None:
             status = 128 + self.caught
             logger.warning(
@@ -75,29 +71,16 @@ class Preemption:
             raise SystemExit(status)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if self.caught is not None:
-            # A second signal: exit at once, the way the default handler does.
+        if self.caught is not None:  # a second signal: exit at once, as the default handler does
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
         self.caught = signum
 
     def agreed_signal(self, iteration: int, write_failed: bool = False) -> int:
         """The signal that every rank stops for after ``iteration``, 0 to go on, or
-        :data:`WRITE_FAILED` when a rank's ``write_failed`` (its checkpoint write failed): every
-        rank then learns it in the same bound as a signal."""
+        :data:`WRITE_FAILED` when a rank's checkpoint write failed (learnt like a signal)."""
         local = WRITE_FAILED if write_failed else (self.caught or 0)
-        if not self.distributed:
-            return local
-        if (iteration + 1) % self.check_period:
-            return 0
-        agreed = self._finish_check()
-        # a numpy-backed CPU tensor: reading it needs no device sync
-        flag = np.array([local], dtype=np.int32)
-        work = dist.all_reduce(
-            torch.from_numpy(flag), op=dist.ReduceOp.MAX, group=self._cpu.group, async_op=True
-        )
-        self._pending = (work, flag)
-        return agreed
+        return local if self._agreement is None else self._agreement.check(iteration, local)
 
     def exit(self, signum: int, path: Optional[str], iters_done: int) -> None:
         """Exit after the checkpoint at ``path`` (None on ranks that do not write) was saved,
@@ -109,10 +92,3 @@ class Preemption:
             "same command to resume."
         )
         raise SystemExit(status)
-
-    def _finish_check(self) -> int:
-        if self._pending is None:
-            return 0
-        (work, flag), self._pending = self._pending, None
-        work.wait()
-        return int(flag[0])

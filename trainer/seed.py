@@ -19,11 +19,8 @@ def set_random_seed(seed: Optional[int] = None, deterministic: bool = False) -> 
 
     Args:
         seed: The seed; None or a negative one (core-pytorch-utils' -1) draws one from the OS
-            and logs it, so that the run can be repeated.
+            and logs it, so that the run can be repeated. It is returned.
         deterministic: Also make cuDNN and torch pick deterministic algorithms (slower).
-
-    Returns:
-        The seed used.
 
     Example::
 
@@ -40,9 +37,8 @@ def set_random_seed(seed: Optional[int] = None, deterministic: bool = False) -> 
                 "seed to have one picked."
             )
     if seed is None or seed < 0:
-        # under torchrun each rank picks its own, and rank 0 shows it
+        # under torchrun each rank picks its own; rank 0 shows it, even before logging is set up
         seed = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
-        # shown even when called before anything set up logging (run.json records it too)
         ensure_console_logging("trainer", get_rank())
         logger.info(f"Using a random seed: {seed}")
     random.seed(seed)
