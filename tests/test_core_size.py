@@ -32,12 +32,14 @@ print(json.dumps({n: sum(1 for _ in open(f)) for n, f in modules.items()}))
 
 # Features a default run does not use, which it must not import.
 EXTRAS = [
+    "trainer.checkpoint_errors",
     "trainer.checkpoint_load",
     "trainer.cuda_graph",
     "trainer.evaluation",
     "trainer.history_buffer",
     "trainer.log_rewind",
     "trainer.misc",
+    "trainer.preemption_agreement",
     "trainer.hooks.best_checkpoint_hook",
     "trainer.hooks.early_stopping_hook",
     "trainer.hooks.ema_hook",
