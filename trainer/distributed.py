@@ -74,13 +74,7 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 def all_gather(obj: Any, group: Any = None) -> list[Any]:
     """Gather a picklable object from every rank, to every rank (over ``group``, a group of
-    every rank; None: the default group).
-
-    Example::
-
-        >>> all_gather({"acc": 0.9})
-        [{'acc': 0.9}]
-    """
+    every rank; None: the default group)."""
     if get_world_size() == 1:
         return [obj]
     out: list[Any] = [None] * get_world_size()
@@ -110,13 +104,7 @@ def gather(obj: Any, dst: int = 0, group: Any = None) -> list[Any]:
 
 def reduce_dict(tensors: dict[str, torch.Tensor], average: bool = True) -> dict[str, torch.Tensor]:
     """Sum (or average) a dict of same-shaped tensors over all ranks, in one collective. Every
-    rank gets the result; the keys must be the same on every rank.
-
-    Example::
-
-        >>> reduce_dict({"loss": torch.tensor(2.0)})
-        {'loss': tensor(2.)}
-    """
+    rank gets the result; the keys must be the same on every rank."""
     if get_world_size() == 1:
         return dict(tensors)
     names = sorted(tensors)
