@@ -1,7 +1,4 @@
-"""trainer: a minimal, hook-based PyTorch training loop.
-
-The public names of core-pytorch-utils (``cpu``) import from here as they do from there.
-"""
+"""trainer: a minimal, hook-based PyTorch training loop, with core-pytorch-utils' public names."""
 
 from typing import TYPE_CHECKING, Any
 
@@ -26,9 +23,7 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from .hooks import EvalHook
-
-
-if not TYPE_CHECKING:  # hidden from type checkers, which would take any name through it
+else:  # hidden from type checkers, which would take any name through it
 
     def __getattr__(name: str) -> Any:
         if name == "EvalHook":  # imported by a run that evaluates
@@ -43,24 +38,8 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "CheckpointHook",
-    "DistributedHook",
-    "EvalHook",
-    "HistoryBuffer",
-    "HookBase",
-    "LoggerHook",
-    "LRUpdateHook",
-    "LRWarmupScheduler",
-    "MetricStorage",
-    "Trainer",
-    "all_gather",
-    "collect_env",
-    "gather",
-    "get_rank",
-    "get_world_size",
-    "init_distributed",
-    "is_main_process",
-    "reduce_dict",
-    "set_random_seed",
-    "setup_logger",
-]
+    "CheckpointHook", "DistributedHook", "EvalHook", "HistoryBuffer", "HookBase", "LoggerHook",
+    "LRUpdateHook", "LRWarmupScheduler", "MetricStorage", "Trainer", "all_gather", "collect_env",
+    "gather", "get_rank", "get_world_size", "init_distributed", "is_main_process", "reduce_dict",
+    "set_random_seed", "setup_logger",
+]  # fmt: skip

@@ -1,33 +1,24 @@
 """Rank helpers over ``torch.distributed``; every function also works in a single process."""
 
 import contextlib
-import datetime
-import gc
-import logging
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-logger = logging.getLogger(__name__)
-
 
 def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) -> tuple[int, int]:
-    """Join the process group that ``torchrun`` describes in the environment.
-
-    Binds each process to a GPU by its ``LOCAL_RANK`` and picks nccl when every local process has a
-    GPU of its own, gloo otherwise (CPU, or more processes than GPUs). Without torchrun's variables
-    (a plain ``python script.py``) it does nothing.
+    """Join the process group that ``torchrun`` describes in the environment (a no-op without
+    it), binding each process to a GPU by its ``LOCAL_RANK``; returns ``(rank, world_size)``.
 
     Args:
-        backend: Force a backend (``"nccl"``, ``"gloo"``); None chooses as above.
+        backend: ``"nccl"`` or ``"gloo"``; None: nccl if every local process has a GPU of its
+            own, else gloo.
         timeout_s: How long a collective may wait for the other ranks before it fails (and with
             it the job): bounds the hang when a rank stalls.
-
-    Returns:
-        ``(rank, world_size)``.
 
     Example::
 
@@ -36,54 +27,18 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) ->
     """
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         return 0, 1
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    local_rank = int(os.environ.get("LOCAL_RANK", 0))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if num_gpus:
-        torch.cuda.set_device(local_rank % num_gpus)
-    if backend is None:
-        # nccl cannot put two ranks on one GPU
-        backend = "nccl" if num_gpus >= local_world_size else "gloo"
-    timeout = datetime.timedelta(seconds=timeout_s)
-    # torchrun's store outlives a restart of the workers (--max-restarts): without a prefix of
-    # its own, an attempt can read the previous attempt's addresses and fail to connect.
-    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"trainer/attempt_{attempt}", store)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
-    logger.info(
-        f"Initialized {backend} rank {dist.get_rank()} of {dist.get_world_size()} "
-        f"({num_gpus} GPUs for {local_world_size} local processes)."
-    )
-    return dist.get_rank(), dist.get_world_size()
+    from .process_group import join
+
+    return join(backend, timeout_s)
 
 
 def destroy_distributed() -> None:
-    """Tear down what :func:`init_distributed` joined, once every rank is done: call it at the end
-    of a torchrun script, after ``main()`` has returned. A no-op in a single process.
+    """Tear down what :func:`init_distributed` joined: call it at the end of a torchrun script,
+    after ``main()`` has returned (docs/internals.md: gloo teardown). A no-op in one process."""
+    if _is_distributed():
+        from .process_group import leave
 
-    It frees what ``main()`` left in reference cycles (a ``fully_shard``-ed model is one), waits
-    for every rank over a gloo group of its own, which it then frees, and destroys the default
-    group. Not ``dist.barrier()``: a barrier of the default group keeps the collectives before
-    it alive until its gloo thread frees them, tensors made in Python included. That thread
-    needs the GIL then, and if the interpreter is exiting (FSDP2 keeps the default group, and
-    its threads, to the end), the process aborts: "terminate called without an active
-    exception".
-
-    Example::
-
-        >>> destroy_distributed()  # a single process: nothing to do
-    """
-    if not _is_distributed():
-        return
-    gc.collect()  # models in reference cycles, freed while every group is alive and idle
-    group = dist.new_group(backend="gloo")
-    dist.barrier(group=group)
-    dist.destroy_process_group(group)
-    del group  # the last reference: its threads end now, while Python is alive
-    dist.destroy_process_group()
+        leave()
 
 
 def _is_distributed() -> bool:
@@ -105,21 +60,21 @@ def is_main_process() -> bool:
     return get_rank() == 0
 
 
-def barrier() -> None:
-    """Wait for every rank; a no-op in a single process."""
-    if get_world_size() > 1:
-        dist.barrier()
+def is_dtensor(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a DTensor (a shard of a ``fully_shard``-ed model's state)."""
+    # not imported here (most of a second): a model with DTensors has imported it
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
+def is_sharded(model: torch.nn.Module) -> bool:
+    """Whether any parameter of ``model`` is a DTensor (sharded by FSDP2's ``fully_shard``)."""
+    return any(is_dtensor(p) for p in model.parameters())
 
 
 def all_gather(obj: Any, group: Any = None) -> list[Any]:
     """Gather a picklable object from every rank, to every rank (over ``group``, a group of
-    every rank; None: the default group).
-
-    Example::
-
-        >>> all_gather({"acc": 0.9})
-        [{'acc': 0.9}]
-    """
+    every rank; None: the default group)."""
     if get_world_size() == 1:
         return [obj]
     out: list[Any] = [None] * get_world_size()
@@ -129,13 +84,7 @@ def all_gather(obj: Any, group: Any = None) -> list[Any]:
 
 def all_gather_tensor(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
     """Every rank's ``tensor`` (same shape everywhere), stacked: shape ``(world_size, *shape)``
-    (over ``group``, a group of every rank; None: the default group).
-
-    Example::
-
-        >>> all_gather_tensor(torch.tensor([1.0, 2.0]))
-        tensor([[1., 2.]])
-    """
+    (over ``group``, a group of every rank; None: the default group)."""
     if get_world_size() == 1:
         return tensor.unsqueeze(0)
     out = [torch.empty_like(tensor) for _ in range(get_world_size())]
@@ -154,15 +103,8 @@ def gather(obj: Any, dst: int = 0, group: Any = None) -> list[Any]:
 
 
 def reduce_dict(tensors: dict[str, torch.Tensor], average: bool = True) -> dict[str, torch.Tensor]:
-    """Sum (or average) a dict of same-shaped tensors over all ranks, in one collective.
-
-    Every rank gets the result. The keys must be the same on every rank.
-
-    Example::
-
-        >>> reduce_dict({"loss": torch.tensor(2.0)})
-        {'loss': tensor(2.)}
-    """
+    """Sum (or average) a dict of same-shaped tensors over all ranks, in one collective. Every
+    rank gets the result; the keys must be the same on every rank."""
     if get_world_size() == 1:
         return dict(tensors)
     names = sorted(tensors)
@@ -174,17 +116,9 @@ def reduce_dict(tensors: dict[str, torch.Tensor], average: bool = True) -> dict[
 
 
 class CpuGroup:
-    """A gloo group of every rank for the trainer's own collectives while it trains: the
-    preemption checks, a stream's pass end, the checkpoints' gathers, ``EvalHook``'s gather of
-    the results and, on CPU, the metrics' reduction (``Trainer.cpu_group`` lends it to hooks).
-    ``group`` is None outside :meth:`open` and in one process; the default group then serves.
-
-    Released when :meth:`open` ends, which joins the group's gloo threads while Python is fully
-    alive. A gloo thread that runs on drops its last reference to a tensor made in Python
-    whenever it gets to it, maybe during the interpreter's exit, when no thread can take the GIL:
-    the process then aborts ("terminate called without an active exception"). The default
-    group's threads run on past ``destroy_process_group()`` once a DDP model has been built.
-    """
+    """A gloo group of every rank for the trainer's own collectives while it trains, released
+    when :meth:`open` ends (docs/internals.md: gloo teardown). ``group`` is None outside
+    :meth:`open` and in one process, where the default group serves."""
 
     def __init__(self) -> None:
         self.group: Any = None

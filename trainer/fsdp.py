@@ -1,73 +1,23 @@
-"""Checkpoints and gradient sync for models sharded with FSDP2 (``fully_shard``).
-
-A sharded model's parameters are DTensors, each rank holding a slice. Checkpoints hold the full,
-unsharded state (gathered with torch's ``torch.distributed.checkpoint.state_dict`` helpers), so
-a plain model loads them, and the sharded model loads them back slice by slice.
-"""
+"""Checkpoints and gradient sync for models sharded with FSDP2 (``fully_shard``), whose
+parameters are DTensors. Checkpoints hold the full, unsharded state, so a plain model loads
+them too."""
 
 import contextlib
-import sys
 from typing import Any, Iterator
 
 import torch
 from torch import nn
 from torch.optim import Optimizer
 
-# torch.distributed.checkpoint and torch.distributed.tensor take most of a second to import, so
-# they are imported when a sharded model needs them; a model with DTensors has imported them.
-_DTENSOR_MODULE = "torch.distributed.tensor"
+from .distributed import is_dtensor, is_sharded
+
+__all__ = ["full_state_dicts", "is_dtensor", "is_sharded", "keyed_by_name", "local_value",
+           "load_full_model_state", "load_full_optimizer_state", "no_gradient_sync"]  # fmt: skip
 
 
-def is_dtensor(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` is a DTensor (a shard of a ``fully_shard``-ed model's state)."""
-    dtensor = getattr(sys.modules.get(_DTENSOR_MODULE), "DTensor", None)
-    return dtensor is not None and isinstance(tensor, dtensor)
-
-
-def is_sharded(model: nn.Module) -> bool:
-    """Whether any parameter of ``model`` is a DTensor (sharded by ``fully_shard``)."""
-    return any(is_dtensor(p) for p in model.parameters())
-
-
-def full_state_dicts(model: nn.Module, optimizer: Optimizer) -> tuple[dict, dict]:
-    """The full model and optimizer state dicts, in CPU memory on rank 0 and empty elsewhere.
-
-    A collective: every rank calls it. The optimizer's state is keyed by parameter names.
-    """
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return (
-        get_model_state_dict(model, options=options),
-        get_optimizer_state_dict(model, optimizer, options=options),
-    )
-
-
-def load_full_model_state(model: nn.Module, state: dict[str, Any], strict: bool) -> None:
-    """Load a full state dict (every rank has it) into the sharded ``model``."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-    # dict(): the helper turns the values it loads into DTensors in place
-    options = StateDictOptions(full_state_dict=True, strict=strict)
-    set_model_state_dict(model, dict(state), options=options)
-
-
-def load_full_optimizer_state(model: nn.Module, optimizer: Optimizer, state: dict) -> None:
-    """Load an optimizer state dict keyed by parameter names (from :func:`full_state_dicts`)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-    options = StateDictOptions(full_state_dict=True)
-    set_optimizer_state_dict(model, optimizer, state, options=options)
-
-
-def keyed_by_name(optimizer_state: dict[str, Any]) -> bool:
-    """Whether an optimizer state dict names its parameters (torch's own numbers them)."""
-    groups = optimizer_state.get("param_groups") or [{}]
-    return any(isinstance(p, str) for g in groups for p in g.get("params", ()))
+def local_value(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor for a replicated DTensor (the gradient norm of sharded parameters)."""
+    return tensor.full_tensor() if is_dtensor(tensor) else tensor
 
 
 @contextlib.contextmanager
@@ -84,6 +34,36 @@ def no_gradient_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def local_value(tensor: torch.Tensor) -> torch.Tensor:
-    """A plain tensor for a replicated DTensor (the gradient norm of sharded parameters)."""
-    return tensor.full_tensor() if is_dtensor(tensor) else tensor
+def full_state_dicts(model: nn.Module, optimizer: Optimizer) -> tuple[dict, dict]:
+    """The full model and optimizer state dicts (the optimizer's keyed by parameter names), in
+    CPU memory on rank 0 and empty elsewhere. A collective: every rank calls it."""
+    from torch.distributed.checkpoint import state_dict as dcp
+
+    options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return (
+        dcp.get_model_state_dict(model, options=options),
+        dcp.get_optimizer_state_dict(model, optimizer, options=options),
+    )
+
+
+def load_full_model_state(model: nn.Module, state: dict[str, Any], strict: bool) -> None:
+    """Load a full state dict (every rank has it) into the sharded ``model``."""
+    from torch.distributed.checkpoint import state_dict as dcp
+
+    # dict(): the helper turns the values it loads into DTensors in place
+    options = dcp.StateDictOptions(full_state_dict=True, strict=strict)
+    dcp.set_model_state_dict(model, dict(state), options=options)
+
+
+def load_full_optimizer_state(model: nn.Module, optimizer: Optimizer, state: dict) -> None:
+    """Load an optimizer state dict keyed by parameter names (from :func:`full_state_dicts`)."""
+    from torch.distributed.checkpoint import state_dict as dcp
+
+    options = dcp.StateDictOptions(full_state_dict=True)
+    dcp.set_optimizer_state_dict(model, optimizer, state, options=options)
+
+
+def keyed_by_name(optimizer_state: dict[str, Any]) -> bool:
+    """Whether an optimizer state dict names its parameters (torch's own numbers them)."""
+    groups = optimizer_state.get("param_groups") or [{}]
+    return any(isinstance(p, str) for g in groups for p in g.get("params", ()))

@@ -13,14 +13,10 @@ _WARMUP_MODES = ("fix", "factor", "auto")
 
 
 class LRWarmupScheduler:
-    """Wraps a PyTorch LR scheduler and adds a warmup stage in front of it.
+    """Wraps a PyTorch LR scheduler, left unchanged, and sets the LR of the first ``warmup_t``
+    iterations (or epochs) by ``warmup_mode``:
 
-    The wrapped scheduler runs its regular schedule unchanged, stepping once per epoch
-    (``by_epoch=True``) or once per iteration. Warmup only shapes the LR that the optimizer sees
-    during the first ``warmup_t`` iterations (or epochs, with ``warmup_by_epoch=True``):
-
-    - ``"fix"``: linear from ``warmup_init_lr`` to the base LR: at step ``i`` of ``T`` the LR is
-      ``warmup_init_lr * (1 - i / T) + base_lr * i / T``.
+    - ``"fix"``: linear from ``warmup_init_lr`` to the base LR.
     - ``"factor"``: the regular LR times a factor going linearly from ``warmup_factor`` to 1.
     - ``"auto"``: linear from ``base_lr * warmup_factor`` to the regular LR at the end of warmup.
 
@@ -30,7 +26,8 @@ class LRWarmupScheduler:
     Args:
         torch_scheduler: The scheduler to wrap, or None for a constant regular LR.
         by_epoch: Whether ``torch_scheduler`` steps once per epoch (True) or per iteration.
-        epoch_len: Iterations per epoch; unused, kept for core-pytorch-utils compatibility.
+        epoch_len: Iterations per epoch, for ``"auto"`` with ``by_epoch`` and a warmup in
+            iterations.
         warmup_t: Length of the warmup in iterations (or epochs); 0 disables warmup.
         warmup_by_epoch: Count ``warmup_t`` in epochs and update the warmup LR per epoch.
         warmup_mode: ``"fix"``, ``"factor"`` or ``"auto"``.
@@ -40,7 +37,6 @@ class LRWarmupScheduler:
 
     Example::
 
-        >>> import torch
         >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
         >>> step = torch.optim.lr_scheduler.StepLR(opt, step_size=10)
         >>> sched = LRWarmupScheduler(step, by_epoch=True, warmup_t=4, warmup_init_lr=0.02)
@@ -83,15 +79,11 @@ class LRWarmupScheduler:
         self.warmup_init_lr = warmup_init_lr
         self.warmup_factor = warmup_factor
 
-        self.last_iter = 0
-        self.last_epoch = 0
-        # Whether the optimizer holds warmup LRs, which the regular ones replace when warmup
-        # ends. After that the LRs are the torch scheduler's, or left alone without one: an LR
-        # set by hand stays.
+        self.last_iter = self.last_epoch = 0
+        # whether the optimizer holds warmup LRs (afterwards an LR set by hand stays)
         self._warming = False
         self.base_lrs = self._get_lrs()
-        # The regular schedule's LRs, kept apart from what the optimizer sees so that chainable
-        # schedulers (StepLR, ReduceLROnPlateau, ...) step from the regular LR, not the warmup LR.
+        # chainable schedulers (StepLR, ...) step from the regular LR, not the warmup LR
         self.regular_lrs = list(self.base_lrs)
         self.warmup_end_lrs = self._regular_lrs_at_warmup_end() if warmup_mode == "auto" else None
         self._apply()
@@ -103,8 +95,7 @@ class LRWarmupScheduler:
 
     @property
     def changes_per_iter(self) -> bool:
-        """Whether :meth:`iter_update` can change the LR: the schedule steps per iteration, or
-        a warmup is counted in iterations. When not, calling it only counts ``last_iter``."""
+        """Whether :meth:`iter_update` can change the LR (else it only counts ``last_iter``)."""
         return not self.by_epoch or (self.warmup_t > 0 and not self.warmup_by_epoch)
 
     def iter_update(self) -> None:
@@ -117,11 +108,8 @@ class LRWarmupScheduler:
         self._apply()
 
     def epoch_update(self, metric: Optional[float] = None) -> None:
-        """Set the LR for the next epoch; call after every epoch.
-
-        Args:
-            metric: The value ``ReduceLROnPlateau`` judges; ignored by other schedulers.
-        """
+        """Set the LR for the next epoch; call after every epoch with the ``metric`` that
+        ``ReduceLROnPlateau`` judges (other schedulers ignore it)."""
         self.last_epoch += 1
         if self.by_epoch and not (self.is_plateau and metric is None):
             self._step_regular(metric)
@@ -147,14 +135,14 @@ class LRWarmupScheduler:
         self.warmup_end_lrs = state["warmup_end_lrs"]
         if self.torch_scheduler is not None:
             self.torch_scheduler.load_state_dict(state["torch_scheduler"])
-        # Past warmup, the optimizer's own state has the LRs (set by hand, maybe) unless a torch
-        # scheduler sets them.
+        # past warmup, the optimizer's state has the LRs unless a torch scheduler sets them
         self._warming = self.torch_scheduler is not None
         self._apply()
 
     def _get_lrs(self) -> list[float]:
+        lrs = [group["lr"] for group in self.optimizer.param_groups]
         # a tensor LR (Adam(lr=torch.tensor(...))) is copied: it changes in place
-        return [_copied(group["lr"]) for group in self.optimizer.param_groups]
+        return [lr.detach().clone() if isinstance(lr, torch.Tensor) else lr for lr in lrs]
 
     def _set_lrs(self, lrs: list[float]) -> None:
         for group, lr in zip(self.optimizer.param_groups, lrs):
@@ -177,10 +165,8 @@ class LRWarmupScheduler:
         """Run the regular schedule to the end of warmup and rewind it ("auto" mode's target)."""
         if self.torch_scheduler is None or self.is_plateau:
             return list(self.base_lrs)
-        if self.by_epoch and not self.warmup_by_epoch:
-            steps = self.warmup_t // (self.epoch_len or 1)
-        else:
-            steps = self.warmup_t
+        per_epoch = self.by_epoch and not self.warmup_by_epoch
+        steps = self.warmup_t // (self.epoch_len or 1) if per_epoch else self.warmup_t
         saved = self.torch_scheduler.state_dict()
         # A look-ahead, not training: torch's "step() before optimizer.step()" warning is moot.
         with warnings.catch_warnings():
@@ -212,10 +198,6 @@ class LRWarmupScheduler:
                 for b, end in zip(self.base_lrs, self.warmup_end_lrs)
             ]
         self._set_lrs(lrs)
-
-
-def _copied(lr: Any) -> Any:
-    return lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
 
 
 def _check_warmup(warmup_t: int, warmup_mode: str, warmup_by_epoch: bool, by_epoch: bool) -> None:

@@ -1,8 +1,7 @@
-"""The hooks that ship with ``trainer``, one per file. The core's hooks, which every run has,
-import with the package; the others import when first named, so that a run loads only the
-features it uses."""
+"""The hooks that ship with ``trainer``, one per file. The core's hooks import with the package;
+the others when first named, so that a run loads only the features it uses."""
 
-import importlib
+from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from .checkpoint_hook import CheckpointHook
@@ -30,13 +29,11 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .profiler_hook import ProfilerHook
     from .progress_bar_hook import ProgressBarHook
     from .watchdog_hook import WatchdogHook
-
-
-if not TYPE_CHECKING:  # hidden from type checkers, which would take any name through it
+else:  # hidden from type checkers, which would take any name through it
 
     def __getattr__(name: str) -> Any:
         if name in _EXTRAS:
-            return getattr(importlib.import_module(f".{_EXTRAS[name]}", __name__), name)
+            return getattr(import_module(f".{_EXTRAS[name]}", __name__), name)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
@@ -45,17 +42,7 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "BestCheckpointHook",
-    "CheckpointHook",
-    "DistributedHook",
-    "EarlyStoppingHook",
-    "EMAHook",
-    "EvalHook",
-    "HookBase",
-    "LoggerHook",
-    "LRUpdateHook",
-    "Priority",
-    "ProfilerHook",
-    "ProgressBarHook",
-    "WatchdogHook",
-]
+    "BestCheckpointHook", "CheckpointHook", "DistributedHook", "EarlyStoppingHook", "EMAHook",
+    "EvalHook", "HookBase", "LoggerHook", "LRUpdateHook", "Priority", "ProfilerHook",
+    "ProgressBarHook", "WatchdogHook",
+]  # fmt: skip

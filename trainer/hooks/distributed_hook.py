@@ -6,11 +6,9 @@ from .hookbase import HookBase, Priority
 
 
 class DistributedHook(HookBase):
-    """Calls ``set_epoch(epoch)`` on the data loader's sampler and batch sampler (when they have
-    one, as ``DistributedSampler`` does), and on an ``IterableDataset`` that has one (as streaming
-    datasets often do), before each epoch's data iterator is created, so every pass shuffles
-    differently and every rank agrees on the order. Iteration-based training starts
-    a new pass at every epoch boundary, so it is covered too.
+    """Calls ``set_epoch(epoch)`` on the data loader's sampler, batch sampler and
+    ``IterableDataset`` where they have one (``DistributedSampler`` does) before each pass, so
+    every pass shuffles differently and every rank agrees on the order.
 
     Example::
 

@@ -35,11 +35,8 @@ class HookBase:
             hook.after_epoch()
         hook.after_train()  # also when training raises
 
-    and ``hook.after_eval(results)`` whenever an :class:`EvalHook` has evaluated (inside its
-    ``after_iter`` or ``after_epoch``), and ``hook.before_save_checkpoint()`` before each
-    checkpoint the trainer saves. A hook may end training with ``self.trainer.stop()``.
-
-    ``self.trainer`` is a ``weakref.proxy`` to the trainer, set by ``register_hook``.
+    ``self.trainer`` is a ``weakref.proxy`` to the trainer, set by ``register_hook``. A hook may
+    end training with ``self.trainer.stop()``.
 
     Example::
 
@@ -67,7 +64,7 @@ class HookBase:
         """Called before every ``train_one_iter``."""
 
     def after_iter(self) -> None:
-        """Called after every ``train_one_iter``."""
+        """Called after every ``train_one_iter`` (see :meth:`after_iter_period`)."""
 
     def after_eval(self, results: dict[str, float]) -> None:
         """Called with the numbers an ``EvalHook`` just logged (the same on every rank)."""
@@ -76,12 +73,8 @@ class HookBase:
         """Called on every rank before a checkpoint is saved: put on disk what it covers."""
 
     def after_iter_period(self) -> int:
-        """How often the trainer calls this hook's ``after_iter`` (the one place a hook's period
-        is checked): after the iterations whose count (``cur_iter + 1``) is a multiple of it,
-        and after the last iteration of training; 0: never, in this configuration. Asked when
-        the hook is registered and when :meth:`Trainer.train` starts. By default 1, every
-        iteration; a hook that acts every N iterations returns N, and costs nothing in
-        between."""
+        """Call :meth:`after_iter` after every N-th iteration (and the last); 0: never. Asked at
+        registration and when :meth:`Trainer.train` starts."""
         return 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -98,7 +91,7 @@ class HookBase:
 
     @property
     def metric_storage(self) -> Any:
-        """``trainer.metric_storage``: the metrics as of the last log point (see there)."""
+        """``trainer.metric_storage``: the metrics as of the last log point."""
         return self.trainer.metric_storage
 
     def log(self, *args: Any, **kwargs: Any) -> None:
@@ -123,11 +116,9 @@ class HookBase:
         return n > 0 and (self.trainer.inner_iter + 1) % n == 0
 
     def is_last_epoch(self) -> bool:
-        """Whether this is the final epoch of training. With a data loader without a length
-        (a stream), it is known only once the epoch reached ``max_iters``: from its last
-        iteration on."""
+        """Whether this is the final epoch (of a stream: known from its last iteration on)."""
         if self.trainer.max_epochs is None:
-            return self.trainer.cur_iter == self.trainer.max_iters - 1
+            return self.is_last_iter()
         return self.trainer.cur_epoch == self.trainer.max_epochs - 1
 
     def is_last_iter(self) -> bool:
@@ -135,6 +126,5 @@ class HookBase:
         return self.trainer.cur_iter == self.trainer.max_iters - 1
 
     def is_last_inner_iter(self) -> bool:
-        """Whether this is the final iteration of the current epoch (for a stream: of training,
-        since when its pass ends is not known in advance)."""
+        """Whether this is the final iteration of the epoch (of a stream: of training)."""
         return self.trainer.inner_iter == self.trainer.progress.epoch_iters - 1

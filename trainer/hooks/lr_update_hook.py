@@ -8,21 +8,18 @@ from .hookbase import HookBase, Priority
 
 logger = logging.getLogger(__name__)
 
-# What ReduceLROnPlateau judges without a plateau_metric (core-pytorch-utils' name).
 DEFAULT_PLATEAU_METRIC = "Eval Metric"
 
 
 class LRUpdateHook(HookBase):
     """Calls ``trainer.lr_scheduler.iter_update()`` after every iteration (where it can change
-    the LR) and ``epoch_update()`` after every epoch. The schedule counts iterations, those
-    whose optimizer step the float16 GradScaler skipped included (as in PyTorch's AMP recipe):
-    knowing about a skip on the host would cost a CPU-GPU sync per step with fused optimizers.
+    the LR) and ``epoch_update()`` after every epoch. Iterations whose step the float16
+    GradScaler skipped count too, as in PyTorch's AMP recipe (seeing a skip costs a sync).
 
     Args:
-        plateau_metric: For ReduceLROnPlateau, the metric it judges. The scheduler steps at an
-            epoch end only when a new value of this metric was logged since its last step (by an
-            :class:`EvalHook`, which runs before this hook). None judges ``"Eval Metric"``, as
-            core-pytorch-utils does, and raises at the first epoch end if none was logged.
+        plateau_metric: The metric ReduceLROnPlateau judges, stepping at an epoch end only when
+            a new value was logged (by an :class:`EvalHook`, which runs first). None: ``"Eval
+            Metric"``, as core-pytorch-utils, raising at the first epoch end if none was logged.
 
     Example::
 
@@ -41,11 +38,10 @@ class LRUpdateHook(HookBase):
         """Refuse a ``plateau_metric`` that no ReduceLROnPlateau judges: it would be ignored."""
         scheduler = self.trainer.lr_scheduler
         if self._metric_named and not scheduler.is_plateau:
-            wrapped = scheduler.torch_scheduler
             raise ValueError(
                 f"LRUpdateHook(plateau_metric={self._plateau_metric!r}) is only used with "
                 f"ReduceLROnPlateau, and the trainer's lr_scheduler is "
-                f"{type(wrapped or scheduler).__name__}; remove plateau_metric."
+                f"{type(scheduler.torch_scheduler or scheduler).__name__}; remove plateau_metric."
             )
 
     def after_iter_period(self) -> int:
@@ -59,12 +55,11 @@ class LRUpdateHook(HookBase):
     def after_epoch(self) -> None:
         """Advance the epoch schedule, with the newest plateau metric if any."""
         scheduler = self.trainer.lr_scheduler
-        if not scheduler.changes_per_iter:  # not counted after each iteration: counted here
+        if not scheduler.changes_per_iter:  # not counted after each iteration
             scheduler.last_iter = self.trainer.cur_iter + 1
         metric = None
         if scheduler.is_plateau:
-            storage = self.trainer.metric_storage
-            buffer = storage.get(self._plateau_metric)
+            buffer = self.trainer.metric_storage.get(self._plateau_metric)
             if buffer is None and not self._metric_named:
                 raise RuntimeError(
                     "ReduceLROnPlateau needs a metric to judge, and no plateau_metric was given, "
@@ -81,13 +76,8 @@ class LRUpdateHook(HookBase):
 
     def after_train(self) -> None:
         """Warn when a named plateau metric never came: a typo leaves the LR unchanged."""
-        trainer = self.trainer
-        if (
-            self._metric_named
-            and self._metric_count == 0
-            and trainer.lr_scheduler.is_plateau
-            and trainer.progress.finished
-        ):
+        trainer, unused = self.trainer, self._metric_named and not self._metric_count
+        if unused and trainer.lr_scheduler.is_plateau and trainer.progress.finished:
             logger.warning(
                 f"LRUpdateHook(plateau_metric={self._plateau_metric!r}): no value of it was "
                 "logged in training, so ReduceLROnPlateau never stepped. Logged: "

@@ -13,8 +13,7 @@ EVENTS = ("before_train", "after_train", "before_epoch", "after_epoch", "before_
 
 class HookRegistry:
     """Hooks sorted by ``priority`` (ties in registration order), each event calling only the
-    hooks that override it (``after_iter`` only at the iterations of each hook's
-    :meth:`~HookBase.after_iter_period`), with the seconds spent in each hook.
+    hooks that override it, with the seconds spent in each hook.
 
     Args:
         owner: The trainer the hooks get as ``hook.trainer``.
@@ -24,11 +23,7 @@ class HookRegistry:
         # A proxy, not a reference: the trainer owns its hooks, and a cycle would keep both alive.
         self._owner = weakref.proxy(owner)
         self.hooks: list[HookBase] = []
-        self._handlers: dict[str, list[tuple[int, Callable]]] = {e: [] for e in EVENTS}
-        self._periods: list[int] = []  # after_iter_period() of each after_iter handler
-        self.seconds: list[float] = []
-        self.any_before_iter = False  # whether a hook handles before_iter
-        self.after_iter_due = 0  # the next iteration after which an after_iter handler is due
+        self.start()
 
     def register(self, hook: HookBase) -> None:
         """Add ``hook`` in priority order."""
@@ -48,7 +43,7 @@ class HookRegistry:
         hook.trainer = self._owner
         position = sum(1 for h in self.hooks if h.priority <= hook.priority)
         self.hooks.insert(position, hook)
-        self._index()
+        self.start()
 
     def unregister(self, hook: Union[HookBase, type]) -> list[HookBase]:
         """Remove ``hook``, or every hook of that class; returns what was removed."""
@@ -58,19 +53,15 @@ class HookRegistry:
         self.hooks = [h for h in self.hooks if all(h is not r for r in removed)]
         for h in removed:
             h.trainer = None
-        self._index()
+        self.start()
         return removed
 
     def start(self) -> None:
-        """At the start of a run: ask the hooks again for their ``after_iter`` periods (a hook's
-        configuration may have changed since it was registered), and zero the times."""
-        self._index()
-
-    def _index(self) -> None:
-        # Per event, only the hooks that act on it: the loop skips HookBase's no-ops, and the
-        # after_iter of a hook whose period is 0.
+        """List each event's handlers (skipping HookBase's no-ops and the ``after_iter`` of
+        period 0) and zero the times: at each change, and when a run starts, since a hook's
+        :meth:`~HookBase.after_iter_period` may have changed since it was registered."""
         periods = {i: _period(h) for i, h in enumerate(self.hooks) if _overrides(h, "after_iter")}
-        self._handlers = {
+        self._handlers: dict[str, list[tuple[int, Callable]]] = {
             event: [
                 (i, getattr(h, event))
                 for i, h in enumerate(self.hooks)
@@ -81,12 +72,12 @@ class HookRegistry:
         self._periods = [periods[i] for i, _ in self._handlers["after_iter"]]
         self.seconds = [0.0] * len(self.hooks)
         self.any_before_iter = bool(self._handlers["before_iter"])
+        # the next iteration after which an after_iter handler is due
         self.after_iter_due = 0 if self._periods else sys.maxsize
 
     def call_after_iter(self, it: int, max_iters: int) -> None:
-        """After iteration ``it``: run the ``after_iter`` handlers due (each hook's
-        :meth:`~HookBase.after_iter_period`, and all after the last iteration), and set
-        :attr:`after_iter_due`, which the loop checks before calling this."""
+        """After iteration ``it``: run the ``after_iter`` handlers due (by their period, and all
+        after the last iteration), and set :attr:`after_iter_due`, which the loop checks."""
         handlers, periods, done = self._handlers["after_iter"], self._periods, it + 1
         if max(periods, default=1) == 1:
             self.after_iter_due = done
@@ -100,31 +91,25 @@ class HookRegistry:
     def call(self, event: str, *args: Any, every_handler: bool = False) -> None:
         """Run every hook's ``event`` handler, timing each. With ``every_handler``, a handler
         that raises does not stop the others; the first error is raised after them."""
-        handlers = self._handlers[event]
-        if not handlers:
-            return
-        if every_handler:
-            errors = []
-            for i, handler in handlers:
-                start = time.perf_counter()
-                try:
-                    handler(*args)
-                except Exception as e:
-                    errors.append(e)
-                self.seconds[i] += time.perf_counter() - start
-            if errors:
-                raise errors[0]
-            return
-        self._run(handlers, args)
+        self._run(self._handlers[event], args, every_handler)
 
-    def _run(self, handlers: list[tuple[int, Callable]], args: tuple) -> None:
-        seconds, clock = self.seconds, time.perf_counter
+    def _run(
+        self, handlers: list[tuple[int, Callable]], args: tuple, every_handler: bool = False
+    ) -> None:
+        seconds, clock, errors = self.seconds, time.perf_counter, []
         start = clock()
         for i, handler in handlers:
-            handler(*args)
+            try:
+                handler(*args)
+            except Exception as e:
+                if not every_handler:
+                    raise
+                errors.append(e)
             end = clock()  # one reading ends this handler's time and starts the next one's
             seconds[i] += end - start
             start = end
+        if errors:
+            raise errors[0]
 
     def seconds_by_class(self) -> dict[str, float]:
         """Seconds spent in the hooks, by class name."""
@@ -147,13 +132,10 @@ class HookRegistry:
 
 def _alive(trainer: Any) -> bool:
     """Whether a hook's ``trainer`` proxy is set and its trainer still exists."""
-    if trainer is None:
-        return False
     try:
-        trainer.__class__  # noqa: B018 (a dead proxy raises on any use)
+        return trainer is not None and trainer.__class__ is not None  # a dead proxy raises
     except ReferenceError:
         return False
-    return True
 
 
 def _period(hook: HookBase) -> int:
