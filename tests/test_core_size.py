@@ -40,6 +40,7 @@ EXTRAS = [
     "trainer.log_rewind",
     "trainer.misc",
     "trainer.preemption_agreement",
+    "trainer.process_group",
     "trainer.hooks.best_checkpoint_hook",
     "trainer.hooks.early_stopping_hook",
     "trainer.hooks.ema_hook",
