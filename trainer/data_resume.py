@@ -98,7 +98,7 @@ def make_persistent_iterator(stream: DataStream) -> None:
     source.manual_seed(drawn ^ _WORKER_STREAM)
     iter(stream.data_loader)
     set_rng_state(now, stream.generators)
-    stream._persistent_made = True
+    stream._persistent_to_make = False
 
 
 def replay_pass(stream: DataStream) -> Any:
@@ -133,14 +133,13 @@ def _skipping_iter(stream: DataStream, n: int) -> Any:
     if loader.num_workers == 0:
         options.pop("prefetch_factor", None)  # refused without workers
     options["persistent_workers"] = False  # this loader serves one pass
-    if stream._persistent:  # a later pass of the persistent loader draws no base seed
+    if loader.persistent_workers:  # a later pass of the persistent loader draws no base seed
         options["generator"] = torch.Generator()
     if batched:
         clone = DataLoader(loader.dataset, batch_sampler=index_sampler, **options)
     else:
         clone = DataLoader(loader.dataset, batch_size=None, sampler=index_sampler, **options)
     data_iter = iter(clone)
-    stream._cloned = True
     index_sampler.skip_now()  # without workers the sampler draws at the first batch: now
     logger.info(f"Resuming in mid-epoch: skipped the {n} batches already trained on by index, "
                 "without loading them.")  # fmt: skip

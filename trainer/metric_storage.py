@@ -307,9 +307,9 @@ def _to_host(series: list[list[Any]]) -> list[list[float]]:
     to the host together. Whole series at a time: a log point handles a period's values."""
     with_tensors = [_has_tensor(values) for values in series]
     stacks = [_stacked(v, None, torch.float32) for v, t in zip(series, with_tensors) if t]
-    if len(stacks) > 1:  # (the common case: the losses alone are tensors)
+    if len(stacks) > 1:  # on one device, for one transfer (often the losses alone are tensors)
         stacks = [torch.cat([stack.to(stacks[0].device) for stack in stacks])]
-    copied = iter(stacks[0].tolist() if stacks else ())  # (from any device)
+    copied = iter(stacks[0].tolist() if stacks else ())
     return [
         list(itertools.islice(copied, len(values))) if t else list(map(float, values))
         for values, t in zip(series, with_tensors)

@@ -106,6 +106,8 @@ class DataStream:
         cpu: The trainer's gloo group, over which a stream's ranks agree on a pass's end.
     """
 
+    sized = True  # the loader has a length (an UnsizedDataStream's has not)
+
     def __new__(cls, data_loader: Any, cpu: Optional[CpuGroup] = None) -> "DataStream":
         if cls is DataStream and loader_length(data_loader) is None:
             from .unsized_stream import UnsizedDataStream
@@ -116,7 +118,6 @@ class DataStream:
     def __init__(self, data_loader: Any, cpu: Optional[CpuGroup] = None) -> None:
         self.data_loader = data_loader
         self.data_time = 0.0  # seconds spent waiting for batches, since the caller reset it
-        self.sized = loader_length(data_loader) is not None
         self.pass_ended = False  # a stream's pass ended (has_next said so)
         self._cpu = cpu or CpuGroup()
         self._iter: Optional[Any] = None
@@ -134,11 +135,9 @@ class DataStream:
         )
         # A loader with persistent workers makes its iterator once, drawing the workers' base
         # seed then; its later passes draw only what the sampler draws.
-        self._persistent = bool(getattr(data_loader, "persistent_workers", False)) and (
+        self._persistent_to_make = bool(getattr(data_loader, "persistent_workers", False)) and (
             getattr(data_loader, "num_workers", 0) > 0
         )
-        self._persistent_made = False  # this stream made the persistent iterator
-        self._cloned = False  # the pass runs on a clone of the loader (a mid-pass replay)
 
     def next_batch(self) -> Any:
         """The next batch of the current pass (a new pass starts when there is none)."""
@@ -170,7 +169,7 @@ class DataStream:
         """Drop the pass in progress and shut its worker processes down now (after a failure:
         a rerun resumes from a checkpoint). A loader with persistent workers keeps its own."""
         data_iter, self._iter = self._iter, None
-        if data_iter is not None and not (self._persistent and not self._cloned):
+        if not getattr(data_iter, "_persistent_workers", False):
             # what the iterator's __del__ does, which a traceback holding it would delay
             shutdown = getattr(data_iter, "_shutdown_workers", None)
             if callable(shutdown):
@@ -181,11 +180,10 @@ class DataStream:
         self._iter, self.pass_ended = None, False
 
     def _start_pass(self) -> Any:
-        if self._persistent and not self._persistent_made:
+        if self._persistent_to_make:
             from .data_resume import make_persistent_iterator
 
             make_persistent_iterator(self)
-        self._cloned = False
         if self._to_skip or self._restored:
             from .data_resume import replay_pass
 

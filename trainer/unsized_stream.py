@@ -17,6 +17,8 @@ class UnsizedDataStream(DataStream):
     """Passes that end when the loader's iterator does, which :meth:`has_next` finds out by
     fetching an iteration's batches ahead."""
 
+    sized = False
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._ahead: collections.deque = collections.deque()  # the batches fetched early
