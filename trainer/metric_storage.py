@@ -104,17 +104,6 @@ class MetricStorage(Mapping):
         epoch_len: Iterations per epoch, to name the epoch of a bad loss (None: only the
             iteration is named).
         cpu: The trainer's gloo group, which reduces values on the CPU while it trains.
-
-    Example::
-
-        >>> storage = MetricStorage()
-        >>> storage.update(iter=0, loss=0.2)
-        >>> storage.update(iter=1, loss=0.1, lr=0.01, smooth=True)
-        >>> storage.update(iter=1, acc=0.9, smooth=False)
-        >>> "loss" in storage, round(storage["loss"].avg, 3)
-        (True, 0.15)
-        >>> storage.values_maybe_smooth["acc"]
-        (1, 0.9)
     """
 
     def __init__(
@@ -143,14 +132,9 @@ class MetricStorage(Mapping):
         return len(self._buffers)
 
     def update(self, iter: Optional[int] = None, smooth: bool = True, **values: float) -> None:
-        """Add one value per metric, produced at iteration ``iter``.
-
-        Args:
-            iter: The iteration the values belong to. None counts updates of each metric.
-            smooth: Whether :attr:`values_maybe_smooth` reports the window mean (True) or the
-                latest value (False). A metric keeps the choice of its first update.
-            values: Metric names and numbers.
-        """
+        """Add one number per metric name, produced at iteration ``iter`` (None: count each
+        metric's updates). ``smooth``: whether :attr:`values_maybe_smooth` reports the window mean
+        or the latest value; a metric keeps the choice of its first update."""
         for name, value in values.items():
             buffer = self._buffer(name, smooth)
             self._latest_iter[name] = buffer.count if iter is None else iter
@@ -243,11 +227,8 @@ class MetricStorage(Mapping):
             series.values.append(value)
 
     def flush(self, every_rank: bool = False) -> None:
-        """Move pending values into the buffers; raise on a non-finite loss.
-
-        Args:
-            every_rank: Every rank calls this now, so the reduced series are flushed too.
-        """
+        """Move pending values into the buffers; raise on a non-finite loss. ``every_rank``:
+        every rank calls this now, so the ``reduce`` series are flushed too."""
         distributed = get_world_size() > 1
         names = [
             n for n, s in self._pending.items() if every_rank or not (distributed and s.reduce)

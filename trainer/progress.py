@@ -107,6 +107,7 @@ class DataStream:
     """
 
     sized = True  # the loader has a length (an UnsizedDataStream's has not)
+    pass_ended = False  # an UnsizedDataStream's pass ended (has_next said so)
 
     def __new__(cls, data_loader: Any, cpu: Optional[CpuGroup] = None) -> "DataStream":
         if cls is DataStream and loader_length(data_loader) is None:
@@ -118,7 +119,6 @@ class DataStream:
     def __init__(self, data_loader: Any, cpu: Optional[CpuGroup] = None) -> None:
         self.data_loader = data_loader
         self.data_time = 0.0  # seconds spent waiting for batches, since the caller reset it
-        self.pass_ended = False  # a stream's pass ended (has_next said so)
         self._cpu = cpu or CpuGroup()
         self._iter: Optional[Any] = None
         self._pass_rng: Optional[dict[str, Any]] = None  # the RNG state the pass started with
@@ -147,18 +147,15 @@ class DataStream:
         try:
             batch = next(self._iter)
         except StopIteration:
-            if not self.sized:
-                raise RuntimeError(
-                    "data_loader's pass ended inside an iteration: train_one_iter asked for more "
-                    "batches than accumulation_steps, which is what an iteration fetches ahead "
-                    "from a data loader without a length. Pass that many accumulation_steps."
-                ) from None
-            raise RuntimeError(
-                f"data_loader ended after fewer batches than its len() of {len(self.data_loader)}; "
-                "make __len__ of the dataset or sampler match what it yields."
-            ) from None
+            raise RuntimeError(self._ended_early()) from None
         self.data_time += time.perf_counter() - start
         return batch
+
+    def _ended_early(self) -> str:
+        return (
+            f"data_loader ended after fewer batches than its len() of {len(self.data_loader)}; "
+            "make __len__ of the dataset or sampler match what it yields."
+        )
 
     def has_next(self, n: int) -> bool:
         """Whether the current pass has the ``n`` batches of another iteration: always, with a
@@ -177,7 +174,7 @@ class DataStream:
 
     def end_pass(self) -> None:
         """Forget the current pass: the next batch starts a new one."""
-        self._iter, self.pass_ended = None, False
+        self._iter = None
 
     def _start_pass(self) -> Any:
         if self._persistent_to_make:
@@ -197,10 +194,8 @@ class DataStream:
     def rng_state(self, mid_pass: bool) -> dict[str, Any]:
         """Every RNG's state now, the state the pass started with when ``mid_pass``, and then
         too the state of a loader that keeps its own (``state_dict()``)."""
-        state = {
-            "now": get_rng_state(self.generators),
-            "epoch_start": self._pass_rng if mid_pass else None,
-        }
+        state: dict[str, Any] = {"now": get_rng_state(self.generators)}
+        state["epoch_start"] = self._pass_rng if mid_pass else None
         if self._stateful:
             state["loader"] = self.data_loader.state_dict() if mid_pass else None
         return state
@@ -208,9 +203,8 @@ class DataStream:
     def resume(
         self, per_rank: list[dict[str, Any]], path: str, batches_to_skip: int, remapped: bool
     ) -> None:
-        """Restore this rank's RNG state from a checkpoint; the next pass goes on after
-        ``batches_to_skip`` batches of the interrupted one (``remapped``: that number was mapped
-        to another world or batch size). A loader that keeps its own state is given it back."""
+        """Restore this rank's RNG state from a checkpoint; the next pass skips ``batches_to_skip``
+        batches (``remapped``: a number mapped to another world or batch size)."""
         from .data_resume import resume
 
         resume(self, per_rank, path, batches_to_skip, remapped)

@@ -30,6 +30,13 @@ class UnsizedDataStream(DataStream):
             return self._ahead.popleft()
         return super().next_batch()
 
+    def _ended_early(self) -> str:
+        return (
+            "data_loader's pass ended inside an iteration: train_one_iter asked for more "
+            "batches than accumulation_steps, which is what an iteration fetches ahead "
+            "from a data loader without a length. Pass that many accumulation_steps."
+        )
+
     def has_next(self, n: int) -> bool:
         """Whether the current pass has the ``n`` batches of another iteration, fetched now
         (:meth:`next_batch` returns them); a pass that ends with fewer drops them, as a loader
@@ -67,7 +74,7 @@ class UnsizedDataStream(DataStream):
 
     def end_pass(self) -> None:
         self._ahead.clear()
-        self._drawn = 0
+        self._drawn, self.pass_ended = 0, False
         super().end_pass()
 
     def _start_pass(self) -> Any:
