@@ -284,8 +284,7 @@ def _has_tensor(values: list[Any]) -> bool:
 
 
 def _to_host(series: list[list[Any]]) -> list[list[float]]:
-    """Each series of numbers and scalar tensors as floats, the tensors of all of them copied
-    to the host together. Whole series at a time: a log point handles a period's values."""
+    """Each series of numbers and scalar tensors as floats, the tensors copied in one transfer."""
     with_tensors = [_has_tensor(values) for values in series]
     stacks = [_stacked(v, None, torch.float32) for v, t in zip(series, with_tensors) if t]
     if len(stacks) > 1:  # on one device, for one transfer (often the losses alone are tensors)

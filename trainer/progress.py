@@ -95,11 +95,8 @@ class Progress:
 
 
 class DataStream:
-    """Passes over a data loader, one per epoch, that a mid-epoch resume continues exactly.
-
-    A pass remembers the RNG state it started with, from which a resume starts it again without
-    the batches already trained on. A data loader without a length (a stream) has passes that
-    end when its iterator does, which :meth:`has_next` finds out.
+    """Passes over a data loader, one per epoch, that a mid-epoch resume continues exactly
+    (``data_resume.py`` says how). A loader without a length gets an ``UnsizedDataStream``.
 
     Args:
         data_loader: A data loader, or any iterable.
