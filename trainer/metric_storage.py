@@ -20,14 +20,6 @@ class HistoryBuffer:
 
     Args:
         window_size: How many recent values :attr:`avg` averages over.
-
-    Example::
-
-        >>> buf = HistoryBuffer(window_size=2)
-        >>> for v in (1.0, 2.0, 4.0):
-        ...     buf.update(v)
-        >>> buf.latest, buf.avg, buf.global_avg, buf.global_sum
-        (4.0, 3.0, 2.3333333333333335, 7.0)
     """
 
     def __init__(self, window_size: int = 20) -> None:
@@ -286,10 +278,8 @@ def _has_tensor(values: list[Any]) -> bool:
 def _to_host(series: list[list[Any]]) -> list[list[float]]:
     """Each series of numbers and scalar tensors as floats, the tensors copied in one transfer."""
     with_tensors = [_has_tensor(values) for values in series]
-    stacks = [_stacked(v, None, torch.float32) for v, t in zip(series, with_tensors) if t]
-    if len(stacks) > 1:  # on one device, for one transfer (often the losses alone are tensors)
-        stacks = [torch.cat([stack.to(stacks[0].device) for stack in stacks])]
-    copied = iter(stacks[0].tolist() if stacks else ())
+    tensors = [v for values, t in zip(series, with_tensors) if t for v in values]
+    copied = iter(_stacked(tensors, None, torch.float32).tolist() if tensors else ())
     return [
         list(itertools.islice(copied, len(values))) if t else list(map(float, values))
         for values, t in zip(series, with_tensors)
