@@ -243,9 +243,7 @@ class MetricStorage(Mapping):
             self.extend(name, series.iters, numbers[name], series.smooth)
 
 
-class _Series(NamedTuple):
-    """One metric's values waiting for the next :meth:`MetricStorage.flush`."""
-
+class _Series(NamedTuple):  # one metric's values waiting for the next flush
     smooth: bool
     check_finite: bool
     reduce: bool
@@ -262,7 +260,6 @@ PERIOD_TIMES = ("data_time", "iter_time")
 
 
 def _scalar(name: str, value: torch.Tensor) -> torch.Tensor:
-    """A one-element tensor as a detached scalar; one of several values raises."""
     if value.numel() != 1:
         raise ValueError(
             f"Metric {name!r} must be a number or a one-element tensor, got a tensor of shape "
@@ -291,11 +288,9 @@ def _stacked(values: list[Any], device: Optional[torch.device], dtype: torch.dty
     the first tensor among them), without a sync."""
     if not _has_tensor(values):
         return torch.tensor(list(map(float, values)), dtype=dtype, device=device)
-    if all(map(isinstance, values, itertools.repeat(torch.Tensor))):
-        try:
-            stacked = torch.stack(values)  # the common case: scalar tensors on one device
-            return stacked.to(device or stacked.device, dtype)
-        except RuntimeError:
-            pass  # tensors on several devices
-    device = device or next(v.device for v in values if isinstance(v, torch.Tensor))
-    return torch.stack([torch.as_tensor(v, dtype=dtype).to(device) for v in values])
+    try:
+        stacked = torch.stack(values)  # the common case: scalar tensors on one device
+    except (TypeError, RuntimeError):  # numbers among them, or tensors on several devices
+        device = device or next(v.device for v in values if isinstance(v, torch.Tensor))
+        stacked = torch.stack([torch.as_tensor(v, dtype=dtype).to(device) for v in values])
+    return stacked.to(device or stacked.device, dtype)
