@@ -2,12 +2,12 @@
 
 import collections
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from .distributed import get_world_size
+from .distributed import CpuGroup, get_world_size
 from .progress import DataStream
 
 _END = object()  # what next() returns at the end of a pass
@@ -19,8 +19,8 @@ class UnsizedDataStream(DataStream):
 
     sized = False
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, data_loader: Any, cpu: Optional[CpuGroup] = None) -> None:
+        super().__init__(data_loader, cpu)
         self._ahead: collections.deque = collections.deque()  # the batches fetched early
         self._drawn = 0  # batches drawn from the current pass
         self._restored_pass = False  # the current pass went on from the loader's own state
