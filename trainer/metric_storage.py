@@ -5,7 +5,6 @@ import functools
 import itertools
 import math
 import operator
-import statistics
 from collections import deque
 from collections.abc import Iterator, Mapping
 from typing import Any, NamedTuple, Optional
@@ -13,7 +12,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 
 from .checks import check_int
-from .distributed import CpuGroup, all_gather_tensor, get_world_size
+from .distributed import CpuGroup, get_world_size
 
 
 class HistoryBuffer:
@@ -21,14 +20,6 @@ class HistoryBuffer:
 
     Args:
         window_size: How many recent values :attr:`avg` averages over.
-
-    Example::
-
-        >>> buf = HistoryBuffer(window_size=2)
-        >>> for v in (1.0, 2.0, 4.0):
-        ...     buf.update(v)
-        >>> buf.latest, buf.avg, buf.global_avg, buf.global_sum
-        (4.0, 3.0, 2.3333333333333335, 7.0)
     """
 
     def __init__(self, window_size: int = 20) -> None:
@@ -95,30 +86,16 @@ class HistoryBuffer:
 class MetricStorage(Mapping):
     """A mapping from metric name to :class:`HistoryBuffer`, with each metric's latest iteration.
 
-    :meth:`update` adds numbers at once. :meth:`add` records numbers or scalar tensors left on
-    their device, so that logging a loss every iteration costs no host-device sync, until
-    :meth:`flush` turns them into numbers in one transfer (the trainer flushes at log points and
-    before saves; reading the storage never does). Under torchrun, the series marked ``reduce``
-    are reduced over ranks there, in one collective: by mean, or by max for times and skipped
-    steps. A non-finite value of a series marked ``check_finite`` (a loss) raises
-    ``FloatingPointError`` there, on every rank at the same iteration.
+    :meth:`update` adds numbers at once. :meth:`add` keeps scalar tensors on their device (no
+    sync per iteration) until :meth:`flush` turns them into numbers in one transfer, reduced
+    over ranks under torchrun if marked ``reduce``, and raises ``FloatingPointError`` on a
+    non-finite value of a series marked ``check_finite`` (a loss).
 
     Args:
         window_size: The window of each buffer, i.e. how many values a smoothed metric averages.
         epoch_len: Iterations per epoch, to name the epoch of a bad loss (None: only the
             iteration is named).
         cpu: The trainer's gloo group, which reduces values on the CPU while it trains.
-
-    Example::
-
-        >>> storage = MetricStorage()
-        >>> storage.update(iter=0, loss=0.2)
-        >>> storage.update(iter=1, loss=0.1, lr=0.01, smooth=True)
-        >>> storage.update(iter=1, acc=0.9, smooth=False)
-        >>> "loss" in storage, round(storage["loss"].avg, 3)
-        (True, 0.15)
-        >>> storage.values_maybe_smooth["acc"]
-        (1, 0.9)
     """
 
     def __init__(
@@ -147,14 +124,9 @@ class MetricStorage(Mapping):
         return len(self._buffers)
 
     def update(self, iter: Optional[int] = None, smooth: bool = True, **values: float) -> None:
-        """Add one value per metric, produced at iteration ``iter``.
-
-        Args:
-            iter: The iteration the values belong to. None counts updates of each metric.
-            smooth: Whether :attr:`values_maybe_smooth` reports the window mean (True) or the
-                latest value (False). A metric keeps the choice of its first update.
-            values: Metric names and numbers.
-        """
+        """Add one number per metric name, produced at iteration ``iter`` (None: count each
+        metric's updates). ``smooth``: whether :attr:`values_maybe_smooth` reports the window mean
+        or the latest value; a metric keeps the choice of its first update."""
         for name, value in values.items():
             buffer = self._buffer(name, smooth)
             self._latest_iter[name] = buffer.count if iter is None else iter
@@ -199,32 +171,22 @@ class MetricStorage(Mapping):
 
     def state_dict(self) -> dict[str, Any]:
         """The storage as plain data, loadable with ``torch.load(weights_only=True)``."""
-        return {
-            "window_size": self._window_size,
-            "metrics": {
-                name: {
-                    "buffer": buf.state_dict(),
-                    "iter": self._latest_iter[name],
-                    "smooth": self._smooth[name],
-                }
-                for name, buf in self._buffers.items()
-            },
+        metrics = {
+            name: {"buffer": buf.state_dict(), "iter": self._latest_iter[name], "smooth": smooth}
+            for (name, buf), smooth in zip(self._buffers.items(), self._smooth.values())
         }
+        return {"window_size": self._window_size, "metrics": metrics}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace the content with what :meth:`state_dict` returned, and drop what is pending."""
         self._window_size = state["window_size"]
-        self._buffers.clear()
-        self._latest_iter.clear()
-        self._smooth.clear()
-        self._pending.clear()
+        for table in (self._buffers, self._latest_iter, self._smooth, self._pending):
+            table.clear()
         for name, entry in state["metrics"].items():
-            buf = HistoryBuffer(entry["buffer"]["window_size"])
-            buf.load_state_dict(entry["buffer"])
-            self._buffers[name] = buf
+            self._buffers[name] = HistoryBuffer(entry["buffer"]["window_size"])
+            self._buffers[name].load_state_dict(entry["buffer"])
             self._latest_iter[name] = entry["iter"]
-            # the trainer's checkpoints from before its times were each period's own means hold
-            # them as smoothed
+            # checkpoints from before the trainer's times were each period's means smooth them
             self._smooth[name] = entry["smooth"] and name not in PERIOD_TIMES
 
     def add(
@@ -236,10 +198,8 @@ class MetricStorage(Mapping):
         reduce: bool = False,
     ) -> None:
         """Record values of iteration ``iter``: this rank's own numbers (not ``reduce``-d or
-        ``check_finite``) at once, as :meth:`update` does (no sync to wait for, and a hook reads
-        them back as in core-pytorch-utils); scalar tensors and the rest until the next
-        :meth:`flush` (a one-element tensor is reshaped and detached; one of several values
-        raises)."""
+        ``check_finite``) at once, as :meth:`update` does; scalar tensors and the rest at the next
+        :meth:`flush` (a one-element tensor is reshaped and detached; one of several raises)."""
         if not (reduce or check_finite):
             now = {
                 name: value
@@ -259,11 +219,8 @@ class MetricStorage(Mapping):
             series.values.append(value)
 
     def flush(self, every_rank: bool = False) -> None:
-        """Move pending values into the buffers; raise on a non-finite loss.
-
-        Args:
-            every_rank: Every rank calls this now, so the reduced series are flushed too.
-        """
+        """Move pending values into the buffers; raise on a non-finite loss. ``every_rank``:
+        every rank calls this now, so the ``reduce`` series are flushed too."""
         distributed = get_world_size() > 1
         names = [
             n for n, s in self._pending.items() if every_rank or not (distributed and s.reduce)
@@ -271,36 +228,22 @@ class MetricStorage(Mapping):
         if not names:
             return
         pending = {name: self._pending.pop(name) for name in names}
-        numbers = _numbers(pending, distributed, self._cpu.group)
-        first_bad = math.inf  # the first iteration with a non-finite loss
+        if distributed and any(series.reduce for series in pending.values()):
+            from .metric_flush import reduced_numbers
+
+            numbers = reduced_numbers(pending, self._cpu.group)
+        else:  # note: the one CPU-GPU sync of a log period
+            numbers = dict(zip(pending, _to_host([series.values for series in pending.values()])))
         for name, series in pending.items():
             if series.check_finite and not all(map(math.isfinite, numbers[name])):
-                bad = min(it for it, v in zip(series.iters, numbers[name]) if not math.isfinite(v))
-                first_bad = min(first_bad, bad)
-        at_first_bad = {}
+                from .metric_flush import keep_until_first_bad
+
+                keep_until_first_bad(self, pending, numbers, self._epoch_len)
         for name, series in pending.items():
-            iters, values = series.iters, numbers[name]
-            if first_bad < math.inf:  # keep only what came before the first bad iteration
-                if first_bad in iters:
-                    at_first_bad[name] = values[iters.index(first_bad)]
-                keep = [i for i, it in enumerate(iters) if it < first_bad]
-                iters, values = [iters[i] for i in keep], [values[i] for i in keep]
-            self.extend(name, iters, values, series.smooth)
-        if at_first_bad:
-            checked = [n for n, s in pending.items() if s.check_finite and n in at_first_bad]
-            bad = [n for n in checked if not math.isfinite(at_first_bad[n])]
-            what = "Loss" if set(bad) - {"grad_norm"} else "The gradient norm (the loss was not)"
-            epoch = f" (epoch {first_bad // self._epoch_len})" if self._epoch_len else ""
-            raise FloatingPointError(
-                f"{what} became NaN or infinite at iteration {first_bad}{epoch}: "
-                f"{at_first_bad}. Lower the LR, enable "
-                "clip_grad_norm, or check the data of that iteration."
-            )
+            self.extend(name, series.iters, numbers[name], series.smooth)
 
 
-class _Series(NamedTuple):
-    """One metric's values waiting for the next :meth:`MetricStorage.flush`."""
-
+class _Series(NamedTuple):  # one metric's values waiting for the next flush
     smooth: bool
     check_finite: bool
     reduce: bool
@@ -317,7 +260,6 @@ PERIOD_TIMES = ("data_time", "iter_time")
 
 
 def _scalar(name: str, value: torch.Tensor) -> torch.Tensor:
-    """A one-element tensor as a detached scalar; one of several values raises."""
     if value.numel() != 1:
         raise ValueError(
             f"Metric {name!r} must be a number or a one-element tensor, got a tensor of shape "
@@ -326,59 +268,15 @@ def _scalar(name: str, value: torch.Tensor) -> torch.Tensor:
     return value.detach().reshape(())
 
 
-def _numbers(
-    pending: dict[str, _Series], distributed: bool, cpu_group: Any
-) -> dict[str, list[float]]:
-    """The pending values as numbers: this rank's in one transfer, reduced ones over ranks."""
-    reduced = sorted(n for n, s in pending.items() if distributed and s.reduce)  # same order
-    local = [n for n in pending if n not in reduced]
-    # note: the one CPU-GPU sync of a log period
-    numbers = dict(zip(local, _to_host([pending[n].values for n in local])))
-    if reduced:
-        series = [pending[n].values for n in reduced]
-        device = _device_of(series)
-        packed = torch.cat([_stacked(values, device, torch.float64) for values in series])
-        # on CPU over the trainer's gloo group (cpu_group), on the GPU over the default one
-        group = cpu_group if packed.device.type == "cpu" else None
-        columns = iter(zip(*all_gather_tensor(packed, group).tolist()))  # each: every rank's
-        for n in reduced:
-            reduce = max if n in _MAX_REDUCED else statistics.fmean
-            numbers[n] = [reduce(next(columns)) for _ in pending[n].values]
-    return numbers
-
-
-def _device_of(series: list[list[Any]]) -> torch.device:
-    for values in series:
-        for v in values:
-            if isinstance(v, torch.Tensor):
-                return v.device
-    # plain numbers only: the collective still needs the backend's device (CUDA for nccl)
-    backend = torch.distributed.get_backend()
-    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else _CPU
-
-
-_CPU = torch.device("cpu")
-
-
 def _has_tensor(values: list[Any]) -> bool:
     return any(map(isinstance, values, itertools.repeat(torch.Tensor)))  # at C speed
 
 
 def _to_host(series: list[list[Any]]) -> list[list[float]]:
-    """Each series of numbers and scalar tensors as floats, the tensors of all of them copied
-    to the host together. Whole series at a time: a log point handles a period's values."""
+    """Each series of numbers and scalar tensors as floats, the tensors copied in one transfer."""
     with_tensors = [_has_tensor(values) for values in series]
-    stacks = [_stacked(v, None, torch.float32) for v, t in zip(series, with_tensors) if t]
-    copied: Iterator[float] = iter(())
-    if stacks:
-        if len(stacks) == 1:  # the common case: the losses alone are tensors
-            flat = stacks[0]
-        else:
-            try:
-                flat = torch.cat(stacks)  # one device
-            except RuntimeError:
-                flat = torch.cat([t.to(stacks[0].device) for t in stacks])
-        copied = iter(flat.tolist())  # (from any device)
+    tensors = [v for values, t in zip(series, with_tensors) if t for v in values]
+    copied = iter(_stacked(tensors, None, torch.float32).tolist() if tensors else ())
     return [
         list(itertools.islice(copied, len(values))) if t else list(map(float, values))
         for values, t in zip(series, with_tensors)
@@ -390,14 +288,9 @@ def _stacked(values: list[Any], device: Optional[torch.device], dtype: torch.dty
     the first tensor among them), without a sync."""
     if not _has_tensor(values):
         return torch.tensor(list(map(float, values)), dtype=dtype, device=device)
-    if all(map(isinstance, values, itertools.repeat(torch.Tensor))):
-        try:
-            stacked = torch.stack(values)  # the common case: scalar tensors on one device
-            if device is None and stacked.dtype == dtype:
-                return stacked
-            return stacked.to(device or stacked.device, dtype)
-        except RuntimeError:
-            pass  # tensors on several devices
-    if device is None:
-        device = _device_of([values])
-    return torch.stack([torch.as_tensor(v, dtype=dtype).to(device) for v in values])
+    try:
+        stacked = torch.stack(values)  # the common case: scalar tensors on one device
+    except (TypeError, RuntimeError):  # numbers among them, or tensors on several devices
+        device = device or next(v.device for v in values if isinstance(v, torch.Tensor))
+        stacked = torch.stack([torch.as_tensor(v, dtype=dtype).to(device) for v in values])
+    return stacked.to(device or stacked.device, dtype)
