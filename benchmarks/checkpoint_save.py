@@ -48,7 +48,7 @@ def main():
             start = time.perf_counter()
             trainer.save_checkpoint(f"probe_{i}.pth")
             blocking.append(time.perf_counter() - start)
-            trainer.wait_for_checkpoint()
+            trainer.checkpointer.wait()
             durable.append(time.perf_counter() - start)
     params = sum(p.numel() for p in model.parameters()) / 1e6
     for name, times in (("blocks training", blocking), ("is durable after", durable)):

@@ -8,7 +8,7 @@ The override uses the trainer's public building blocks only: ``autocast()`` (bfl
 float16 on CUDA, where ``backward()`` scales the loss for the GradScaler), ``clip_and_step()``
 for each of the two optimizers, and ``log_losses()``, whose values are NaN-checked and averaged
 over ranks at log points. The discriminator's optimizer is checkpointed through
-``register_checkpointable``, so a killed run resumes exactly. Under torchrun the generator and
+``checkpointer.register``, so a killed run resumes exactly. Under torchrun the generator and
 the discriminator are each wrapped in DistributedDataParallel.
 """
 
@@ -71,7 +71,7 @@ class GANTrainer(Trainer):
         wrap = DistributedDataParallel if ddp else (lambda module: module)
         self.generator, self.discriminator = wrap(gan.generator), wrap(gan.discriminator)
         self.opt_d = opt_d
-        self.register_checkpointable("optimizer_d", opt_d)
+        self.checkpointer.register("optimizer_d", opt_d)
 
     def train_one_iter(self) -> None:
         # 1. fetch real points, draw noise
@@ -95,8 +95,8 @@ class GANTrainer(Trainer):
         with self.autocast():
             g_loss = bce(self.discriminator(self.generator(noise)).float(), labels[: len(real)])
         self.backward(g_loss)
-        self.clip_and_step()  # the trainer's optimizer: the generator's
-        self.update_scaler()  # once per iteration, after both steps
+        self.clip_and_step()  # the trainer's optimizer: the generator's (then the trainer
+        # updates the float16 GradScaler, once per iteration, after both steps)
 
         # 4. log: NaN-checked and averaged over ranks at the next log point, no sync now
         self.log_losses(d_loss=d_loss.detach(), g_loss=g_loss.detach())
@@ -153,7 +153,7 @@ def main(argv: Optional[list[str]] = None) -> float:
     distance = trainer.metric_storage["mode_distance"].latest
     logger.info(
         f"Final mode distance: {distance:.4f} (world size {get_world_size()}, AMP "
-        f"{str(trainer.amp_dtype).replace('torch.', '') if trainer.amp_dtype else 'off'})"
+        f"{trainer.run_config['amp_dtype'] or 'off'})"
     )
     return distance
 

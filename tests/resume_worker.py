@@ -88,7 +88,7 @@ def main():
             time.sleep(float(os.environ.get("SLOW", 0)))
             if self.trainer.cur_iter == env_int("KILL_AT_ITER", -1):
                 if env_int("KILL_WHEN_SAVED"):
-                    self.trainer.wait_for_checkpoint()
+                    self.trainer.checkpointer.wait()
                 os.kill(os.getpid(), signal.SIGKILL)
 
     class Model(nn.Module):

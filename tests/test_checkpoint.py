@@ -314,7 +314,7 @@ def test_a_registered_object_with_unloadable_state_is_refused_naming_it(make_tra
         def load_state_dict(self, state):
             pass
 
-    trainer.register_checkpointable("holder", Holder())
+    trainer.checkpointer.register("holder", Holder())
     with pytest.raises(TypeError, match=r"of checkpointable 'holder' holds a test_checkpoint\."
                        r"Opaque at state_dict\(\)\['when'\]"):  # fmt: skip
         trainer.train()

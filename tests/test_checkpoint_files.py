@@ -116,7 +116,7 @@ def test_save_returns_before_the_write_and_saves_the_state_of_the_call(make_trai
         for p in trainer.model.parameters():
             p.add_(1.0)
     held.release.set()
-    trainer.wait_for_checkpoint()
+    trainer.checkpointer.wait()
     saved = load_checkpoint_file(path)["model"]
     assert all(torch.equal(saved[k], v) for k, v in expected.items())
     assert read_latest_pointer(trainer.ckpt_dir) == path
@@ -157,8 +157,8 @@ def test_a_failed_background_write_raises_at_the_next_wait(make_trainer, monkeyp
     monkeypatch.setattr(torch, "save", full_disk)
     trainer.save_checkpoint("probe.pth")  # returns: the failure happens in the background
     with pytest.raises(OSError, match=r"Could not write .*probe.pth: No space left on device"):
-        trainer.wait_for_checkpoint()
-    trainer.wait_for_checkpoint()  # reported once
+        trainer.checkpointer.wait()
+    trainer.checkpointer.wait()  # reported once
     assert read_latest_pointer(trainer.ckpt_dir).endswith("iter_4.pth")
 
 

@@ -61,7 +61,7 @@ def test_amp_trains_on_cuda(tmp_path, amp_dtype):
 
 
 def test_default_amp_dtype_on_cuda_is_float16(tmp_path):
-    assert cuda_trainer(tmp_path, enable_amp=True).amp_dtype == torch.float16
+    assert cuda_trainer(tmp_path, enable_amp=True).run_config["amp_dtype"] == "float16"
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"enable_amp": True, "amp_dtype": torch.bfloat16},

@@ -16,8 +16,6 @@ from conftest import RecordLR, TinyModel, build, tiny_loader
 class PublicStep(Trainer):
     """The built-in step again, written with the public methods only."""
 
-    update = True  # call update_scaler() (the trainer calls it otherwise)
-
     def train_one_iter(self):
         batches = [self.next_batch() for _ in range(self.accumulation_steps)]
         self.optimizer.zero_grad(set_to_none=True)
@@ -27,9 +25,7 @@ class PublicStep(Trainer):
                 with self.autocast():
                     loss = self.model(batch)
                 self.backward(loss / k if k > 1 else loss)
-        grad_norm = self.clip_and_step()
-        if self.update:
-            self.update_scaler()
+        grad_norm = self.clip_and_step()  # the trainer updates the GradScaler after it
         self.log_losses(total_loss=loss.detach())
         self.log(self.cur_iter, reduce=True, grad_norm=grad_norm)
 
@@ -45,11 +41,7 @@ def weights(trainer):
         {"enable_amp": True, "amp_dtype": torch.float16, "clip_grad_norm": 0.5},
     ],
 )
-@pytest.mark.parametrize("update", [True, False])
-def test_an_override_with_the_public_methods_trains_as_the_built_in_step(
-    tmp_path, monkeypatch, options, update
-):
-    monkeypatch.setattr(PublicStep, "update", update)
+def test_an_override_with_the_public_methods_trains_as_the_built_in_step(tmp_path, options):
     builtin = build(tmp_path / "builtin", max_epochs=2, **options)
     builtin.train()
     override = build(tmp_path / "override", max_epochs=2, cls=PublicStep, **options)
@@ -75,13 +67,13 @@ def test_losses_an_override_logs_are_nan_checked(make_trainer):
         trainer.train()
 
 
-def test_register_checkpointable_refuses_what_cannot_be_saved(make_trainer):
+def test_checkpointer_register_refuses_what_cannot_be_saved(make_trainer):
     trainer = make_trainer()
-    with pytest.raises(TypeError, match=r"register_checkpointable\('x', \.\.\.\) needs an object"):
-        trainer.register_checkpointable("x", 3)
-    trainer.register_checkpointable("opt", torch.optim.SGD(trainer.model.parameters(), lr=0.1))
+    with pytest.raises(TypeError, match=r"checkpointer\.register\('x', \.\.\.\) needs an object"):
+        trainer.checkpointer.register("x", 3)
+    trainer.checkpointer.register("opt", torch.optim.SGD(trainer.model.parameters(), lr=0.1))
     with pytest.raises(ValueError, match="'opt' is registered already"):
-        trainer.register_checkpointable("opt", torch.optim.SGD(trainer.model.parameters(), lr=1))
+        trainer.checkpointer.register("opt", torch.optim.SGD(trainer.model.parameters(), lr=1))
 
 
 def test_a_registered_optimizer_resumes_exactly(make_trainer, tmp_path):
@@ -105,7 +97,7 @@ def test_a_registered_optimizer_resumes_exactly(make_trainer, tmp_path):
         loader = build(work_dir / "unused").data_loader
         trainer = TwoOptimizers(model, weight_opt, None, loader, max_epochs=3, work_dir=work_dir)
         trainer.bias_optimizer = bias_opt
-        trainer.register_checkpointable("bias_optimizer", bias_opt)
+        trainer.checkpointer.register("bias_optimizer", bias_opt)
         if crash_at is not None:
             from trainer import HookBase
 
@@ -245,7 +237,7 @@ def test_bfloat16_autocast_on_cpu(make_trainer):
             return super().forward(batch)
 
     trainer = make_trainer(model=Probe(), enable_amp=True, max_epochs=1)
-    assert trainer.amp_dtype == torch.bfloat16
+    assert trainer.run_config["amp_dtype"] == "bfloat16"
     trainer.train()
     assert seen[0] == (True, torch.bfloat16)
     assert "amp_skipped_steps" not in trainer.metric_storage  # bfloat16 needs no scaler
@@ -286,7 +278,7 @@ def test_float16_scaler_skips_are_counted_and_the_schedule_counts_iterations(mak
 
     class RecordSkip(HookBase):
         def after_iter(self):
-            skipped.append(self.trainer.step_skipped)
+            skipped.append(bool(self.metric_storage["amp_skipped_steps"].latest))
             weights.append(self.trainer.model.linear.weight.detach().clone())
 
     trainer.register_hook(record)

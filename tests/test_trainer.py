@@ -349,7 +349,7 @@ def test_hook_info_lists_hooks_in_run_order(make_trainer):
 
     trainer = make_trainer()
     trainer.register_hook(Mine())
-    assert trainer.hook_info == [
+    assert trainer.hooks.info() == [
         "DistributedHook (priority 10)",
         "Mine (priority 50)",
         "LRUpdateHook (priority 70)",

@@ -137,7 +137,7 @@ def run_config(trainer: Any, given_scheduler: Any, settings: dict[str, Any]) -> 
         "batch_size": getattr(loader, "batch_size", None),
         "iters_per_epoch": trainer.epoch_len,
         "world_size": get_world_size(),
-        "amp_dtype": str(trainer.amp_dtype).replace("torch.", "") if trainer.amp_dtype else None,
+        "amp_dtype": str(trainer._amp_dtype).replace("torch.", "") if trainer._amp_dtype else None,
         "seed": torch.initial_seed(),  # set_random_seed's or torch.manual_seed's, to repeat the run
         "torch": torch.__version__,
     }
@@ -235,7 +235,7 @@ def warn_unoptimized(model: nn.Module, optimizers: list[Optimizer]) -> None:
             f"{len(left)} trainable parameters of the model are in no optimizer and will not "
             f"change: {', '.join(left[:5])}{', ...' if len(left) > 5 else ''}. If that is "
             "meant, freeze them with requires_grad_(False); otherwise add them to the optimizer "
-            "(or register a second one with register_checkpointable)."
+            "(or register a second one with trainer.checkpointer.register)."
         )
 
 

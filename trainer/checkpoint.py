@@ -19,14 +19,16 @@ logger = logging.getLogger(__name__)
 
 
 class Checkpointer:
-    """Gathers the trainer's whole state into checkpoints and restores it.
+    """Gathers the trainer's whole state into checkpoints and restores it (``trainer.checkpointer``;
+    save with ``trainer.save_checkpoint``, which first flushes the metrics and tells the hooks).
 
     A checkpoint is a dict of tensors and plain data (it loads with ``weights_only=True``):
     ``model`` (the unwrapped module's weights), ``optimizer``, the ``parts`` by key, ``hooks``
     (the stateful ones' states, by key), ``extra`` (what :meth:`register` added), ``rng`` (the
     ``data``'s RNG states, per rank), ``progress`` and ``config`` (``accumulation_steps``,
     refused if changed on resume, and ``amp``, reported). ``batch_size`` is per process, to map
-    the position when it changes on resume; ``cpu`` is the trainer's gloo group.
+    the position when it changes on resume; ``cpu`` is the trainer's gloo group; ``by_epoch``:
+    training counts epochs, which :meth:`name` uses.
     """
 
     def __init__(
@@ -41,6 +43,7 @@ class Checkpointer:
         config: dict[str, Any],
         batch_size: Optional[int],
         cpu: Optional[CpuGroup] = None,
+        by_epoch: bool = True,
     ) -> None:
         self.ckpt_dir = ckpt_dir
         self._model = model
@@ -54,6 +57,7 @@ class Checkpointer:
         self._batch_size = batch_size
         self._cpu = cpu or CpuGroup()
         self._extra: dict[str, Any] = {}
+        self._by_epoch = by_epoch
         self.last_path: Optional[str] = None  # the checkpoint saved (rank 0) or loaded last
         self._sharded = is_sharded(model)  # by FSDP2's fully_shard
         self.writer = files.BackgroundWriter()  # its ``failed`` flag is read every iteration
@@ -64,11 +68,17 @@ class Checkpointer:
         extra = [obj for obj in self._extra.values() if isinstance(obj, Optimizer)]
         return [self._optimizer, *extra]
 
+    def name(self) -> str:
+        """The file name of a checkpoint taken now: ``epoch_{N}.pth`` at an epoch's end in
+        epoch-based training, ``iter_{N}.pth`` otherwise (N epochs or iterations done)."""
+        return checkpoint_name(self._by_epoch, self._progress.position, self._progress.iter + 1)
+
     def register(self, name: str, obj: Any) -> None:
-        """Save ``obj``'s state under ``extra[name]`` and restore it on resume."""
+        """Save ``obj.state_dict()`` under ``extra[name]`` in every checkpoint and restore it on
+        resume: an extra optimizer, scheduler or module that an overridden step uses."""
         if not all(callable(getattr(obj, m, None)) for m in ("state_dict", "load_state_dict")):
             raise TypeError(
-                f"register_checkpointable({name!r}, ...) needs an object with state_dict() and "
+                f"checkpointer.register({name!r}, ...) needs an object with state_dict() and "
                 f"load_state_dict() (an optimizer, scheduler or module), got {type(obj).__name__}."
             )
         if name in self._extra:

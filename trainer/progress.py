@@ -34,6 +34,7 @@ class Progress:
     stopped: bool = False  # Trainer.stop was called (or the resumed checkpoint remembers it)
     saved: tuple[Position, bool] = ((-1, -1), False)
     last_log_iter: int = -1  # the last iteration that was a log point
+    data_seconds: float = 0.0  # waiting for batches in this train(), up to the last log point
 
     def begin_epoch(self, epoch: int) -> int:
         """Enter ``epoch``; returns the iterations of it already done (when resuming)."""

@@ -21,7 +21,7 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from . import arguments as args
-from .checkpoint import Checkpointer, checkpoint_name
+from .checkpoint import Checkpointer
 from .distributed import CpuGroup, all_gather, get_rank, get_world_size, is_main_process
 from .env import collect_env
 from .fsdp import is_sharded, local_value, no_gradient_sync
@@ -158,12 +158,11 @@ class Trainer:
                 warmup_init_lr, warmup_factor, optimizer=optimizer,
             )  # fmt: skip
         self.device = args.model_device(model)
-        #: The dtype autocast runs the forward in; None without AMP.
-        self.amp_dtype: Optional[torch.dtype] = None
+        self._amp_dtype: Optional[torch.dtype] = None  # autocast's dtype
         if isinstance(enable_amp, torch.dtype):
-            self.amp_dtype = enable_amp
+            self._amp_dtype = enable_amp
         elif enable_amp:  # float16 needs a GradScaler, and is the fast one on GPUs
-            self.amp_dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
+            self._amp_dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
         self.progress = Progress(self.epoch_len, self.max_iters)
         self.model = model
         self._unpack_batch_dict = unpack_batch_dict
@@ -175,13 +174,13 @@ class Trainer:
         )
         self._sharded_model = model if is_sharded(model) else None  # by FSDP2's fully_shard
         self._autocast = None
-        if self.amp_dtype is not None:
+        if self._amp_dtype is not None:
             self._autocast = functools.partial(
-                torch.autocast, self.device.type, self.amp_dtype, cache_enabled=not cuda_graph
+                torch.autocast, self.device.type, self._amp_dtype, cache_enabled=not cuda_graph
             )
         # bfloat16 has float32's range: only float16 needs loss scaling
         self.grad_scaler = torch.amp.GradScaler(
-            self.device.type, enabled=self.amp_dtype == torch.float16
+            self.device.type, enabled=self._amp_dtype == torch.float16
         )
         self._scaling = self.grad_scaler.is_enabled()
         # Whether the GradScaler skipped the last step: a device tensor with fused optimizers
@@ -192,14 +191,14 @@ class Trainer:
             from .cuda_graph import GraphedStep, check_graphable
 
             check_graphable(model, optimizer, self.device, self._scaling)
-            self._graphed_step = GraphedStep(self.forward_backward_step, optimizer, self.device)
+            self._graphed_step = GraphedStep(self._forward_backward_step, optimizer, self.device)
         self._cpu = CpuGroup()  # under torchrun, a gloo group of the trainer's while it trains
         self._lock = WorkDirLock(self.work_dir)  # rank 0's, while it trains
         self._data = DataStream(data_loader, self._cpu)
-        self._hooks = HookRegistry(self)
+        self._hooks = HookRegistry(self, _ONE_OF_EACH)
         self._storage = MetricStorage(epoch_len=self.epoch_len, cpu=self._cpu)
         self._preemption = Preemption(preempt_check_period, self._cpu)
-        amp = str(self.amp_dtype).replace("torch.", "") if self.amp_dtype else "off"
+        amp = str(self._amp_dtype).replace("torch.", "") if self._amp_dtype else "off"
         self._checkpointer = Checkpointer(
             self.ckpt_dir, self.model, optimizer, self.progress, self._data,
             parts={"lr_scheduler": self.lr_scheduler, "grad_scaler": self.grad_scaler,
@@ -207,10 +206,9 @@ class Trainer:
             hooks=self._hooks.checkpointable,
             config={"amp": amp, "accumulation_steps": accumulation_steps},
             batch_size=getattr(data_loader, "batch_size", None),  # per process
-            cpu=self._cpu,
+            cpu=self._cpu, by_epoch=self.train_by_epoch,
         )  # fmt: skip
         self._period_start = (0.0, -1)  # (time, iteration before it) of the log period running
-        self._data_seconds = 0.0  # waiting for batches, up to the last log point
         #: The run's settings as plain data (``work_dir/run.json``, TensorBoard).
         self.run_config = args.run_config(self, lr_scheduler, {
             "max_epochs": max_epochs, "max_iters": max_iters, "log_period": log_period,
@@ -252,11 +250,6 @@ class Trainer:
         return self.progress.start_iter
 
     @property
-    def data_seconds(self) -> float:
-        """Seconds spent waiting for batches in this :meth:`train`, up to the last log point."""
-        return self._data_seconds
-
-    @property
     def lr(self) -> float:
         """The LR of the optimizer's first parameter group."""
         return self.optimizer.param_groups[0]["lr"]
@@ -292,13 +285,6 @@ class Trainer:
     def register_hook(self, hook: HookBase) -> None:
         """Add a hook; hooks run by ascending ``priority``, ties in registration order. A second
         hook of a default hook's class is refused: replace the default one instead."""
-        for cls, twice in _ONE_OF_EACH.items():
-            if isinstance(hook, cls) and any(isinstance(h, cls) for h in self._hooks.hooks):
-                raise ValueError(
-                    f"A {cls.__name__} is registered already, and a second one would {twice}. "
-                    f"To configure it, replace it: trainer.unregister_hook({cls.__name__}), then "
-                    f"trainer.register_hook({type(hook).__name__}(...))."
-                )
         self._hooks.register(hook)
 
     def register_hooks(self, hooks: Sequence[Optional[HookBase]]) -> None:
@@ -311,53 +297,27 @@ class Trainer:
         """Remove ``hook``, or every hook of that class; returns what was removed."""
         return self._hooks.unregister(hook)
 
-    def call_hooks(self, event: str, *args: Any) -> None:
-        """Run every hook's ``event`` handler, e.g. ``call_hooks("after_eval", results)``."""
-        self._hooks.call(event, *args)
-
     @property
-    def hooks(self) -> list[HookBase]:
-        """The registered hooks in the order they run (a copy)."""
-        return list(self._hooks.hooks)
-
-    @property
-    def hook_info(self) -> list[str]:
-        """The registered hooks in the order they run, with their priorities."""
-        return [f"{h.class_name} (priority {h.priority})" for h in self._hooks.hooks]
-
-    @property
-    def hook_seconds(self) -> dict[str, float]:
-        """Seconds spent in each hook since :meth:`train` started, by class name."""
-        return self._hooks.seconds_by_class()
+    def hooks(self) -> HookRegistry:
+        """The registered hooks in the order they run; ``hooks.call("after_eval", results)``
+        fires an event, ``hooks.info()`` and ``hooks.seconds_by_class()`` describe them."""
+        return self._hooks
 
     # Checkpoints
 
-    def checkpoint_name(self) -> str:
-        """The file name of a checkpoint taken now: ``epoch_{N}.pth`` at an epoch's end in
-        epoch-based training, ``iter_{N}.pth`` otherwise (N epochs or iterations done)."""
-        return checkpoint_name(self.train_by_epoch, self.progress.position, self.cur_iter + 1)
-
     @property
-    def last_checkpoint(self) -> Optional[str]:
-        """The path of the checkpoint saved (on rank 0) or resumed from last; None before."""
-        return self._checkpointer.last_path
-
-    def register_checkpointable(self, name: str, obj: Any) -> None:
-        """Save ``obj.state_dict()`` in every checkpoint under ``name`` and restore it on resume:
-        an extra optimizer, scheduler or module that an overridden step uses."""
-        self._checkpointer.register(name, obj)
+    def checkpointer(self) -> Checkpointer:
+        """What checkpoints hold: ``checkpointer.register(name, obj)`` adds an extra optimizer,
+        scheduler or module; ``name()``, ``last_path`` and ``wait()`` tell about the files."""
+        return self._checkpointer
 
     def save_checkpoint(
         self, file_name: str, *, then: Optional[Callable[[], None]] = None
     ) -> Optional[str]:
         """Save the whole state as ``ckpt_dir/file_name``; see :meth:`Checkpointer.save`."""
         self._storage.flush(every_rank=True)  # so a non-finite loss raises before it is saved
-        self.call_hooks("before_save_checkpoint")  # the logs it covers reach the disk first
+        self._hooks.call("before_save_checkpoint")  # the logs it covers reach the disk first
         return self._checkpointer.save(file_name, then)
-
-    def wait_for_checkpoint(self) -> None:
-        """Wait for the checkpoint write in flight; raise its ``OSError`` if it failed."""
-        self._checkpointer.wait()
 
     def load_checkpoint(
         self,
@@ -388,20 +348,20 @@ class Trainer:
             self._agree_at_start()
             self._start(resume_from_checkpoint, auto_resume, continue_after_stop)
             try:
-                self.call_hooks("before_train")
+                self._hooks.call("before_train")
                 self._period_start = (time.perf_counter(), self.cur_iter)
                 with self._watch_skipped_steps():
                     while not self.progress.finished and self._train_epoch():
                         pass
                 self._storage.flush(every_rank=True)  # what was logged after the last log point
                 if self.progress.stopped and not self.progress.is_saved:
-                    self.save_checkpoint(self.checkpoint_name())  # a rerun stays stopped
+                    self.save_checkpoint(self._checkpointer.name())  # a rerun stays stopped
             except KeyboardInterrupt:
                 self._after_failure()
                 logger.warning(
                     f"Interrupted (Ctrl-C) in iteration {self.cur_iter + 1} of {self.max_iters}: "
                     "not saved. Rerun to resume from the last checkpoint "
-                    f"({self.last_checkpoint or 'none yet: from the start'})."
+                    f"({self._checkpointer.last_path or 'none yet: from the start'})."
                 )
                 raise SystemExit(128 + signal.SIGINT) from None  # what a shell reports for it
             except Exception as e:
@@ -419,7 +379,7 @@ class Trainer:
                 try:
                     self._hooks.call("after_train", every_handler=True)
                 finally:
-                    self.wait_for_checkpoint()  # the last checkpoint is on disk when train() ends
+                    self._checkpointer.wait()  # the last checkpoint is on disk when train() ends
 
     def _after_failure(self) -> None:
         """Erase the progress bar's line, release the loader's workers, and put this rank's
@@ -436,7 +396,7 @@ class Trainer:
         progress, data, hooks = self.progress, self._data, self._hooks
         preemption, writer = self._preemption, self._checkpointer.writer
         start = progress.begin_epoch(progress.position[0])
-        self.call_hooks("before_epoch")
+        self._hooks.call("before_epoch")
         if not self.model.training:  # an evaluation left it in eval mode (train() walks modules)
             self.model.train()
         for inner_iter in range(start, progress.epoch_iters):
@@ -448,8 +408,8 @@ class Trainer:
                 hooks.call("before_iter")
             self.train_one_iter()
             progress.position = (progress.epoch, inner_iter + 1)  # a checkpoint goes on here
-            if self._update_due:  # an override stepped the GradScaler but did not update it
-                self.update_scaler()
+            if self._update_due:  # an override stepped the GradScaler: update it once
+                self._update_scaler()
             if (it + 1) % self.log_period == 0 or it == self.max_iters - 1:
                 self._log_point(it)
             if it >= hooks.after_iter_due:  # periodic hooks wait for their iteration
@@ -464,7 +424,7 @@ class Trainer:
         data.end_pass()
         progress.end_epoch()
         self._storage.flush(every_rank=True)  # for the epoch's hooks (no sync if just logged)
-        self.call_hooks("after_epoch")
+        self._hooks.call("after_epoch")
         return not progress.stopped
 
     def _stop_if_agreed(self) -> None:
@@ -475,8 +435,8 @@ class Trainer:
         if signum == WRITE_FAILED:  # surfaced now, not at the next save
             self._checkpointer.raise_write_error()
         if signum and it < self.max_iters - 1:
-            path = self.save_checkpoint(self.checkpoint_name())
-            self.wait_for_checkpoint()
+            path = self.save_checkpoint(self._checkpointer.name())
+            self._checkpointer.wait()
             self._preemption.exit(signum, path, it + 1)
 
     @contextlib.contextmanager
@@ -512,9 +472,9 @@ class Trainer:
 
     def _start(self, path: Optional[str], auto_resume: bool, continue_after_stop: bool) -> None:
         self._hooks.start()  # this run's hook times, and which events each hook handles
-        self._data_seconds = 0.0
+        self.progress.data_seconds = 0.0
         logger.info(f"Environment:\n{collect_env()}")
-        logger.info(f"Hooks: {self.hook_info}")
+        logger.info(f"Hooks: {self._hooks.info()}")
         args.warn_unoptimized(self.model_or_module, self._checkpointer.optimizers)
         notice = None if self.epoch_len else args.stream_notice(self.lr_scheduler, self.hooks)
         if notice:
@@ -539,7 +499,7 @@ class Trainer:
         start, before = self._period_start
         now, n = time.perf_counter(), it - before
         times = {"data_time": self._data.data_time / n, "iter_time": (now - start) / n}
-        self._data_seconds += self._data.data_time
+        self.progress.data_seconds += self._data.data_time
         self._data.data_time, self._period_start = 0.0, (now, it)
         # the period's own means, not smoothed: a logged time says what this period took
         self._storage.add(it, times, smooth=False, reduce=True)
@@ -621,7 +581,7 @@ class Trainer:
         while len(batches) < self.accumulation_steps:
             batches.append(self.next_batch())
         # 2.-4. forward, backward, clip and step: one CUDA graph replay with cuda_graph=True
-        losses, extras = (self._graphed_step or self.forward_backward_step)(batches)
+        losses, extras = (self._graphed_step or self._forward_backward_step)(batches)
         # 5. log, on the device until the next log point; a NaN gradient norm fails like a NaN
         # loss, unless float16's GradScaler skipped that step
         self.log_losses(**losses)
@@ -670,9 +630,8 @@ class Trainer:
         self._update_due = True
         return norm
 
-    def update_scaler(self) -> None:
-        """Adjust the float16 loss scale once per iteration, after every optimizer stepped (the
-        trainer does it after ``train_one_iter`` if the iteration did not)."""
+    def _update_scaler(self) -> None:
+        """Adjust the float16 loss scale, once per iteration after every optimizer stepped."""
         if self._update_due:
             self.grad_scaler.update()
             self._update_due = False
@@ -690,7 +649,7 @@ class Trainer:
             return out, {"total_loss": out.detach()}
         return total_loss(out)
 
-    def forward_backward_step(
+    def _forward_backward_step(
         self, batches: list[Any], set_to_none: bool = True
     ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         """The built-in step on ``batches`` (one per micro-step): forward, backward, clip and
@@ -705,7 +664,7 @@ class Trainer:
         grad_norm = self.clip_and_step()
         if not self._scaling and grad_norm is None:
             return losses, _NO_METRICS  # the plain configuration: no other metric
-        self.update_scaler()  # here, not after the iteration: a CUDA graph replays it
+        self._update_scaler()  # here, not after the iteration: a CUDA graph replays it
         extras: dict[str, Any] = {}
         if grad_norm is not None:
             extras["grad_norm"] = grad_norm
@@ -724,12 +683,6 @@ class Trainer:
                 self.backward(loss / k)
             total = {n: total[n] + v for n, v in logged.items()} if micro_step else logged
         return {name: value / k for name, value in total.items()}
-
-    @property
-    def step_skipped(self) -> bool:
-        """Whether the float16 GradScaler skipped the last optimizer step (a sync with fused
-        optimizers)."""
-        return bool(self._skipped)
 
     @contextlib.contextmanager
     def _watch_skipped_steps(self) -> Iterator[None]:

@@ -84,7 +84,7 @@ def test_after_eval_can_be_fired_through_the_public_call_hooks(make_trainer):
 
     trainer = make_trainer(max_epochs=1)
     trainer.register_hook(Listener())
-    trainer.call_hooks("after_eval", {"acc": 0.25})
+    trainer.hooks.call("after_eval", {"acc": 0.25})
     assert received == [{"acc": 0.25}]
 
 

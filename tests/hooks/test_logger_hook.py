@@ -163,7 +163,8 @@ def test_the_summary_table_gives_the_time_by_hook_and_the_evaluated_metrics(
     )
     trainer.register_hooks([Slow(), Tick(clock, 0.25)])  # 0.25 s per iteration
     trainer.train()
-    assert trainer.hook_seconds["Slow"] == 1.0 and trainer.hook_seconds["Tick"] == 4.0
+    seconds = trainer.hooks.seconds_by_class()
+    assert seconds["Slow"] == 1.0 and seconds["Tick"] == 4.0
     (summary,) = [r.getMessage() for r in caplog.records if "Run summary" in r.getMessage()]
     rows = dict(re.split(r"  +", line.strip(), maxsplit=1) for line in summary.splitlines()[3:])
     work = str(tmp_path / "work")
@@ -242,7 +243,7 @@ def test_the_run_settings_go_to_run_json_and_tensorboard(make_trainer, tmp_path)
     assert config["torch"] == torch.__version__ and config["model"] == "TinyModel"
     assert config["compiled"] is False
     # the hooks that carry the other options, in run order
-    assert config["hooks"] == trainer.hook_info
+    assert config["hooks"] == trainer.hooks.info()
     assert "CheckpointHook (priority 80)" in config["hooks"]
     acc = EventAccumulator(trainer.tb_log_dir)
     acc.Reload()
@@ -292,7 +293,7 @@ class Kill(HookBase):
 
     def after_epoch(self):
         if self.trainer.cur_epoch == 2:
-            self.trainer.wait_for_checkpoint()  # durable, and latest
+            self.trainer.checkpointer.wait()  # durable, and latest
             os.kill(os.getpid(), signal.SIGKILL)
 
 trainer = build({work!r}, max_epochs=5, log_period=2)

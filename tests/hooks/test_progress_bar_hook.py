@@ -69,7 +69,7 @@ def test_no_bar_where_the_console_is_not_a_terminal(make_trainer):
     stream = io.StringIO()
     trainer = make_trainer(max_epochs=1)
     # none is registered by default, with or without progress_bar
-    assert not any("ProgressBarHook" in h for h in trainer.hook_info)
+    assert not any("ProgressBarHook" in h for h in trainer.hooks.info())
     trainer.register_hook(ProgressBarHook(stream=stream))  # and one registered draws nothing
     trainer.train()
     assert stream.getvalue() == ""
@@ -78,9 +78,9 @@ def test_no_bar_where_the_console_is_not_a_terminal(make_trainer):
 def test_on_a_terminal_the_bar_is_a_default_hook_that_unregisters(make_trainer, monkeypatch):
     monkeypatch.setattr("sys.stderr", Terminal())
     trainer = make_trainer(max_epochs=1)
-    assert "ProgressBarHook (priority 91)" in trainer.hook_info
+    assert "ProgressBarHook (priority 91)" in trainer.hooks.info()
     assert [type(h) for h in trainer.unregister_hook(ProgressBarHook)] == [ProgressBarHook]
-    assert not any("ProgressBarHook" in h for h in trainer.hook_info)
+    assert not any("ProgressBarHook" in h for h in trainer.hooks.info())
 
 
 def test_a_log_line_clears_the_bar_and_draws_it_again_below(monkeypatch):

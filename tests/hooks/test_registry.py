@@ -16,7 +16,7 @@ def test_default_outputs_are_one_argument_away(make_trainer, tmp_path):
     work = tmp_path / "work"
     assert sorted(os.listdir(work)) == [".lock", "checkpoints", "log.txt", "run.json"]
     assert os.listdir(work / "checkpoints") == []
-    assert "CheckpointHook (priority 80)" not in trainer.hook_info
+    assert "CheckpointHook (priority 80)" not in trainer.hooks.info()
     assert trainer.metric_storage["total_loss"].count == 8  # logging goes on
 
     with_all = make_trainer(max_epochs=1, work_dir=tmp_path / "all")
@@ -36,7 +36,7 @@ def test_a_default_hook_is_replaced_by_unregistering_its_class(make_trainer):
     trainer.register_hook(EveryFourIterations(period=4, by_epoch=False))
     trainer.train()
     assert sorted(os.listdir(trainer.ckpt_dir)) == ["epoch_1.pth", "iter_4.pth", "latest.txt"]
-    assert trainer.hook_info[2] == "EveryFourIterations (priority 80)"
+    assert trainer.hooks.info()[2] == "EveryFourIterations (priority 80)"
 
 
 def test_unregister_one_instance_keeps_the_others(make_trainer):

@@ -46,7 +46,7 @@ class CheckpointHook(HookBase):
     def before_train(self) -> None:
         """Count a checkpoint that this run resumed from and the trainer saved outside this hook
         (a preemption's) among this hook's, so that preemptions do not pile up checkpoints."""
-        name = self.trainer.checkpoint_name()
+        name = self.trainer.checkpointer.name()
         path = os.path.join(self.trainer.ckpt_dir, name)
         if self.trainer.start_iter > 0 and name not in self._saved and os.path.isfile(path):
             self._add(name, save=False)
@@ -58,13 +58,13 @@ class CheckpointHook(HookBase):
     def after_iter(self) -> None:
         """Save mid-epoch checkpoints (one due at an epoch's last iteration waits)."""
         if not self.is_last_inner_iter():
-            self._add(self.trainer.checkpoint_name())
+            self._add(self.trainer.checkpointer.name())
 
     def after_epoch(self) -> None:
         """Save epoch checkpoints, and iteration checkpoints due at the epoch's last iteration."""
         every_n = self.every_n_epochs if self._by_epoch else self.every_n_iters
         if every_n(self._period) or self.is_last_epoch():
-            self._add(self.trainer.checkpoint_name())
+            self._add(self.trainer.checkpointer.name())
 
     def _add(self, file_name: str, save: bool = True) -> None:
         """Save ``file_name`` (or adopt it, durable already) and delete those beyond the newest

@@ -128,7 +128,7 @@ class EvalHook(HookBase):
         logger.info(f"Evaluation after iteration {self.trainer.cur_iter + 1}: {line}")
         # numbers already, the same on every rank: in the storage at once, for the hooks
         self.trainer.metric_storage.update(self.trainer.cur_iter, smooth=False, **results)
-        self.trainer.call_hooks("after_eval", results)
+        self.trainer.hooks.call("after_eval", results)
 
     def _call_eval_func(self) -> Optional[dict[str, float]]:
         from ..evaluation import eval_mode  # imported by a run that evaluates

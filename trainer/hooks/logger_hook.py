@@ -79,7 +79,7 @@ class LoggerHook(HookBase):
         self._writers = [ConsoleWriter(self._train_start, trainer.start_iter)]
         if is_main_process():
             # the settings, and the hooks in run order (the options they take are theirs)
-            config = {**trainer.run_config, "hooks": trainer.hook_info}
+            config = {**trainer.run_config, "hooks": trainer.hooks.info()}
             with open_no_follow(os.path.join(trainer.work_dir, "run.json"), append=False) as f:
                 json.dump(config, f, indent=2)
             if self._tensorboard:
@@ -96,19 +96,18 @@ class LoggerHook(HookBase):
     def _log_start(self) -> None:
         """Say where training starts, or that the run is finished and how to start afresh."""
         trainer, progress = self.trainer, self.trainer.progress
-        done = f"{trainer.start_iter} of {trainer.max_iters}"
+        done, last = f"{trainer.start_iter} of {trainer.max_iters}", trainer.checkpointer.last_path
         if progress.stopped:  # stop() ended the run; the trainer says so
             return
         if progress.finished:
             logger.info(
                 f"Nothing to train: the run in {trainer.work_dir} is finished "
-                f"({trainer.last_checkpoint}, iteration {done}). To train again from scratch, "
+                f"({last}, iteration {done}). To train again from scratch, "
                 "build a new Trainer and pass train(auto_resume=False) or another work_dir; to "
                 "train longer, raise max_epochs or max_iters."
             )
             return
-        resumed = trainer.start_iter > 0 and trainer.last_checkpoint is not None
-        origin = f"resuming {trainer.last_checkpoint}" if resumed else "afresh"
+        origin = f"resuming {last}" if trainer.start_iter > 0 and last is not None else "afresh"
         logger.info(f"Start training from iteration {done} in {trainer.work_dir}, {origin}.")
 
     def after_iter_period(self) -> int:

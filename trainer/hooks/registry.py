@@ -3,7 +3,8 @@
 import sys
 import time
 import weakref
-from typing import Any, Callable, Union
+from collections.abc import Iterator
+from typing import Any, Callable, Optional, Union
 
 from .hookbase import HookBase
 
@@ -12,18 +13,31 @@ EVENTS = ("before_train", "after_train", "before_epoch", "after_epoch", "before_
 
 
 class HookRegistry:
-    """Hooks sorted by ``priority`` (ties in registration order), each event calling only the
-    hooks that override it, with the seconds spent in each hook.
+    """The trainer's hooks (``trainer.hooks``), sorted by ``priority`` (ties in registration
+    order): iterate, index or ``len()`` it like a list. Each event calls only the hooks that
+    override it, timing each.
 
     Args:
         owner: The trainer the hooks get as ``hook.trainer``.
+        one_of_each: Classes of which one hook at most may be registered, with what a second
+            one would do (the message of the error that refuses it).
     """
 
-    def __init__(self, owner: Any) -> None:
+    def __init__(self, owner: Any, one_of_each: Optional[dict[type, str]] = None) -> None:
         # A proxy, not a reference: the trainer owns its hooks, and a cycle would keep both alive.
         self._owner = weakref.proxy(owner)
+        self._one_of_each = one_of_each or {}
         self.hooks: list[HookBase] = []
         self.start()
+
+    def __iter__(self) -> Iterator[HookBase]:
+        return iter(list(self.hooks))
+
+    def __len__(self) -> int:
+        return len(self.hooks)
+
+    def __getitem__(self, index: int) -> HookBase:
+        return self.hooks[index]
 
     def register(self, hook: HookBase) -> None:
         """Add ``hook`` in priority order."""
@@ -40,6 +54,13 @@ class HookRegistry:
                 "trainer (self.trainer). Create another instance for this one, or unregister it "
                 "from the other trainer first."
             )
+        for cls, twice in self._one_of_each.items():
+            if isinstance(hook, cls) and any(isinstance(h, cls) for h in self.hooks):
+                raise ValueError(
+                    f"A {cls.__name__} is registered already, and a second one would {twice}. "
+                    f"To configure it, replace it: trainer.unregister_hook({cls.__name__}), then "
+                    f"trainer.register_hook({type(hook).__name__}(...))."
+                )
         hook.trainer = self._owner
         position = sum(1 for h in self.hooks if h.priority <= hook.priority)
         self.hooks.insert(position, hook)
@@ -111,8 +132,13 @@ class HookRegistry:
         if errors:
             raise errors[0]
 
+    def info(self) -> list[str]:
+        """The hooks in the order they run, with their priorities."""
+        return [f"{h.class_name} (priority {h.priority})" for h in self.hooks]
+
     def seconds_by_class(self) -> dict[str, float]:
-        """Seconds spent in the hooks, by class name."""
+        """Seconds spent in the hooks since training started, by class name (a hook's
+        ``after_eval`` time also counts in the ``EvalHook`` that calls it)."""
         totals: dict[str, float] = {}
         for hook, seconds in zip(self.hooks, self.seconds):
             totals[hook.class_name] = totals.get(hook.class_name, 0.0) + seconds

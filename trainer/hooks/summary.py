@@ -21,8 +21,11 @@ def summary_table(
     done = f"iteration {trainer.cur_iter + 1} of {trainer.max_iters}"
     if iters:
         speed = f"{wall} for {iters} iterations ({iters / max(seconds, 1e-9):.3g} it/s), {done}"
-        rows = [["wall time", speed], ["data loading", _share(trainer.data_seconds, seconds)]]
-        hooks = sorted(trainer.hook_seconds.items(), key=lambda item: -item[1])
+        rows = [
+            ["wall time", speed],
+            ["data loading", _share(trainer.progress.data_seconds, seconds)],
+        ]
+        hooks = sorted(trainer.hooks.seconds_by_class().items(), key=lambda item: -item[1])
         rows += [[f"hook {name}", _share(s, seconds)] for name, s in hooks]
     else:
         rows = [["wall time", f"{wall}, no iteration to train: {done}"]]
@@ -31,7 +34,7 @@ def summary_table(
         if entry["best"] is not None:
             value += f", best {entry['best']:.5g} (after iteration {entry['best_iter']})"
         rows.append([name, value])
-    last, best = trainer.last_checkpoint, _best_checkpoint(trainer)
+    last, best = trainer.checkpointer.last_path, _best_checkpoint(trainer)
     rows.append(["last checkpoint", os.path.abspath(last) if last else "none"])
     if best is not None:
         rows.append(["best checkpoint", os.path.abspath(best)])
@@ -50,6 +53,8 @@ def _best_checkpoint(trainer: Any) -> Optional[str]:
     for hook in trainer.hooks:
         path = getattr(hook, "best_checkpoint", None)
         # on disk, or the last save, which may still be written in the background
-        if isinstance(path, str) and (os.path.exists(path) or path == trainer.last_checkpoint):
+        if isinstance(path, str) and (
+            os.path.exists(path) or path == trainer.checkpointer.last_path
+        ):
             return path
     return None
