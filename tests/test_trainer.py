@@ -1,4 +1,5 @@
 import gc
+import inspect
 import io
 import os
 import weakref
@@ -8,7 +9,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from trainer import HookBase
+from trainer import HookBase, Trainer
 
 from conftest import RecordLR, TinyModel, build, load, tiny_dataset, tiny_loader
 
@@ -577,3 +578,10 @@ def test_ctrl_c_logs_one_line_exits_130_and_erases_the_progress_bar(make_trainer
     assert f"checkpoint ({trainer.ckpt_dir}/epoch_1.pth)" in log
     assert "Traceback" not in log
     assert terminal.getvalue().endswith("\r\x1b[K")  # the bar's line erased, not left standing
+
+
+def test_the_trainer_has_at_most_45_public_names_and_22_parameters(make_trainer):
+    public = [name for name in dir(make_trainer()) if not name.startswith("_")]
+    assert len(public) <= 45, public
+    assert len(inspect.signature(Trainer.__init__).parameters) - 1 <= 22
+    assert Trainer.__bases__ == (object,)
