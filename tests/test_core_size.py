@@ -37,6 +37,7 @@ EXTRAS = [
     "trainer.cuda_graph",
     "trainer.data_resume",
     "trainer.evaluation",
+    "trainer.fsdp",
     "trainer.history_buffer",
     "trainer.log_rewind",
     "trainer.metric_flush",

@@ -14,8 +14,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
 from .checks import NUMBER, check_int, check_type
-from .distributed import get_world_size, is_main_process
-from .fsdp import is_sharded
+from .distributed import get_world_size, is_main_process, is_sharded
 from .hooks import HookBase
 from .logger import is_terminal
 from .lr_scheduler import LRWarmupScheduler

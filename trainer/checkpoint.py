@@ -10,8 +10,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from . import checkpoint_files as files
-from .distributed import CpuGroup, all_gather, gather, get_world_size, is_main_process
-from .fsdp import full_state_dicts, is_sharded
+from .distributed import CpuGroup, all_gather, gather, get_world_size, is_main_process, is_sharded
 from .progress import DataStream, Progress
 from .step import unwrapped
 
@@ -97,7 +96,11 @@ class Checkpointer:
         self._refuse_unloadable(file_name, state)
         self._progress.mark_saved()
         # FSDP2: every rank takes part in gathering the full weights, which rank 0 writes.
-        weights = full_state_dicts(self._model, self._optimizer) if self._sharded else None
+        weights = None
+        if self._sharded:  # FSDP2: the full states, gathered from every rank
+            from .fsdp import full_state_dicts
+
+            weights = full_state_dicts(self._model, self._optimizer)
         # Per-rank RNG, so every rank's dropout and data-worker seeds resume exactly.
         rng = gather(
             self._data.rng_state(mid_pass=self._progress.position[1] > 0), group=self._cpu.group

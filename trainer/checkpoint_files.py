@@ -11,7 +11,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 
-from .fsdp import is_dtensor
+from .distributed import is_dtensor
 
 LATEST_POINTER = "latest.txt"
 TEMP_SUFFIX = ".tmp"

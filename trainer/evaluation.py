@@ -17,8 +17,7 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from .distributed import all_gather, get_rank, get_world_size
-from .fsdp import is_sharded
+from .distributed import all_gather, get_rank, get_world_size, is_sharded
 
 MetricFn = Callable[[nn.Module, Any], dict[str, torch.Tensor]]
 # Samplers that draw their order from the RNG, which differs by rank.

@@ -9,10 +9,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from .distributed import is_dtensor, is_sharded
-
-__all__ = ["full_state_dicts", "is_dtensor", "is_sharded", "keyed_by_name", "local_value",
-           "load_full_model_state", "load_full_optimizer_state", "no_gradient_sync"]  # fmt: skip
+from .distributed import is_dtensor
 
 
 def local_value(tensor: torch.Tensor) -> torch.Tensor:

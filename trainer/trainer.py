@@ -22,9 +22,8 @@ from torch.utils.data import DataLoader
 
 from . import arguments as args
 from .checkpoint import Checkpointer
-from .distributed import CpuGroup, all_gather, get_rank, get_world_size, is_main_process
+from .distributed import CpuGroup, all_gather, get_rank, get_world_size, is_main_process, is_sharded
 from .env import collect_env
-from .fsdp import is_sharded, local_value, no_gradient_sync
 from .hooks import CheckpointHook, DistributedHook, HookBase, LoggerHook, LRUpdateHook
 from .hooks.registry import HookRegistry
 from .lock import WorkDirLock
@@ -602,6 +601,8 @@ class Trainer:
         if skip and self._ddp is not None:
             return self._ddp.no_sync()
         if skip and self._sharded_model is not None:
+            from .fsdp import no_gradient_sync
+
             return no_gradient_sync(self._sharded_model)
         return _NO_OP
 
@@ -620,6 +621,8 @@ class Trainer:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             norm = nn.utils.clip_grad_norm_(params, self._clip_grad_norm).detach()
             if self._sharded_model is not None:
+                from .fsdp import local_value
+
                 norm = local_value(norm)  # FSDP2: a replicated DTensor
         if not self._scaling:
             optimizer.step()
