@@ -44,6 +44,7 @@ EXTRAS = [
     "trainer.misc",
     "trainer.preemption_agreement",
     "trainer.process_group",
+    "trainer.seed",
     "trainer.unsized_stream",
     "trainer.hooks.best_checkpoint_hook",
     "trainer.hooks.early_stopping_hook",

@@ -1,5 +1,6 @@
 """trainer: a minimal, hook-based PyTorch training loop, with core-pytorch-utils' public names."""
 
+from importlib import import_module
 from typing import TYPE_CHECKING, Any
 
 from .distributed import (
@@ -16,25 +17,26 @@ from .hooks import CheckpointHook, DistributedHook, HookBase, LoggerHook, LRUpda
 from .logger import setup_logger
 from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import HistoryBuffer, MetricStorage
-from .seed import set_random_seed
 from .trainer import Trainer
 
 __version__ = "0.1.0"
 
+# imported when first named: a default run uses neither
+_LAZY = {"EvalHook": "hooks", "set_random_seed": "seed"}
+
 if TYPE_CHECKING:
     from .hooks import EvalHook
+    from .seed import set_random_seed
 else:  # hidden from type checkers, which would take any name through it
 
     def __getattr__(name: str) -> Any:
-        if name == "EvalHook":  # imported by a run that evaluates
-            from .hooks import EvalHook
-
-            return EvalHook
+        if name in _LAZY:
+            return getattr(import_module(f".{_LAZY[name]}", __name__), name)
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), "EvalHook"])
+    return sorted([*globals(), *_LAZY])
 
 
 __all__ = [

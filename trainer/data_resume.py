@@ -22,7 +22,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from .distributed import get_rank, get_world_size
 from .progress import DataStream, _samplers
-from .seed import get_rng_state, set_rng_state
+from .rng_state import get_rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
 # Mixed into a number drawn from the data's RNG to seed another stream (any odd constant).

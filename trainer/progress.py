@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 
 from .distributed import CpuGroup, get_world_size
-from .seed import get_rng_state
+from .rng_state import get_rng_state
 
 Position = tuple[int, int]  # (epoch, iterations done in it): where training goes on from
 
