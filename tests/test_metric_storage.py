@@ -157,3 +157,14 @@ def test_history_buffer_extend_sums_as_one_by_one_updates():
     batched.extend(values[2:])
     assert batched.global_sum == one_by_one.global_sum  # bit for bit, not approximately
     assert batched.avg == one_by_one.avg and batched.count == one_by_one.count
+
+
+def test_series_of_other_dtypes_flushed_together_keep_their_values():
+    # stacked together, an int series would take the bfloat16 loss's type (12345 -> 12352)
+    storage = MetricStorage()
+    half = torch.tensor(0.5, dtype=torch.bfloat16)
+    storage.add(0, {"tokens": torch.tensor(12345), "big": torch.tensor(100000), "loss": half})
+    storage.flush()
+    assert {name: storage[name].latest for name in storage} == {
+        "tokens": 12345.0, "big": 100000.0, "loss": 0.5,
+    }  # fmt: skip

@@ -275,8 +275,11 @@ def _has_tensor(values: list[Any]) -> bool:
 def _to_host(series: list[list[Any]]) -> list[list[float]]:
     """Each series of numbers and scalar tensors as floats, the tensors copied in one transfer."""
     with_tensors = [_has_tensor(values) for values in series]
-    tensors = [v for values, t in zip(series, with_tensors) if t for v in values]
-    copied = iter(_stacked(tensors, None, torch.float32).tolist() if tensors else ())
+    # each series to float32 first: stacked together, an int series would take a bfloat16's type
+    stacks = [_stacked(values, None, torch.float32) for values, t in zip(series, with_tensors) if t]
+    if len({stack.device for stack in stacks}) > 1:  # tensors on several devices (rare)
+        stacks = [stack.cpu() for stack in stacks]
+    copied = iter(torch.cat(stacks).tolist() if stacks else ())
     return [
         list(itertools.islice(copied, len(values))) if t else list(map(float, values))
         for values, t in zip(series, with_tensors)
