@@ -498,3 +498,19 @@ def test_a_file_without_weights_is_refused_and_pickled_code_never_runs(tmp_path)
     with pytest.raises(RuntimeError, match="could not be loaded safely"):
         trainer.load_checkpoint(str(tmp_path / "evil.pth"), resume=False)
     assert not marker.exists()
+
+
+def test_a_loader_state_that_would_not_load_is_refused_before_saving(make_trainer):
+    class StatefulLoader(list):  # a data loader with a state of its own, here not plain data
+        def state_dict(self):
+            return {"pos": np.arange(3)}
+
+        def load_state_dict(self, state):
+            pass
+
+    trainer = make_trainer(loader=StatefulLoader(tiny_loader()), max_iters=3, checkpoint_period=0)
+    trainer.train()
+    trainer.progress.position = (0, 2)  # in mid-pass, where the loader's state is saved
+    with pytest.raises(TypeError, match=r"state_dict\(\) of the data loader holds a numpy"):
+        trainer.save_checkpoint("mid.pth")
+    assert not os.path.exists(os.path.join(trainer.ckpt_dir, "mid.pth"))

@@ -190,3 +190,16 @@ def test_checkpoints_get_the_permissions_the_umask_gives_every_other_file(
     assert {path: oct(stat.S_IMODE(os.stat(path).st_mode)) for path in files} == {
         path: oct(mode) for path in files
     }
+
+
+def test_a_checkpoint_in_a_sub_folder_has_its_own_latest_pointer(make_trainer):
+    trainer = make_trainer(max_epochs=1)
+    trainer.train()
+    os.makedirs(os.path.join(trainer.ckpt_dir, "best"))
+    trainer.save_checkpoint("best/model.pth")
+    trainer.checkpointer.wait()
+    # the run's pointer still names its newest periodic checkpoint, which auto-resume lists
+    with open(os.path.join(trainer.ckpt_dir, "latest.txt")) as f:
+        assert f.read() == "epoch_1.pth"
+    with open(os.path.join(trainer.ckpt_dir, "best", "latest.txt")) as f:
+        assert f.read() == "model.pth"

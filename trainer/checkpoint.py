@@ -93,7 +93,10 @@ class Checkpointer:
         calls this, and gets the path being written (None on other ranks).
         """
         state = self._live_state()
-        self._refuse_unloadable(file_name, state)
+        # Per-rank RNG, so every rank's dropout and data-worker seeds resume exactly (with a
+        # stateful loader's own state, checked with the rest)
+        own_rng = self._data.rng_state(mid_pass=self._progress.position[1] > 0)
+        self._refuse_unloadable(file_name, {**state, "rng": [own_rng]})
         self._progress.mark_saved()
         # FSDP2: every rank takes part in gathering the full weights, which rank 0 writes.
         weights = None
@@ -101,10 +104,7 @@ class Checkpointer:
             from .fsdp import full_state_dicts
 
             weights = full_state_dicts(self._model, self._optimizer)
-        # Per-rank RNG, so every rank's dropout and data-worker seeds resume exactly.
-        rng = gather(
-            self._data.rng_state(mid_pass=self._progress.position[1] > 0), group=self._cpu.group
-        )
+        rng = gather(own_rng, group=self._cpu.group)
         if not is_main_process():
             return None
         path = os.path.join(self.ckpt_dir, file_name)
@@ -115,10 +115,11 @@ class Checkpointer:
         if weights is not None:
             copied["model"], copied["optimizer"] = weights
         mode = 0o666 & ~files.current_umask()  # read here, in the training thread
+        folder, name = os.path.split(path)  # a file in a sub-folder gets a latest.txt there
 
         def write() -> None:
             files.atomic_save(copied, path, mode)
-            files.update_latest_pointer(self.ckpt_dir, file_name, mode)
+            files.update_latest_pointer(folder, name, mode)
             logger.debug(f"Saved checkpoint {path}")  # the next log line names it
             if then is not None:
                 then()

@@ -18,6 +18,8 @@ def unloadable_message(file_name: str, path: tuple, value: Any) -> str:
     if top in ("hooks", "extra") and rest:
         kind = "hook" if top == "hooks" else "checkpointable"
         owner, rest = f"{kind} {rest[0]!r}", rest[1:]
+    elif top == "rng" and rest[1:2] == ["loader"]:  # a stateful data loader's own state
+        owner, rest = "the data loader", rest[2:]
     else:
         owner = _OWNERS.get(top, f"the trainer's {top!r}")
     kind = type(value)

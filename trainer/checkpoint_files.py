@@ -134,8 +134,13 @@ class UnloadableState(TypeError):
     ``torch.load(weights_only=True)`` cannot rebuild."""
 
     def __init__(self, path: tuple, value: Any) -> None:
-        super().__init__(f"{type(value).__name__} at {list(path)}")
+        super().__init__(path, value)
         self.path, self.value = path, value
+
+    def __str__(self) -> str:
+        from .checkpoint_errors import describe, format_path
+
+        return f"{describe(self.value)} at {format_path(self.path)}"
 
 
 def copy_to_cpu(state: Any) -> Any:

@@ -108,7 +108,7 @@ def _is_file_name(name: Any) -> bool:
 
 def _delete(ckpt_dir: str, names: list[str]) -> None:
     """Delete old checkpoints; one that cannot be deleted is a warning (training is fine)."""
-    for path in (os.path.join(ckpt_dir, name) for name in names):
+    for path in (os.path.join(ckpt_dir, name) for name in names if _is_file_name(name)):
         try:
             if os.path.lexists(path):
                 os.remove(path)
