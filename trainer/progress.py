@@ -97,7 +97,8 @@ class Progress:
 
 class DataStream:
     """Passes over a data loader, one per epoch, that a mid-epoch resume continues exactly
-    (``data_resume.py`` says how). A loader without a length gets an ``UnsizedDataStream``.
+    (``data_resume.py`` says how); :func:`data_stream` makes one, or for a loader without a
+    length an ``UnsizedDataStream``.
 
     Args:
         data_loader: A data loader, or any iterable.
@@ -106,13 +107,6 @@ class DataStream:
 
     sized = True  # the loader has a length (an UnsizedDataStream's has not)
     pass_ended = False  # an UnsizedDataStream's pass ended (has_next said so)
-
-    def __new__(cls, data_loader: Any, cpu: Optional[CpuGroup] = None) -> "DataStream":
-        if cls is DataStream and loader_length(data_loader) is None:
-            from .unsized_stream import UnsizedDataStream
-
-            cls = UnsizedDataStream
-        return super().__new__(cls)
 
     def __init__(self, data_loader: Any, cpu: Optional[CpuGroup] = None) -> None:
         self.data_loader = data_loader
@@ -227,3 +221,12 @@ def loader_length(data_loader: Any) -> Optional[int]:
         return len(data_loader)
     except TypeError:
         return None
+
+
+def data_stream(data_loader: Any, cpu: Optional[CpuGroup] = None) -> DataStream:
+    """The passes over ``data_loader``: an ``UnsizedDataStream`` for one without a length."""
+    if loader_length(data_loader) is None:
+        from .unsized_stream import UnsizedDataStream
+
+        return UnsizedDataStream(data_loader, cpu)
+    return DataStream(data_loader, cpu)

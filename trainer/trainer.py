@@ -31,7 +31,7 @@ from .logger import TRACEBACK_FOLLOWS, ensure_console_logging, live_line, log_to
 from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import MetricStorage
 from .preemption import WRITE_FAILED, Preemption
-from .progress import DataStream, Progress
+from .progress import Progress, data_stream
 from .step import total_loss, unwrapped, wrappers
 
 logger = logging.getLogger(__name__)
@@ -193,7 +193,7 @@ class Trainer:
             self._graphed_step = GraphedStep(self._forward_backward_step, optimizer, self.device)
         self._cpu = CpuGroup()  # under torchrun, a gloo group of the trainer's while it trains
         self._lock = WorkDirLock(self.work_dir)  # rank 0's, while it trains
-        self._data = DataStream(data_loader, self._cpu)
+        self._data = data_stream(data_loader, self._cpu)
         self._hooks = HookRegistry(self, _ONE_OF_EACH)
         self._storage = MetricStorage(epoch_len=self.epoch_len, cpu=self._cpu)
         self._preemption = Preemption(preempt_check_period, self._cpu)
