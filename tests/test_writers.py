@@ -3,6 +3,7 @@ import socket
 import time
 import types
 
+import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -136,3 +137,13 @@ def test_a_resumed_runs_event_file_sorts_after_the_old_ones(tmp_path):
     acc.Reload()
     steps = [(e.step, e.value) for e in acc.Scalars("train/loss")]
     assert steps == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+
+
+def test_tensorboard_events_are_not_written_through_a_linked_folder(tmp_path):
+    # a rerun rewrites the event files of its folder: one linked elsewhere stays untouched
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "events.out.tfevents.1.host.1.trainer").write_bytes(b"theirs")
+    os.symlink(tmp_path / "elsewhere", tmp_path / "tb_logs")
+    with pytest.raises(RuntimeError, match="tb_logs is a symbolic link .* remove it"):
+        TensorBoardWriter(str(tmp_path / "tb_logs"))
+    assert os.listdir(tmp_path / "elsewhere") == ["events.out.tfevents.1.host.1.trainer"]

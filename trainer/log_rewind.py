@@ -23,13 +23,19 @@ def rewind_event_files(log_dir: str, step: int, new_writer: Callable[[], Any]) -
     # name sorts after; one more than 2 s ahead means a clock set back: no use waiting.
     for _ in range(2):
         new = max(_event_files(log_dir) - old)
-        if all(name < new for name in old):
+        if all(name < new for name in old) or max(map(_second, old)) > time.time() + 2:
             break
         writer.close()
         os.remove(os.path.join(log_dir, new))
         time.sleep(1 - time.time() % 1)
         writer = new_writer()
     return writer
+
+
+def _second(name: str) -> int:
+    """The second in an event file's name (``events.out.tfevents.<second>.<host>...``)."""
+    field = name.split(".")[3]
+    return int(field) if field.isdigit() else 0
 
 
 def _event_files(log_dir: str) -> set[str]:

@@ -91,8 +91,9 @@ class ConsoleWriter(MetricWriter):
             f"{name} {format_seconds(value) if name.endswith('_time') else f'{value:.4g}'}"
             for name, value in lr_first
         ]
-        if trainer.device.type == "cuda":  # reads the allocator's counters: no device sync
-            parts.append(f"max_mem {torch.cuda.max_memory_allocated(trainer.device) / 2**20:.0f}M")
+        device = next(trainer.model.parameters()).device
+        if device.type == "cuda":  # reads the allocator's counters: no device sync
+            parts.append(f"max_mem {torch.cuda.max_memory_allocated(device) / 2**20:.0f}M")
         logger.info("  ".join(parts))
 
 
@@ -119,6 +120,11 @@ class TensorBoardWriter(MetricWriter):
         from torch.utils.tensorboard import SummaryWriter
 
         self._summary = Summary
+        if os.path.islink(log_dir):  # a rerun rewrites the event files it holds
+            raise RuntimeError(
+                f"{log_dir} is a symbolic link (to {os.readlink(log_dir)}), and the trainer does "
+                "not write through links: remove it, or pick another work_dir."
+            )
         new_writer = functools.partial(
             SummaryWriter, log_dir=log_dir, max_queue=1000, filename_suffix=_SUFFIX
         )
