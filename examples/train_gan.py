@@ -95,8 +95,8 @@ class GANTrainer(Trainer):
         with self.autocast():
             g_loss = bce(self.discriminator(self.generator(noise)).float(), labels[: len(real)])
         self.backward(g_loss)
-        self.clip_and_step()  # the trainer's optimizer: the generator's (then the trainer
-        # updates the float16 GradScaler, once per iteration, after both steps)
+        self.clip_and_step()  # the trainer's optimizer: the generator's
+        self.update_scaler()  # once per iteration, after both steps
 
         # 4. log: NaN-checked and averaged over ranks at the next log point, no sync now
         self.log_losses(d_loss=d_loss.detach(), g_loss=g_loss.detach())

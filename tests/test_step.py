@@ -16,6 +16,8 @@ from conftest import RecordLR, TinyModel, build, tiny_loader
 class PublicStep(Trainer):
     """The built-in step again, written with the public methods only."""
 
+    update = True  # call update_scaler() (the trainer calls it otherwise)
+
     def train_one_iter(self):
         batches = [self.next_batch() for _ in range(self.accumulation_steps)]
         self.optimizer.zero_grad(set_to_none=True)
@@ -25,7 +27,9 @@ class PublicStep(Trainer):
                 with self.autocast():
                     loss = self.model(batch)
                 self.backward(loss / k if k > 1 else loss)
-        grad_norm = self.clip_and_step()  # the trainer updates the GradScaler after it
+        grad_norm = self.clip_and_step()
+        if self.update:
+            self.update_scaler()
         self.log_losses(total_loss=loss.detach())
         self.log(self.cur_iter, reduce=True, grad_norm=grad_norm)
 
@@ -41,7 +45,11 @@ def weights(trainer):
         {"enable_amp": True, "amp_dtype": torch.float16, "clip_grad_norm": 0.5},
     ],
 )
-def test_an_override_with_the_public_methods_trains_as_the_built_in_step(tmp_path, options):
+@pytest.mark.parametrize("update", [True, False])
+def test_an_override_with_the_public_methods_trains_as_the_built_in_step(
+    tmp_path, monkeypatch, options, update
+):
+    monkeypatch.setattr(PublicStep, "update", update)
     builtin = build(tmp_path / "builtin", max_epochs=2, **options)
     builtin.train()
     override = build(tmp_path / "override", max_epochs=2, cls=PublicStep, **options)
@@ -353,3 +361,33 @@ def test_a_closure_optimizer_is_refused_with_an_override_that_works(tmp_path):
     trainer.train()
     losses = trainer.metric_storage["total_loss"]
     assert losses.count == 16 and math.isfinite(losses.latest)
+
+
+def test_an_override_steps_one_optimizer_twice_with_float16(make_trainer):
+    class TwoSteps(Trainer):  # a critic stepped twice per iteration, as in a WGAN
+        def train_one_iter(self):
+            for _ in range(2):
+                self.optimizer.zero_grad()
+                self.backward(self.model(self.next_batch()))
+                self.clip_and_step()
+                self.update_scaler()  # before the next step of the same optimizer
+
+    trainer = make_trainer(
+        cls=TwoSteps, enable_amp=True, amp_dtype=torch.float16, max_iters=3, clip_grad_norm=1.0
+    )
+    trainer.train()
+    # one scale update per step, none left for the trainer to make twice
+    assert trainer.grad_scaler.state_dict()["_growth_tracker"] == 6
+
+
+def test_moved_names_say_where_they_went(make_trainer):
+    trainer = make_trainer()
+    with pytest.raises(AttributeError, match=r"call_hooks is gone .*trainer\.hooks\.call"):
+        trainer.call_hooks("after_eval", {})
+    with pytest.raises(AttributeError, match="'Trainer' object has no attribute 'no_such_name'"):
+        _ = trainer.no_such_name
+    with pytest.raises(TypeError, match=r"Custom defines forward_backward_step, .*train_one_iter"):
+
+        class Custom(Trainer):
+            def forward_backward_step(self, batches):
+                pass

@@ -11,7 +11,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -156,12 +156,12 @@ class Trainer:
                 lr_scheduler, by_epoch, self.epoch_len, warmup_t, warmup_by_epoch, warmup_mode,
                 warmup_init_lr, warmup_factor, optimizer=optimizer,
             )  # fmt: skip
-        self.device = args.model_device(model)
+        self._device = args.model_device(model)
         self._amp_dtype: Optional[torch.dtype] = None  # autocast's dtype
         if isinstance(enable_amp, torch.dtype):
             self._amp_dtype = enable_amp
         elif enable_amp:  # float16 needs a GradScaler, and is the fast one on GPUs
-            self._amp_dtype = torch.float16 if self.device.type == "cuda" else torch.bfloat16
+            self._amp_dtype = torch.float16 if self._device.type == "cuda" else torch.bfloat16
         self.progress = Progress(self.epoch_len, self.max_iters)
         self.model = model
         self._unpack_batch_dict = unpack_batch_dict
@@ -175,11 +175,11 @@ class Trainer:
         self._autocast = None
         if self._amp_dtype is not None:
             self._autocast = functools.partial(
-                torch.autocast, self.device.type, self._amp_dtype, cache_enabled=not cuda_graph
+                torch.autocast, self._device.type, self._amp_dtype, cache_enabled=not cuda_graph
             )
         # bfloat16 has float32's range: only float16 needs loss scaling
         self.grad_scaler = torch.amp.GradScaler(
-            self.device.type, enabled=self._amp_dtype == torch.float16
+            self._device.type, enabled=self._amp_dtype == torch.float16
         )
         self._scaling = self.grad_scaler.is_enabled()
         # Whether the GradScaler skipped the last step: a device tensor with fused optimizers
@@ -189,8 +189,8 @@ class Trainer:
         if cuda_graph:
             from .cuda_graph import GraphedStep, check_graphable
 
-            check_graphable(model, optimizer, self.device, self._scaling)
-            self._graphed_step = GraphedStep(self._forward_backward_step, optimizer, self.device)
+            check_graphable(model, optimizer, self._device, self._scaling)
+            self._graphed_step = GraphedStep(self._forward_backward_step, optimizer, self._device)
         self._cpu = CpuGroup()  # under torchrun, a gloo group of the trainer's while it trains
         self._lock = WorkDirLock(self.work_dir)  # rank 0's, while it trains
         self._data = data_stream(data_loader, self._cpu)
@@ -202,7 +202,7 @@ class Trainer:
             self.ckpt_dir, self.model, optimizer, self.progress, self._data,
             parts={"lr_scheduler": self.lr_scheduler, "grad_scaler": self.grad_scaler,
                    "metric_storage": self._storage},
-            hooks=self._hooks.checkpointable,
+            hooks=self._hooks._checkpointable,
             config={"amp": amp, "accumulation_steps": accumulation_steps},
             batch_size=getattr(data_loader, "batch_size", None),  # per process
             cpu=self._cpu, by_epoch=self.train_by_epoch,
@@ -225,6 +225,15 @@ class Trainer:
             LoggerHook(log_period),
             *args.progress_bar(),
         ])  # fmt: skip
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        args.refuse_moved_overrides(cls)
+
+    if not TYPE_CHECKING:  # (type checkers would take any name through it)
+
+        def __getattr__(self, name: str) -> Any:  # called only for a name not found
+            raise AttributeError(args.missing_attribute(type(self), name))
 
     # Where training is
 
@@ -284,7 +293,7 @@ class Trainer:
     def register_hook(self, hook: HookBase) -> None:
         """Add a hook; hooks run by ascending ``priority``, ties in registration order. A second
         hook of a default hook's class is refused: replace the default one instead."""
-        self._hooks.register(hook)
+        self._hooks._register(hook)
 
     def register_hooks(self, hooks: Sequence[Optional[HookBase]]) -> None:
         """Add several hooks; None entries are skipped."""
@@ -294,7 +303,7 @@ class Trainer:
 
     def unregister_hook(self, hook: Union[HookBase, type]) -> list[HookBase]:
         """Remove ``hook``, or every hook of that class; returns what was removed."""
-        return self._hooks.unregister(hook)
+        return self._hooks._unregister(hook)
 
     @property
     def hooks(self) -> HookRegistry:
@@ -403,16 +412,16 @@ class Trainer:
                 break
             it = progress.epoch_start + inner_iter
             progress.inner_iter, progress.iter = inner_iter, it
-            if hooks.any_before_iter:  # most runs have none: not even a call
+            if hooks._any_before_iter:  # most runs have none: not even a call
                 hooks.call("before_iter")
             self.train_one_iter()
             progress.position = (progress.epoch, inner_iter + 1)  # a checkpoint goes on here
             if self._update_due:  # an override stepped the GradScaler: update it once
-                self._update_scaler()
+                self.update_scaler()
             if (it + 1) % self.log_period == 0 or it == self.max_iters - 1:
                 self._log_point(it)
-            if it >= hooks.after_iter_due:  # periodic hooks wait for their iteration
-                hooks.call_after_iter(it, self.max_iters)
+            if it >= hooks._after_iter_due:  # periodic hooks wait for their iteration
+                hooks._call_after_iter(it, self.max_iters)
             if progress.stopped:
                 break
             # two flags in one process; under torchrun the ranks' periodic agreement
@@ -470,7 +479,7 @@ class Trainer:
             )
 
     def _start(self, path: Optional[str], auto_resume: bool, continue_after_stop: bool) -> None:
-        self._hooks.start()  # this run's hook times, and which events each hook handles
+        self._hooks._start()  # this run's hook times, and which events each hook handles
         self.progress.data_seconds = 0.0
         logger.info(f"Environment:\n{collect_env()}")
         logger.info(f"Hooks: {self._hooks.info()}")
@@ -633,8 +642,10 @@ class Trainer:
         self._update_due = True
         return norm
 
-    def _update_scaler(self) -> None:
-        """Adjust the float16 loss scale, once per iteration after every optimizer stepped."""
+    def update_scaler(self) -> None:
+        """Adjust the float16 loss scale once per iteration, after every optimizer stepped (and
+        between two steps of one optimizer); the trainer does it after ``train_one_iter`` if the
+        iteration did not."""
         if self._update_due:
             self.grad_scaler.update()
             self._update_due = False
@@ -667,7 +678,7 @@ class Trainer:
         grad_norm = self.clip_and_step()
         if not self._scaling and grad_norm is None:
             return losses, _NO_METRICS  # the plain configuration: no other metric
-        self._update_scaler()  # here, not after the iteration: a CUDA graph replays it
+        self.update_scaler()  # here, not after the iteration: a CUDA graph replays it
         extras: dict[str, Any] = {}
         if grad_norm is not None:
             extras["grad_norm"] = grad_norm

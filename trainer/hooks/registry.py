@@ -27,23 +27,23 @@ class HookRegistry:
         # A proxy, not a reference: the trainer owns its hooks, and a cycle would keep both alive.
         self._owner = weakref.proxy(owner)
         self._one_of_each = one_of_each or {}
-        self.hooks: list[HookBase] = []
-        self.start()
+        self._hooks: list[HookBase] = []
+        self._start()
 
     def __iter__(self) -> Iterator[HookBase]:
-        return iter(list(self.hooks))
+        return iter(list(self._hooks))
 
     def __len__(self) -> int:
-        return len(self.hooks)
+        return len(self._hooks)
 
     def __getitem__(self, index: int) -> HookBase:
-        return self.hooks[index]
+        return self._hooks[index]
 
-    def register(self, hook: HookBase) -> None:
+    def _register(self, hook: HookBase) -> None:
         """Add ``hook`` in priority order."""
         if not isinstance(hook, HookBase):
             raise TypeError(f"hook must be a HookBase instance, got {type(hook).__name__}.")
-        if any(h is hook for h in self.hooks):
+        if any(h is hook for h in self._hooks):
             raise ValueError(
                 f"This {hook.class_name} is registered already: it would run twice per event. "
                 "Register another instance if you want two."
@@ -55,69 +55,72 @@ class HookRegistry:
                 "from the other trainer first."
             )
         for cls, twice in self._one_of_each.items():
-            if isinstance(hook, cls) and any(isinstance(h, cls) for h in self.hooks):
+            if isinstance(hook, cls) and any(isinstance(h, cls) for h in self._hooks):
                 raise ValueError(
                     f"A {cls.__name__} is registered already, and a second one would {twice}. "
                     f"To configure it, replace it: trainer.unregister_hook({cls.__name__}), then "
                     f"trainer.register_hook({type(hook).__name__}(...))."
                 )
         hook.trainer = self._owner
-        position = sum(1 for h in self.hooks if h.priority <= hook.priority)
-        self.hooks.insert(position, hook)
-        self.start()
+        position = sum(1 for h in self._hooks if h.priority <= hook.priority)
+        self._hooks.insert(position, hook)
+        self._start()
 
-    def unregister(self, hook: Union[HookBase, type]) -> list[HookBase]:
+    def _unregister(self, hook: Union[HookBase, type]) -> list[HookBase]:
         """Remove ``hook``, or every hook of that class; returns what was removed."""
         removed = [
-            h for h in self.hooks if h is hook or (isinstance(hook, type) and isinstance(h, hook))
+            h for h in self._hooks if h is hook or (isinstance(hook, type) and isinstance(h, hook))
         ]
-        self.hooks = [h for h in self.hooks if all(h is not r for r in removed)]
+        self._hooks = [h for h in self._hooks if all(h is not r for r in removed)]
         for h in removed:
             h.trainer = None
-        self.start()
+        self._start()
         return removed
 
-    def start(self) -> None:
+    def _start(self) -> None:
         """List each event's handlers (skipping HookBase's no-ops and the ``after_iter`` of
         period 0) and zero the times: at each change, and when a run starts, since a hook's
         :meth:`~HookBase.after_iter_period` may have changed since it was registered."""
-        periods = {i: _period(h) for i, h in enumerate(self.hooks) if _overrides(h, "after_iter")}
+        periods = {i: _period(h) for i, h in enumerate(self._hooks) if _overrides(h, "after_iter")}
         self._handlers: dict[str, list[tuple[int, Callable]]] = {
             event: [
                 (i, getattr(h, event))
-                for i, h in enumerate(self.hooks)
+                for i, h in enumerate(self._hooks)
                 if _overrides(h, event) and (event != "after_iter" or periods[i] > 0)
             ]
             for event in EVENTS
         }
         self._periods = [periods[i] for i, _ in self._handlers["after_iter"]]
-        self.seconds = [0.0] * len(self.hooks)
-        self.any_before_iter = bool(self._handlers["before_iter"])
+        self._seconds = [0.0] * len(self._hooks)
+        self._any_before_iter = bool(self._handlers["before_iter"])
         # the next iteration after which an after_iter handler is due
-        self.after_iter_due = 0 if self._periods else sys.maxsize
+        self._after_iter_due = 0 if self._periods else sys.maxsize
 
-    def call_after_iter(self, it: int, max_iters: int) -> None:
+    def _call_after_iter(self, it: int, max_iters: int) -> None:
         """After iteration ``it``: run the ``after_iter`` handlers due (by their period, and all
-        after the last iteration), and set :attr:`after_iter_due`, which the loop checks."""
+        after the last iteration), and set ``_after_iter_due``, which the loop checks."""
         handlers, periods, done = self._handlers["after_iter"], self._periods, it + 1
         if max(periods, default=1) == 1:
-            self.after_iter_due = done
+            self._after_iter_due = done
         else:
             if done != max_iters:
                 handlers = [h for h, p in zip(handlers, periods) if done % p == 0]
             due = [(done // p + 1) * p - 1 for p in periods] + [max_iters - 1]
-            self.after_iter_due = min(i for i in due if i > it)
+            self._after_iter_due = min(i for i in due if i > it)
         self._run(handlers, ())
 
     def call(self, event: str, *args: Any, every_handler: bool = False) -> None:
         """Run every hook's ``event`` handler, timing each. With ``every_handler``, a handler
         that raises does not stop the others; the first error is raised after them."""
-        self._run(self._handlers[event], args, every_handler)
+        handlers = self._handlers.get(event)
+        if handlers is None:
+            raise ValueError(f"event must be one of {', '.join(EVENTS)}; got {event!r}.")
+        self._run(handlers, args, every_handler)
 
     def _run(
         self, handlers: list[tuple[int, Callable]], args: tuple, every_handler: bool = False
     ) -> None:
-        seconds, clock, errors = self.seconds, time.perf_counter, []
+        seconds, clock, errors = self._seconds, time.perf_counter, []
         start = clock()
         for i, handler in handlers:
             try:
@@ -134,20 +137,20 @@ class HookRegistry:
 
     def info(self) -> list[str]:
         """The hooks in the order they run, with their priorities."""
-        return [f"{h.class_name} (priority {h.priority})" for h in self.hooks]
+        return [f"{h.class_name} (priority {h.priority})" for h in self._hooks]
 
     def seconds_by_class(self) -> dict[str, float]:
         """Seconds spent in the hooks since training started, by class name (a hook's
         ``after_eval`` time also counts in the ``EvalHook`` that calls it)."""
         totals: dict[str, float] = {}
-        for hook, seconds in zip(self.hooks, self.seconds):
+        for hook, seconds in zip(self._hooks, self._seconds):
             totals[hook.class_name] = totals.get(hook.class_name, 0.0) + seconds
         return totals
 
-    def checkpointable(self) -> dict[str, HookBase]:
+    def _checkpointable(self) -> dict[str, HookBase]:
         """The hooks with state, keyed by class name (``Name_1``, ... for repeats)."""
         keys: dict[str, HookBase] = {}
-        for h in self.hooks:
+        for h in self._hooks:
             if h.checkpointable:
                 key, n = h.class_name, 1
                 while key in keys:
