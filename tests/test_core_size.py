@@ -42,6 +42,7 @@ EXTRAS = [
     "trainer.log_rewind",
     "trainer.metric_flush",
     "trainer.misc",
+    "trainer.moved",
     "trainer.preemption_agreement",
     "trainer.process_group",
     "trainer.seed",

@@ -228,12 +228,16 @@ class Trainer:
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        args.refuse_moved_overrides(cls)
+        from .moved import refuse_moved_overrides
+
+        refuse_moved_overrides(cls)
 
     if not TYPE_CHECKING:  # (type checkers would take any name through it)
 
         def __getattr__(self, name: str) -> Any:  # called only for a name not found
-            raise AttributeError(args.missing_attribute(type(self), name))
+            from .moved import missing_attribute
+
+            raise AttributeError(missing_attribute(type(self), name))
 
     # Where training is
 
