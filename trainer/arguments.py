@@ -264,25 +264,6 @@ def _check_epoch_len(data_loader: Any, accumulation_steps: int) -> Optional[int]
     return num_batches // accumulation_steps
 
 
-def stream_notice(scheduler: LRWarmupScheduler, hooks: list[HookBase]) -> Optional[str]:
-    """For a stream: what counts in epochs, which end only with its passes; None if nothing."""
-    from .hooks import CheckpointHook
-
-    by_epoch = []
-    if scheduler.by_epoch and scheduler.torch_scheduler is not None:
-        by_epoch.append("by_epoch=True steps lr_scheduler")
-    if any(isinstance(hook, CheckpointHook) and hook.saves_by_epoch for hook in hooks):
-        by_epoch.append("the CheckpointHook saves checkpoints")
-    if not by_epoch:
-        return None
-    return (
-        "data_loader has no length, so an epoch is one pass until its stream ends (never, for "
-        f"an endless one), and {' and '.join(by_epoch)} only at such ends and at the end of "
-        "training. To count iterations instead, pass by_epoch=False and checkpoint_period=0, "
-        "and register CheckpointHook(period, by_epoch=False)."
-    )
-
-
 def model_device(model: nn.Module) -> torch.device:
     for tensor in model.parameters():
         return tensor.device

@@ -488,9 +488,12 @@ class Trainer:
         logger.info(f"Environment:\n{collect_env()}")
         logger.info(f"Hooks: {self._hooks.info()}")
         args.warn_unoptimized(self.model_or_module, self._checkpointer.optimizers)
-        notice = None if self.epoch_len else args.stream_notice(self.lr_scheduler, self.hooks)
-        if notice:
-            logger.warning(notice)
+        if self.epoch_len is None:  # a stream: say what counts in epochs, which end with it
+            from .unsized_stream import stream_notice
+
+            notice = stream_notice(self.lr_scheduler, self.hooks)
+            if notice:
+                logger.warning(notice)
         self._checkpointer.remove_temp_files()
         # Trained by an earlier train() since built or resumed, or to the end: the model and
         # optimizer hold that state, which only a checkpoint can replace.

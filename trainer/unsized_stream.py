@@ -2,6 +2,7 @@
 
 import collections
 import time
+from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
@@ -80,3 +81,22 @@ class UnsizedDataStream(DataStream):
     def _start_pass(self) -> Any:
         self._restored_pass = self._restored
         return super()._start_pass()
+
+
+def stream_notice(scheduler: Any, hooks: Iterable[Any]) -> Optional[str]:
+    """For a stream: what counts in epochs, which end only with its passes; None if nothing."""
+    from .hooks import CheckpointHook
+
+    by_epoch = []
+    if scheduler.by_epoch and scheduler.torch_scheduler is not None:
+        by_epoch.append("by_epoch=True steps lr_scheduler")
+    if any(isinstance(hook, CheckpointHook) and hook.saves_by_epoch for hook in hooks):
+        by_epoch.append("the CheckpointHook saves checkpoints")
+    if not by_epoch:
+        return None
+    return (
+        "data_loader has no length, so an epoch is one pass until its stream ends (never, for "
+        f"an endless one), and {' and '.join(by_epoch)} only at such ends and at the end of "
+        "training. To count iterations instead, pass by_epoch=False and checkpoint_period=0, "
+        "and register CheckpointHook(period, by_epoch=False)."
+    )
