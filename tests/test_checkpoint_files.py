@@ -1,6 +1,7 @@
 import os
 import pickle
 import stat
+import sys
 import threading
 import time
 
@@ -34,6 +35,19 @@ def test_a_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert load_checkpoint_file(path) == {"v": 1}
     assert os.listdir(tmp_path) == ["a.pth"]  # the temporary file is gone
+
+
+def test_a_write_that_fails_for_want_of_files_raises_its_own_error(tmp_path, monkeypatch):
+    # out of file descriptors, the module with the longer message cannot be imported either
+    def broken_save(obj, f):
+        raise OSError(24, "Too many open files")
+
+    monkeypatch.setattr(torch, "save", broken_save)
+    monkeypatch.setitem(sys.modules, "trainer.checkpoint_errors", None)  # import fails
+    with pytest.raises(OSError, match="Too many open files") as raised:
+        atomic_save({"v": 2}, str(tmp_path / "a.pth"))
+    assert raised.value.__cause__ is None and raised.value.__suppress_context__
+    assert os.listdir(tmp_path) == []
 
 
 def test_no_pointer_means_no_checkpoint(tmp_path):

@@ -109,8 +109,10 @@ def _atomic_write(path: str, write: Callable[[Any], Any], mode: Optional[int]) -
     try:
         atomic_write(path, write, mode)
     except BaseException as e:
-        from .checkpoint_errors import write_error
-
+        try:
+            from .checkpoint_errors import write_error
+        except ImportError:  # no file descriptor left to import with, say: the error as it is
+            raise e from None
         error = write_error(path, e)
         if error is None:
             raise
