@@ -205,3 +205,29 @@ def test_a_logger_hook_with_another_period_than_the_trainers_is_refused(make_tra
     with pytest.raises(ValueError, match=r"LoggerHook\(period=3\) differs from the trainer's "
                        r"log_period=4.*would repeat stale values"):  # fmt: skip
         trainer.train()
+
+
+def test_a_hook_unregistered_by_an_earlier_one_in_the_same_event_is_not_called(make_trainer):
+    calls = []
+
+    class Remover(HookBase):
+        priority = 10  # runs before the other
+
+        def after_iter(self):
+            if self.trainer.cur_iter == 2:
+                self.trainer.unregister_hook(Removed)
+
+    class Removed(HookBase):
+        def after_iter(self):
+            calls.append(self.trainer.cur_iter)  # self.trainer is None once unregistered
+
+    trainer = make_trainer(max_iters=5)
+    trainer.register_hooks([Remover(), Removed()])
+    trainer.train()
+    assert calls == [0, 1]
+    assert not any(isinstance(hook, Removed) for hook in trainer.hooks)
+
+
+def test_an_unknown_event_is_refused_naming_the_events(make_trainer):
+    with pytest.raises(ValueError, match=r"event must be one of before_train, .*; got 'after_evl'"):
+        make_trainer().hooks.call("after_evl", {})

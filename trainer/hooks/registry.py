@@ -123,6 +123,8 @@ class HookRegistry:
         seconds, clock, errors = self._seconds, time.perf_counter, []
         start = clock()
         for i, handler in handlers:
+            if handler.__self__.trainer is None:  # unregistered by a hook that ran before it
+                continue
             try:
                 handler(*args)
             except Exception as e:
