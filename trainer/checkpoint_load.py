@@ -71,10 +71,7 @@ def load(
         path, data = load_newest(candidates, ckpt.ckpt_dir, parameters)
         weights = data["model"]
     elif resume:
-        data = load_checkpoint_file(path)
-        check_keys(data, path, RESUME_KEYS)
-        check_structure(data, path, RESUME_KEYS)
-        check_finite(data, path, parameters)
+        data = load_resumable(path, parameters)
         weights = data["model"]
     else:
         weights = model_weights(load_checkpoint_file(path), path)
@@ -143,6 +140,16 @@ def load_checkpoint_file(path: str) -> dict[str, Any]:
     return data
 
 
+def load_resumable(path: str, parameters: Collection[str]) -> dict[str, Any]:
+    """The checkpoint at ``path``, if it can resume a run: every part there, of the types that
+    loading uses, its tensors finite; else a RuntimeError naming ``path`` and the problem."""
+    data = load_checkpoint_file(path)
+    check_keys(data, path, RESUME_KEYS)
+    check_structure(data, path, RESUME_KEYS)
+    check_finite(data, path, parameters)
+    return data
+
+
 def read_latest_pointer(ckpt_dir: str) -> Optional[str]:
     """The path ``latest.txt`` names, or None when there is no pointer yet or it is damaged
     (then with a warning: the checkpoints are searched by age instead)."""
@@ -189,10 +196,7 @@ def load_newest(
     failures = []
     for path in candidates:
         try:
-            data = load_checkpoint_file(path)
-            check_keys(data, path, RESUME_KEYS)
-            check_structure(data, path, RESUME_KEYS)
-            check_finite(data, path, parameters)
+            data = load_resumable(path, parameters)
         except (RuntimeError, OSError) as e:
             logger.warning(f"Skipping a checkpoint that does not load: {e}")
             failures.append(str(e))
