@@ -70,7 +70,10 @@ class Checkpointer:
     def name(self) -> str:
         """The file name of a checkpoint taken now: ``epoch_{N}.pth`` at an epoch's end in
         epoch-based training, ``iter_{N}.pth`` otherwise (N epochs or iterations done)."""
-        return checkpoint_name(self._by_epoch, self._progress.position, self._progress.iter + 1)
+        epoch, inner = self._progress.position
+        if self._by_epoch and inner == 0:
+            return f"epoch_{epoch}.pth"
+        return f"iter_{self._progress.iter + 1}.pth"
 
     def register(self, name: str, obj: Any) -> None:
         """Save ``obj.state_dict()`` under ``extra[name]`` in every checkpoint and restore it on
@@ -98,9 +101,8 @@ class Checkpointer:
         own_rng = self._data.rng_state(mid_pass=self._progress.position[1] > 0)
         self._refuse_unloadable(file_name, {**state, "rng": [own_rng]})
         self._progress.mark_saved()
-        # FSDP2: every rank takes part in gathering the full weights, which rank 0 writes.
         weights = None
-        if self._sharded:  # FSDP2: the full states, gathered from every rank
+        if self._sharded:  # FSDP2: every rank gathers the full states, which rank 0 writes
             from .fsdp import full_state_dicts
 
             weights = full_state_dicts(self._model, self._optimizer)
@@ -218,10 +220,3 @@ class Checkpointer:
         from .checkpoint_load import load
 
         return load(self, path, auto_resume, resume, strict, revise_keys)
-
-
-def checkpoint_name(by_epoch: bool, position: tuple[int, int], iters_done: int) -> str:
-    """The file name of a checkpoint taken at ``position`` (epoch, iterations done in it):
-    ``epoch_{N}.pth`` at an epoch's end in epoch-based training, otherwise ``iter_{N}.pth``."""
-    epoch, inner = position
-    return f"epoch_{epoch}.pth" if by_epoch and inner == 0 else f"iter_{iters_done}.pth"
