@@ -172,9 +172,10 @@ class MetricStorage(Mapping):
     def state_dict(self) -> dict[str, Any]:
         """The storage as plain data, loadable with ``torch.load(weights_only=True)``."""
         metrics = {
-            name: {"buffer": buf.state_dict(), "iter": self._latest_iter[name], "smooth": smooth}
-            for (name, buf), smooth in zip(self._buffers.items(), self._smooth.values())
-        }
+            name: {"buffer": buf.state_dict(), "iter": self._latest_iter[name],
+                   "smooth": self._smooth[name]}
+            for name, buf in self._buffers.items()
+        }  # fmt: skip
         return {"window_size": self._window_size, "metrics": metrics}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
