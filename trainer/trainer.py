@@ -1,14 +1,11 @@
 """The :class:`Trainer`: the loop, the step's public building blocks, and the hooks around them.
-What it holds lives beside it: ``progress.py`` (where training is, the resumable data passes),
-``metric_storage.py``, ``preemption.py``, ``checkpoint.py`` and ``hooks/``.
-"""
+What it holds lives beside it: ``progress.py``, ``metric_storage.py``, ``checkpoint.py``..."""
 
 import contextlib
 import functools
 import logging
 import math
 import os
-import signal
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
@@ -22,12 +19,12 @@ from torch.utils.data import DataLoader
 
 from . import arguments as args
 from .checkpoint import Checkpointer
-from .distributed import CpuGroup, all_gather, get_rank, get_world_size, is_main_process, is_sharded
+from .distributed import CpuGroup, get_rank, get_world_size, is_main_process, is_sharded
 from .env import collect_env
 from .hooks import CheckpointHook, DistributedHook, HookBase, LoggerHook, LRUpdateHook
 from .hooks.registry import HookRegistry
 from .lock import WorkDirLock
-from .logger import TRACEBACK_FOLLOWS, ensure_console_logging, live_line, log_to_file, rank_log_file
+from .logger import ensure_console_logging, log_to_file, rank_log_file
 from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import MetricStorage
 from .preemption import WRITE_FAILED, Preemption
@@ -84,22 +81,6 @@ class Trainer:
         cuda_graph: Capture the whole step in a CUDA graph after 3 eager iterations.
         preempt_check_period: Under torchrun, the ranks share caught preemption signals every N
             iterations.
-
-    Example::
-
-        >>> import tempfile, torch
-        >>> class Regressor(torch.nn.Linear):  # returns its loss
-        ...     def forward(self, batch):
-        ...         return torch.nn.functional.mse_loss(super().forward(batch[0]), batch[1])
-        >>> data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
-        >>> model = Regressor(4, 1)
-        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        >>> loader = torch.utils.data.DataLoader(data, batch_size=8)
-        >>> trainer = Trainer(model, optimizer, None, loader, max_epochs=2,
-        ...                   work_dir=tempfile.mkdtemp(), log_period=2)
-        >>> trainer.train()
-        >>> trainer.cur_iter, trainer.metric_storage["total_loss"].count
-        (7, 8)
     """
 
     def __init__(
@@ -368,40 +349,16 @@ class Trainer:
                 self._storage.flush(every_rank=True)  # what was logged after the last log point
                 if self.progress.stopped and not self.progress.is_saved:
                     self.save_checkpoint(self._checkpointer.name())  # a rerun stays stopped
-            except KeyboardInterrupt:
-                self._after_failure()
-                logger.warning(
-                    f"Interrupted (Ctrl-C) in iteration {self.cur_iter + 1} of {self.max_iters}: "
-                    "not saved. Rerun to resume from the last checkpoint "
-                    f"({self._checkpointer.last_path or 'none yet: from the start'})."
-                )
-                raise SystemExit(128 + signal.SIGINT) from None  # what a shell reports for it
-            except Exception as e:
-                self._after_failure()
-                # the traceback in this rank's log file; on the console Python prints it, once
-                where = "as it started"
-                if self.cur_iter >= self.start_iter:
-                    where = f"in iteration {self.cur_iter + 1} of {self.max_iters}"
-                logger.exception(
-                    f"Training failed {where}: {type(e).__name__}: {e}",
-                    extra={TRACEBACK_FOLLOWS: True},
-                )
+            except (KeyboardInterrupt, Exception) as e:
+                from .failure import after_failure  # a failed run's path only
+
+                after_failure(self, e)
                 raise
             finally:
                 try:
                     self._hooks.call("after_train", every_handler=True)
                 finally:
                     self._checkpointer.wait()  # the last checkpoint is on disk when train() ends
-
-    def _after_failure(self) -> None:
-        """Erase the progress bar's line, release the loader's workers, and put this rank's
-        values logged since the last log point in the storage (no collective)."""
-        live_line.erase()
-        self._data.release()
-        try:
-            self._storage.flush()
-        except FloatingPointError:
-            pass  # a NaN loss among them: kept up to it, and the error in flight says the rest
 
     def _train_epoch(self) -> bool:
         """Run (the rest of) the position's epoch; whether training goes on."""
@@ -465,22 +422,14 @@ class Trainer:
 
     def _agree_at_start(self) -> None:
         """Refuse, on every rank at once, to train where another run holds ``work_dir`` or the
-        ranks' data loaders differ in length (they would hang in mismatched collectives)."""
-        mine = (self._lock.problem if is_main_process() else None, self.epoch_len)
-        everyone = [mine] if get_world_size() == 1 else all_gather(mine, group=self.cpu_group)
-        if everyone[0][0]:
-            raise RuntimeError(everyone[0][0] if is_main_process() else f"Rank 0: {everyone[0][0]}")
-        lengths = [epoch_len for _, epoch_len in everyone]
-        if len(set(lengths)) > 1:
-            each = ", ".join(
-                f"rank {rank} {'a stream' if n is None else f'{n} iterations'}"
-                for rank, n in enumerate(lengths)
-            )
-            raise RuntimeError(
-                f"The ranks' data loaders differ in length per epoch ({each}), so the ranks would "
-                "disagree on when epochs and training end. Give every rank as many batches: a "
-                "DistributedSampler does (drop_last=True on the loader, or an equal split)."
-            )
+        ranks' data loaders differ in length."""
+        problem = self._lock.problem if is_main_process() else None
+        if get_world_size() > 1:
+            from .rank_agreement import agree_at_start
+
+            agree_at_start(problem, self.epoch_len, self.cpu_group)
+        elif problem:
+            raise RuntimeError(problem)
 
     def _start(self, path: Optional[str], auto_resume: bool, continue_after_stop: bool) -> None:
         self._hooks._start()  # this run's hook times, and which events each hook handles
@@ -536,16 +485,8 @@ class Trainer:
     ) -> dict[str, float]:
         """The mean of ``metric_fn(model, batch)``'s per-sample values (``{name: tensor of
         shape [batch]}``) over every sample of ``data_loader``, each counted once, in eval mode
-        without autograd. Under torchrun every rank gets the numbers one process would; see
-        docs/evaluation.md.
-
-        Example::
-
-            def accuracy(model, batch):
-                x, y = batch
-                return {"acc": (model(x).argmax(1) == y).float()}
-
-            trainer.evaluate(test_loader, accuracy)  # {"acc": 0.97}
+        without autograd. Under torchrun every rank gets the numbers one process would;
+        docs/evaluation.md has an example.
         """
         from .evaluation import evaluate, rank_0_buffers  # imported by a run that evaluates
 
