@@ -27,7 +27,7 @@ from .env import collect_env
 from .hooks import CheckpointHook, DistributedHook, HookBase, LoggerHook, LRUpdateHook
 from .hooks.registry import HookRegistry
 from .lock import WorkDirLock
-from .logger import TRACEBACK_FOLLOWS, ensure_console_logging, live_line, log_to_file, rank_log_file
+from .logger import TRACEBACK_FOLLOWS, ensure_console_logging, erase_bar, log_to_file, rank_log_file
 from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import MetricStorage
 from .preemption import WRITE_FAILED, Preemption
@@ -396,7 +396,7 @@ class Trainer:
     def _after_failure(self) -> None:
         """Erase the progress bar's line, release the loader's workers, and put this rank's
         values logged since the last log point in the storage (no collective)."""
-        live_line.erase()
+        erase_bar()
         self._data.release()
         try:
             self._storage.flush()
