@@ -14,8 +14,7 @@ _DATE_FORMAT = "%m/%d %H:%M:%S"
 # on the console, Python prints it once, as the exception leaves the program.
 TRACEBACK_FOLLOWS = "trainer_traceback_follows"
 
-#: The progress bar's ``LiveLine`` while it is drawn, else None: console records clear it and
-#: draw it again below them.
+#: The progress bar's ``LiveLine`` while drawn (else None), redrawn below each console record.
 live_line: Any = None
 
 
@@ -60,15 +59,14 @@ class _FileHandler(logging.FileHandler):
 
 
 def open_no_follow(path: str, append: bool) -> Any:
-    """Open the text file ``path`` for writing (appending, or from empty), refusing a symbolic
-    link: a link planted in ``work_dir`` must not make the trainer write outside it."""
+    """Open text file ``path`` to append or overwrite, refusing a symbolic link (see below)."""
     fd = open_fd_no_follow(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC))
     return os.fdopen(fd, "a" if append else "w", encoding="utf-8")
 
 
 def open_fd_no_follow(path: str, flags: int) -> int:
-    """``os.open(path, flags)`` (a new file readable by all, as the umask allows), refusing a
-    symbolic link with an error that names it."""
+    """``os.open(path, flags)``, refusing a symbolic link: one planted in ``work_dir`` must not
+    make the trainer write outside it."""
     try:
         return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o666)
     except OSError as e:
@@ -91,8 +89,7 @@ def ensure_console_logging(name: str, rank: int) -> None:
 
 
 def rank_log_file(path: str, rank: int) -> str:
-    """The absolute path of ``rank``'s log file: ``path`` on rank 0, ``{root}_rank{rank}{ext}``
-    on the others."""
+    """The absolute path of ``rank``'s log file: ``path``, or ``{root}_rank{rank}{ext}`` if > 0."""
     if rank > 0:
         root, ext = os.path.splitext(path)
         path = f"{root}_rank{rank}{ext}"

@@ -21,7 +21,7 @@ _SUFFIX = ".trainer"  # the end of the trainer's event file names
 
 class MetricWriter:
     """Receives metrics from ``LoggerHook``: override :meth:`write`, and :meth:`close` if the
-    writer holds a resource (see docs/logging.md). Writers but the console's run on rank 0."""
+    writer holds a resource (see docs/logging.md). Writers of your own run on rank 0 only."""
 
     #: Only at log points (the console line), not for an evaluation's results.
     log_points_only = False

@@ -63,8 +63,7 @@ class LoggerHook(HookBase):
         self._evals: dict[str, dict[str, Any]] = {}  # evaluated metrics' final and best values
 
     def before_train(self) -> None:
-        """Open the writers (a resumed run's drop what it repeats), write the run's settings and
-        start the clock."""
+        """Open the writers (a resumed run drops what it repeats), write the settings, time it."""
         trainer = self.trainer
         if self._period not in (None, trainer.log_period):
             raise ValueError(
@@ -117,9 +116,8 @@ class LoggerHook(HookBase):
         self._write(log_point=True)
 
     def before_save_checkpoint(self) -> None:
-        """Write this iteration's log point, if it is one (the checkpoint covers it), and flush
-        every writer, so that a kill after the save loses no row the resumed run will not
-        write again."""
+        """Write this iteration's log point, if it is one, and flush the writers: a kill after the
+        save loses no row that the resumed run will not write again."""
         if self.trainer.progress.last_log_iter == self.trainer.cur_iter:
             self._write(log_point=True)
         for writer in self._writers:
