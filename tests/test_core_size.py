@@ -47,6 +47,7 @@ EXTRAS = [
     "trainer.preemption_agreement",
     "trainer.process_group",
     "trainer.rank_agreement",
+    "trainer.script_logging",
     "trainer.seed",
     "trainer.unsized_stream",
     "trainer.hooks.best_checkpoint_hook",

@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from trainer import setup_logger
-from trainer.logger import log_file_path, log_to_file
+from trainer.logger import log_to_file
+from trainer.script_logging import log_file_path
 
 from conftest import cpu_env
 

@@ -14,7 +14,6 @@ from .distributed import (
 )
 from .env import collect_env
 from .hooks import CheckpointHook, DistributedHook, HookBase, LoggerHook, LRUpdateHook
-from .logger import setup_logger
 from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import HistoryBuffer, MetricStorage
 from .trainer import Trainer
@@ -22,10 +21,11 @@ from .trainer import Trainer
 __version__ = "0.1.0"
 
 # imported when first named: a default run uses neither
-_LAZY = {"EvalHook": "hooks", "set_random_seed": "seed"}
+_LAZY = {"EvalHook": "hooks", "set_random_seed": "seed", "setup_logger": "script_logging"}
 
 if TYPE_CHECKING:
     from .hooks import EvalHook
+    from .script_logging import setup_logger
     from .seed import set_random_seed
 else:  # hidden from type checkers, which would take any name through it
 

@@ -4,7 +4,8 @@ import logging
 import signal
 from typing import Any
 
-from .logger import TRACEBACK_FOLLOWS, live_line
+from . import logger as trainer_logging
+from .logger import TRACEBACK_FOLLOWS
 
 logger = logging.getLogger("trainer.trainer")
 
@@ -13,7 +14,8 @@ def after_failure(trainer: Any, error: BaseException) -> None:
     """Erase the progress bar's line, release the loader's workers, keep this rank's values
     logged since the last log point (no collective), and say what failed where. Ctrl-C ends
     the program with the status a shell reports for it; other errors go on being raised."""
-    live_line.erase()
+    if trainer_logging.live_line is not None:  # a progress bar is drawing
+        trainer_logging.live_line.erase()
     trainer._data.release()
     try:
         trainer._storage.flush()

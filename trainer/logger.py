@@ -5,7 +5,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any
 
 _FORMAT = "[%(asctime)s %(name)s %(levelname)s]: %(message)s"
 _DATE_FORMAT = "%m/%d %H:%M:%S"
@@ -14,90 +14,8 @@ _DATE_FORMAT = "%m/%d %H:%M:%S"
 # on the console, Python prints it once, as the exception leaves the program.
 TRACEBACK_FOLLOWS = "trainer_traceback_follows"
 
-
-def setup_logger(
-    name: str = "trainer",
-    output: Optional[str] = None,
-    rank: int = 0,
-    level: int = logging.INFO,
-    *,
-    output_dir: Optional[str] = None,
-    log_level: Optional[int] = None,
-    color: bool = False,
-) -> logging.Logger:
-    """Make logger ``name`` print to the console on rank 0 and, optionally, to a file. Calling
-    it again with the same arguments adds nothing twice.
-
-    Args:
-        name: The logger, e.g. ``"trainer"`` for this library or ``__name__`` for a script.
-        output: A log file (``.txt`` or ``.log``) or a folder to hold ``log.txt``; other ranks
-            than 0 write ``log_rank{rank}.txt`` beside it.
-        rank: This process's rank.
-        level: The logging level.
-        output_dir: ``output``, by core-pytorch-utils' name.
-        log_level: ``level``, by core-pytorch-utils' name.
-        color: Accepted for core-pytorch-utils' sake; the output is never colored.
-
-    Example::
-
-        >>> log = setup_logger("my_script")
-        >>> log.info("hello")
-    """
-    if output is not None and output_dir is not None:
-        raise ValueError(
-            f"Pass output or output_dir (the same thing), not both: got output={output!r}, "
-            f"output_dir={output_dir!r}."
-        )
-    output = output if output is not None else output_dir
-    log = logging.getLogger(name)
-    log.setLevel(level if log_level is None else log_level)
-    log.propagate = False
-    if rank == 0 and not any(isinstance(h, _ConsoleHandler) for h in log.handlers):
-        log.addHandler(_console_handler())
-    if output is not None:
-        path = log_file_path(output, rank)
-        if not any(getattr(h, "baseFilename", None) == path for h in log.handlers):
-            log.addHandler(_FileHandler(path))
-    return log
-
-
-class LiveLine:
-    """The console's last line, redrawn in place (the progress bar), which log records printed
-    by this package's console handler clear and draw again below them."""
-
-    def __init__(self) -> None:
-        self.stream: Optional[Any] = None
-        self._text = ""
-
-    def attach(self, stream: Any) -> None:
-        self.stream, self._text = stream, ""
-
-    def detach(self) -> None:
-        self.stream, self._text = None, ""
-
-    def show(self, text: str) -> None:
-        """Draw ``text`` over the line."""
-        if self.stream is not None:
-            self._text = text
-            self.stream.write("\r" + text + "\x1b[K")
-            self.stream.flush()
-
-    def finish(self) -> None:
-        """End the line where it is: the next one starts below it."""
-        if self.stream is not None and self._text:
-            self.stream.write("\n")
-            self.stream.flush()
-            self._text = ""
-
-    def erase(self) -> None:
-        """Clear the line and forget it: nothing is drawn again until :meth:`show`."""
-        if self.stream is not None and self._text:
-            self.stream.write("\r\x1b[K")
-        self._text = ""
-
-
-#: The one live line, drawn on ``sys.stderr`` by a ``ProgressBarHook``.
-live_line = LiveLine()
+#: The progress bar's ``LiveLine`` while drawn (else None), redrawn below each console record.
+live_line: Any = None
 
 
 def is_terminal(stream: Any) -> bool:
@@ -105,25 +23,17 @@ def is_terminal(stream: Any) -> bool:
     return callable(getattr(stream, "isatty", None)) and stream.isatty()
 
 
-def draws_safely_on(stream: Any) -> bool:
-    """Whether every handler that prints the trainer's records on ``stream`` is this package's
-    console handler, which clears a live line and draws it again below each record."""
-    log = logging.getLogger("trainer")
-    handlers = log.handlers + (logging.getLogger().handlers if log.propagate else [])
-    return all(isinstance(h, _ConsoleHandler) or getattr(h, "stream", None) is not stream
-               for h in handlers)  # fmt: skip
-
-
 class _ConsoleHandler(logging.StreamHandler):
     def emit(self, record: logging.LogRecord) -> None:
         if record.exc_info and getattr(record, TRACEBACK_FOLLOWS, False):
             record = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None})
-        drawn = live_line._text if live_line.stream is self.stream else ""
+        line = live_line
+        drawn = line.text if line is not None and line.stream is self.stream else ""
         if drawn:
-            live_line.erase()
+            line.erase()
         super().emit(record)
         if drawn:
-            live_line.show(drawn)  # the live line again, below the record
+            line.show(drawn)  # the live line again, below the record
 
 
 def _console_handler() -> logging.Handler:
@@ -143,15 +53,14 @@ class _FileHandler(logging.FileHandler):
 
 
 def open_no_follow(path: str, append: bool) -> Any:
-    """Open the text file ``path`` for writing (appending, or from empty), refusing a symbolic
-    link: a link planted in ``work_dir`` must not make the trainer write outside it."""
+    """Open text file ``path`` to append or overwrite, refusing a symbolic link (see below)."""
     fd = open_fd_no_follow(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC))
     return os.fdopen(fd, "a" if append else "w", encoding="utf-8")
 
 
 def open_fd_no_follow(path: str, flags: int) -> int:
-    """``os.open(path, flags)`` (a new file readable by all, as the umask allows), refusing a
-    symbolic link with an error that names it."""
+    """``os.open(path, flags)``, refusing a symbolic link: one planted in ``work_dir`` must not
+    make the trainer write outside it."""
     try:
         return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o666)
     except OSError as e:
@@ -173,17 +82,8 @@ def ensure_console_logging(name: str, rank: int) -> None:
         log.addHandler(_console_handler())
 
 
-def log_file_path(output: str, rank: int = 0) -> str:
-    """The log file that ``output`` means for ``rank``: ``output`` itself when it names a
-    ``.txt`` or ``.log`` file (not an existing folder), else ``output/log.txt``."""
-    output = os.fspath(output)
-    is_file = output.endswith((".txt", ".log")) and not os.path.isdir(output)
-    return rank_log_file(output if is_file else os.path.join(output, "log.txt"), rank)
-
-
 def rank_log_file(path: str, rank: int) -> str:
-    """The absolute path of ``rank``'s log file: ``path`` on rank 0, ``{root}_rank{rank}{ext}``
-    on the others."""
+    """The absolute path of ``rank``'s log file: ``path``, or ``{root}_rank{rank}{ext}`` if > 0."""
     if rank > 0:
         root, ext = os.path.splitext(path)
         path = f"{root}_rank{rank}{ext}"
@@ -202,3 +102,15 @@ def log_to_file(name: str, path: str) -> Iterator[None]:
     finally:
         log.removeHandler(handler)
         handler.close()
+
+
+if TYPE_CHECKING:
+    from .script_logging import setup_logger as setup_logger
+else:  # core-pytorch-utils' path to it, imported when first named
+
+    def __getattr__(name: str) -> Any:
+        if name == "setup_logger":
+            from .script_logging import setup_logger
+
+            return setup_logger
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -21,8 +21,7 @@ _SUFFIX = ".trainer"  # the end of the trainer's event file names
 
 class MetricWriter:
     """Receives metrics from ``LoggerHook``: override :meth:`write`, and :meth:`close` if the
-    writer holds a resource (docs/logging.md has an example). Writers other than the console run
-    on rank 0 only."""
+    writer holds a resource (see docs/logging.md). Writers of your own run on rank 0 only."""
 
     #: Only at log points (the console line), not for an evaluation's results.
     log_points_only = False
@@ -40,8 +39,7 @@ class MetricWriter:
 
 
 def time_left(elapsed: float, iters_done: int, iters_left: int) -> datetime.timedelta:
-    """The ETA: ``elapsed`` (evaluations and checkpoints included) spread over the iterations
-    done, for those left."""
+    """The ETA of ``iters_left`` at the pace of ``iters_done`` in ``elapsed`` seconds."""
     return datetime.timedelta(seconds=int(elapsed / max(iters_done, 1) * iters_left))
 
 
@@ -98,15 +96,14 @@ class ConsoleWriter(MetricWriter):
 
 
 class TensorBoardWriter(MetricWriter):
-    """Scalars in TensorBoard event files under ``log_dir``, tagged by :func:`tensorboard_tag`,
-    one event per log point. The trainer's event files end in ``.trainer``: a run from
-    ``start_iter`` drops their events of that step and later, and changes no other event file.
+    """Scalars in TensorBoard event files under ``log_dir`` (tagged by :func:`tensorboard_tag`)
+    ending in ``.trainer``: a run from ``start_iter`` drops their events from that step on.
 
     Args:
         log_dir: Where the event files go.
         start_iter: The iteration this run starts from.
         handoff_secs: Seconds between hand-overs to ``SummaryWriter``.
-        eval_names: The names of evaluation results (a set or dict, read at each write).
+        eval_names: The names of evaluation results (read at each write).
     """
 
     def __init__(
@@ -128,7 +125,7 @@ class TensorBoardWriter(MetricWriter):
         new_writer = functools.partial(
             SummaryWriter, log_dir=log_dir, max_queue=1000, filename_suffix=_SUFFIX
         )
-        if os.path.isdir(log_dir):  # a rerun's or a resumed run's, with event files to mind
+        if os.path.isdir(log_dir):  # a rerun's or a resumed run's
             from .log_rewind import rewind_event_files
 
             self._writer = rewind_event_files(log_dir, start_iter, new_writer)
@@ -171,9 +168,8 @@ class TensorBoardWriter(MetricWriter):
 
 
 class JSONLinesWriter(MetricWriter):
-    """One JSON object per line in ``path``: ``{"iter": ..., "epoch": ..., <metric>: ...}``
-    (``iter`` counted from 0, ``epoch`` from 1), each flushed as it is written. A run from
-    ``start_iter`` drops the lines of that iteration and later, left by an earlier run."""
+    """A flushed line ``{"iter": ..., "epoch": ..., <metric>: ...}`` per write in ``path`` (``iter``
+    from 0, ``epoch`` from 1). A run from ``start_iter`` drops the lines from that iteration on."""
 
     def __init__(self, path: str, start_iter: int = 0) -> None:
         if os.path.isfile(path) and not os.path.islink(path):

@@ -4,7 +4,8 @@ import os
 import re
 
 from trainer.hooks import ProgressBarHook
-from trainer.logger import _console_handler, live_line
+from trainer.hooks.progress_bar_hook import LiveLine
+from trainer.logger import _console_handler
 
 from conftest import FakeClock, Tick
 
@@ -90,13 +91,13 @@ def test_a_log_line_clears_the_bar_and_draws_it_again_below(monkeypatch):
     handler.setFormatter(logging.Formatter("%(message)s"))
     log = logging.getLogger("trainer.test_bar")
     log.addHandler(handler)
-    live_line.attach(terminal)
+    line = LiveLine(terminal)
+    monkeypatch.setattr("trainer.logger.live_line", line)
     try:
-        live_line.show("epoch 1 [##--] 2/4")
+        line.show("epoch 1 [##--] 2/4")
         log.warning("a log line")
-        live_line.finish()
+        line.finish()
     finally:
-        live_line.detach()
         log.removeHandler(handler)
     assert terminal.getvalue() == (
         "\repoch 1 [##--] 2/4\x1b[K"  # the bar

@@ -63,8 +63,7 @@ class LoggerHook(HookBase):
         self._evals: dict[str, dict[str, Any]] = {}  # evaluated metrics' final and best values
 
     def before_train(self) -> None:
-        """Open the writers (a resumed run's drop what it repeats), write the run's settings and
-        start the clock."""
+        """Open the writers (a resumed run drops what it repeats), write the settings, time it."""
         trainer = self.trainer
         if self._period not in (None, trainer.log_period):
             raise ValueError(
@@ -97,18 +96,16 @@ class LoggerHook(HookBase):
         """Say where training starts, or that the run is finished and how to start afresh."""
         trainer, progress = self.trainer, self.trainer.progress
         done, last = f"{trainer.start_iter} of {trainer.max_iters}", trainer.checkpointer.last_path
-        if progress.stopped:  # stop() ended the run; the trainer says so
-            return
-        if progress.finished:
+        if progress.finished and not progress.stopped:  # a stopped run: the trainer says so
             logger.info(
                 f"Nothing to train: the run in {trainer.work_dir} is finished "
                 f"({last}, iteration {done}). To train again from scratch, "
                 "build a new Trainer and pass train(auto_resume=False) or another work_dir; to "
                 "train longer, raise max_epochs or max_iters."
             )
-            return
-        origin = f"resuming {last}" if trainer.start_iter > 0 and last is not None else "afresh"
-        logger.info(f"Start training from iteration {done} in {trainer.work_dir}, {origin}.")
+        elif not progress.stopped:
+            origin = f"resuming {last}" if trainer.start_iter > 0 and last is not None else "afresh"
+            logger.info(f"Start training from iteration {done} in {trainer.work_dir}, {origin}.")
 
     def after_iter_period(self) -> int:
         """Every log point: every ``log_period``-th iteration, and the last."""
@@ -119,9 +116,8 @@ class LoggerHook(HookBase):
         self._write(log_point=True)
 
     def before_save_checkpoint(self) -> None:
-        """Write this iteration's log point, if it is one (the checkpoint covers it), and flush
-        every writer, so that a kill after the save loses no row the resumed run will not
-        write again."""
+        """Write this iteration's log point, if it is one, and flush the writers: a kill after the
+        save loses no row that the resumed run will not write again."""
         if self.trainer.progress.last_log_iter == self.trainer.cur_iter:
             self._write(log_point=True)
         for writer in self._writers:
@@ -148,9 +144,8 @@ class LoggerHook(HookBase):
         trainer = self.trainer
         logs = [trainer.log_file]
         if is_main_process():
-            work_dir = trainer.work_dir
-            logs += [os.path.join(work_dir, "metrics.jsonl")] if self._metrics_jsonl else []
-            logs += [os.path.join(work_dir, "tb_logs")] if self._tensorboard else []
+            logs += [os.path.join(trainer.work_dir, "metrics.jsonl")] if self._metrics_jsonl else []
+            logs += [trainer.tb_log_dir] if self._tensorboard else []
         seconds = time.perf_counter() - self._train_start
         self._train_start = None
         iters = trainer.cur_iter + 1 - trainer.start_iter

@@ -1,15 +1,54 @@
 """A live progress bar on a terminal: a line per epoch, redrawn a few times a second."""
 
+import logging
 import shutil
 import sys
 import time
-from typing import Optional, TextIO
+from typing import Any, Optional, TextIO
 
+from .. import logger as trainer_logging
 from ..checks import NUMBER, check_type
 from ..distributed import is_main_process
-from ..logger import draws_safely_on, is_terminal, live_line
+from ..logger import _ConsoleHandler, is_terminal
 from ..writers import time_left
 from .hookbase import HookBase, Priority
+
+
+class LiveLine:
+    """The console's last line, redrawn in place, which the records of this package's console
+    handler clear and draw again below them while it is ``trainer.logger.live_line``."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.text = ""
+
+    def show(self, text: str) -> None:
+        """Draw ``text`` over the line."""
+        self.text = text
+        self.stream.write("\r" + text + "\x1b[K")
+        self.stream.flush()
+
+    def finish(self) -> None:
+        """End the line where it is: the next one starts below it."""
+        if self.text:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.text = ""
+
+    def erase(self) -> None:
+        """Clear the line and forget it: nothing is drawn again until :meth:`show`."""
+        if self.text:
+            self.stream.write("\r\x1b[K")
+        self.text = ""
+
+
+def draws_safely_on(stream: Any) -> bool:
+    """Whether every handler that prints the trainer's records on ``stream`` is this package's
+    console handler, which clears a live line and draws it again below each record."""
+    log = logging.getLogger("trainer")
+    handlers = log.handlers + (logging.getLogger().handlers if log.propagate else [])
+    return all(isinstance(h, _ConsoleHandler) or getattr(h, "stream", None) is not stream
+               for h in handlers)  # fmt: skip
 
 
 class ProgressBarHook(HookBase):
@@ -37,7 +76,7 @@ class ProgressBarHook(HookBase):
             raise ValueError(f"interval must be a number of seconds > 0, got {interval!r}.")
         self._interval = interval
         self._stream = stream
-        self._active = False
+        self._line: Optional[LiveLine] = None  # while drawing
         self._next_draw = 0.0
         self._loss = ""
         self._train_start = 0.0
@@ -52,20 +91,19 @@ class ProgressBarHook(HookBase):
         """Start drawing, if the console is a terminal that only this package's console handler
         prints on (a handler of your own there would print over the bar)."""
         stream = self._stream or sys.stderr
-        self._active = self.wanted(stream) and draws_safely_on(stream)
-        if self._active:
+        if self.wanted(stream) and draws_safely_on(stream):
             self._train_start = time.perf_counter()
-            live_line.attach(self._stream or sys.stderr)
+            self._line = trainer_logging.live_line = LiveLine(stream)
 
     def before_epoch(self) -> None:
         """A new line for the epoch, drawn at its first iteration's end."""
-        if self._active:
+        if self._line is not None:
             self._epoch_start = (time.perf_counter(), self._done_in_epoch())
             self._next_draw = 0.0
 
     def after_iter(self) -> None:
         """Take the loss at log points; redraw when ``interval`` has passed."""
-        if not self._active:
+        if self._line is None:
             return
         trainer = self.trainer
         done = trainer.cur_iter + 1
@@ -75,24 +113,23 @@ class ProgressBarHook(HookBase):
                 self._loss = f"  loss {storage.value_maybe_smooth('total_loss'):.4g}"
         now = time.perf_counter()
         if now >= self._next_draw:
-            self._draw(now)
+            self._draw(self._line, now)
 
     def after_epoch(self) -> None:
         """Leave the epoch's final line on the screen."""
-        if self._active:
-            self._draw(time.perf_counter())
-            live_line.finish()
+        if self._line is not None:
+            self._draw(self._line, time.perf_counter())
+            self._line.finish()
 
     def after_train(self) -> None:
         """Stop drawing (the last line stays)."""
-        if self._active:
-            live_line.finish()
-            live_line.detach()
-            self._active = False
+        if self._line is not None:
+            self._line.finish()
+            self._line = trainer_logging.live_line = None
 
-    def _draw(self, now: float) -> None:
+    def _draw(self, line: LiveLine, now: float) -> None:
         self._next_draw = now + self._interval
-        live_line.show(self._text(now))
+        line.show(self._text(now))
 
     def _done_in_epoch(self) -> int:
         epoch, done = self.trainer.progress.position

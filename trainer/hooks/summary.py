@@ -2,7 +2,7 @@
 
 import datetime
 import os
-from typing import Any, Optional
+from typing import Any
 
 from tabulate import tabulate
 
@@ -21,10 +21,8 @@ def summary_table(
     done = f"iteration {trainer.cur_iter + 1} of {trainer.max_iters}"
     if iters:
         speed = f"{wall} for {iters} iterations ({iters / max(seconds, 1e-9):.3g} it/s), {done}"
-        rows = [
-            ["wall time", speed],
-            ["data loading", _share(trainer.progress.data_seconds, seconds)],
-        ]
+        data = _share(trainer.progress.data_seconds, seconds)
+        rows = [["wall time", speed], ["data loading", data]]
         hooks = sorted(trainer.hooks.seconds_by_class().items(), key=lambda item: -item[1])
         rows += [[f"hook {name}", _share(s, seconds)] for name, s in hooks]
     else:
@@ -34,10 +32,13 @@ def summary_table(
         if entry["best"] is not None:
             value += f", best {entry['best']:.5g} (after iteration {entry['best_iter']})"
         rows.append([name, value])
-    last, best = trainer.checkpointer.last_path, _best_checkpoint(trainer)
+    last = trainer.checkpointer.last_path
     rows.append(["last checkpoint", os.path.abspath(last) if last else "none"])
-    if best is not None:
-        rows.append(["best checkpoint", os.path.abspath(best)])
+    for hook in trainer.hooks:  # a BestCheckpointHook's, on disk or still being written (last)
+        best = getattr(hook, "best_checkpoint", None)
+        if isinstance(best, str) and (os.path.exists(best) or best == last):
+            rows.append(["best checkpoint", os.path.abspath(best)])
+            break
     folders = {os.path.dirname(path) for path in logs}
     if len(folders) == 1:  # the usual: all in work_dir
         logs = [f"{', '.join(map(os.path.basename, logs))} in {folders.pop()}"]
@@ -47,14 +48,3 @@ def summary_table(
 
 def _share(part: float, whole: float) -> str:
     return f"{format_seconds(part)} ({100 * part / max(whole, 1e-9):.1f}%)"
-
-
-def _best_checkpoint(trainer: Any) -> Optional[str]:
-    for hook in trainer.hooks:
-        path = getattr(hook, "best_checkpoint", None)
-        # on disk, or the last save, which may still be written in the background
-        if isinstance(path, str) and (
-            os.path.exists(path) or path == trainer.checkpointer.last_path
-        ):
-            return path
-    return None
