@@ -14,12 +14,8 @@ from .trainer import Trainer
 __version__ = "0.1.0"
 
 # imported when first named: a default run uses none of them
-_LAZY = {
-    "EvalHook": "hooks",
-    "init_distributed": "distributed",
-    "reduce_dict": "distributed",
-    "set_random_seed": "seed",
-}
+_LAZY = {"EvalHook": "hooks", "set_random_seed": "seed"}
+_LAZY |= dict.fromkeys(["init_distributed", "reduce_dict"], "distributed")
 
 if TYPE_CHECKING:
     from .distributed import init_distributed, reduce_dict

@@ -1,6 +1,5 @@
 """Rank helpers over ``torch.distributed``; every function also works in a single process.
-The torchrun side (:func:`init_distributed`, :func:`destroy_distributed`) and the collectives of
-tensors (:func:`all_gather_tensor`, :func:`reduce_dict`) import when first named."""
+The torchrun side and the collectives of tensors import when first named (``_LAZY``)."""
 
 import contextlib
 import sys
@@ -68,8 +67,7 @@ class CpuGroup:
     when :meth:`open` ends (docs/internals.md: gloo teardown). ``group`` is None outside
     :meth:`open` and in one process, where the default group serves."""
 
-    def __init__(self) -> None:
-        self.group: Any = None
+    group: Any = None
 
     @contextlib.contextmanager
     def open(self) -> Iterator[None]:
@@ -85,6 +83,7 @@ class CpuGroup:
                 dist.destroy_process_group(group)
 
 
+# imported when first named: a default run uses none of them
 _LAZY = {"init_distributed": "process_group", "destroy_distributed": "process_group"}
 _LAZY |= {"all_gather_tensor": "tensor_collectives", "reduce_dict": "tensor_collectives"}
 

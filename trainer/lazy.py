@@ -1,5 +1,4 @@
-"""Lazy exports (PEP 562): public names whose module imports when first named, so that a run
-loads only the features it uses."""
+"""Lazy exports (PEP 562): names whose module imports when first named, if a run uses them."""
 
 from importlib import import_module
 from typing import Any, Callable

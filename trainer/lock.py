@@ -21,9 +21,8 @@ _HELD: set[int] = set()
 
 
 def _close_in_child() -> None:
-    for fd in _HELD:
-        os.close(fd)
-    _HELD.clear()
+    while _HELD:
+        os.close(_HELD.pop())
 
 
 if hasattr(os, "register_at_fork"):
