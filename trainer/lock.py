@@ -14,7 +14,6 @@ try:
 except ImportError:  # Windows: no flock, no lock
     fcntl = None  # type: ignore[assignment]
 
-
 # The lock descriptors this process holds, which a forked child (a data loader's worker) closes:
 # an flock belongs to the open file, so a worker outliving a failed run would keep it locked.
 _HELD: set[int] = set()

@@ -35,9 +35,8 @@ class Preemption:
 
     @contextlib.contextmanager
     def catching(self) -> Iterator[None]:
-        """Catch the signals for the block (in the main thread only). A signal that the block did
-        not act on (it came in the last iteration, or after it) is not dropped: once the block
-        has ended normally, the process exits for it, with the status of a preemption."""
+        """Catch the signals for the block (in the main thread only). A signal it did not act on
+        (in the last iteration, or after it) still exits the process if the block ends normally."""
         self.caught, self._agreement = None, None
         self.distributed = get_world_size() > 1
         if self.distributed:
