@@ -1,5 +1,4 @@
-"""The hooks that ship with ``trainer``, one per file. The core's hooks import with the package;
-the others when first named, so that a run loads only the features it uses."""
+"""The hooks that ship with ``trainer``, one per file; those beyond the core's import lazily."""
 
 from typing import TYPE_CHECKING
 
