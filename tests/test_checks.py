@@ -18,6 +18,8 @@ def test_check_int_tells_a_wrong_type_from_a_small_value():
         check_int("n", True, minimum=1)
     with pytest.raises(ValueError, match=r"^n must be an int >= 0 \(0 means never\), got -1\.$"):
         check_int("n", -1, minimum=0, note="0 means never")
+    with pytest.raises(ValueError, match=r"^period must be a positive int, got 0\.$"):
+        check_int("period", 0, minimum=1)
 
 
 def test_check_type_lets_a_bool_through_only_where_bool_is_named():
@@ -25,6 +27,8 @@ def test_check_type_lets_a_bool_through_only_where_bool_is_named():
     check_type("flag", True, bool, "True or False")
     with pytest.raises(TypeError, match=r"^x must be a number, got bool False\.$"):
         check_type("x", False, NUMBER, "a number")
+    with pytest.raises(TypeError, match=r"^decay must be a number in \[0, 1\), got str '0\.9'\.$"):
+        check_type("decay", "0.9", NUMBER, "a number in [0, 1)")
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,19 @@ def test_single_process_fallbacks(monkeypatch):
     assert reduce_dict({"x": torch.tensor(2.0)}) == {"x": torch.tensor(2.0)}
 
 
+def test_the_torchrun_side_is_one_object_under_each_documented_path():
+    import trainer
+    import trainer.distributed as distributed
+    from trainer import process_group, tensor_collectives
+
+    assert trainer.init_distributed is distributed.init_distributed is init_distributed
+    assert init_distributed is process_group.init_distributed
+    assert trainer.reduce_dict is distributed.reduce_dict is tensor_collectives.reduce_dict
+    assert {"destroy_distributed", "all_gather_tensor"} <= set(dir(distributed))
+    with pytest.raises(AttributeError, match="module 'trainer.distributed' has no attribute 'x'"):
+        getattr(distributed, "x")  # noqa: B009
+
+
 WORKER = """
 import torch
 from trainer.distributed import *

@@ -6,30 +6,14 @@ NUMBER = (int, float)
 
 
 def check_type(name: str, value: Any, types: Union[type, tuple[type, ...]], what: str) -> None:
-    """Raise ``TypeError`` unless ``value`` is one of ``types`` (a bool is no int here).
-
-    Example::
-
-        >>> check_type("decay", "0.9", NUMBER, "a number in [0, 1)")
-        Traceback (most recent call last):
-        ...
-        TypeError: decay must be a number in [0, 1), got str '0.9'.
-    """
+    """Raise ``TypeError`` unless ``value`` is one of ``types`` (a bool is no int here)."""
     types = types if isinstance(types, tuple) else (types,)
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
         raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}.")
 
 
 def check_int(name: str, value: Any, minimum: int, note: str = "") -> None:
-    """Raise ``TypeError`` unless ``value`` is an int, ``ValueError`` if below ``minimum``.
-
-    Example::
-
-        >>> check_int("period", 0, minimum=1)
-        Traceback (most recent call last):
-        ...
-        ValueError: period must be a positive int, got 0.
-    """
+    """Raise ``TypeError`` unless ``value`` is an int, ``ValueError`` if below ``minimum``."""
     what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
     what += f" ({note})" if note else ""
     check_type(name, value, int, what)

@@ -1,44 +1,15 @@
-"""Rank helpers over ``torch.distributed``; every function also works in a single process."""
+"""Rank helpers over ``torch.distributed``; every function also works in a single process.
+The torchrun side and the collectives of tensors import when first named (``_LAZY``)."""
 
 import contextlib
-import os
 import sys
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 
-
-def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) -> tuple[int, int]:
-    """Join the process group that ``torchrun`` describes in the environment (a no-op without
-    it), binding each process to a GPU by its ``LOCAL_RANK``; returns ``(rank, world_size)``.
-
-    Args:
-        backend: ``"nccl"`` or ``"gloo"``; None: nccl if every local process has a GPU of its
-            own, else gloo.
-        timeout_s: How long a collective may wait for the other ranks before it fails (and with
-            it the job): bounds the hang when a rank stalls.
-
-    Example::
-
-        >>> init_distributed()  # a single process
-        (0, 1)
-    """
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        return 0, 1
-    from .process_group import join
-
-    return join(backend, timeout_s)
-
-
-def destroy_distributed() -> None:
-    """Tear down what :func:`init_distributed` joined: call it at the end of a torchrun script,
-    after ``main()`` has returned (docs/internals.md: gloo teardown). A no-op in one process."""
-    if _is_distributed():
-        from .process_group import leave
-
-        leave()
+from .lazy import lazy_exports
 
 
 def _is_distributed() -> bool:
@@ -73,8 +44,7 @@ def is_sharded(model: torch.nn.Module) -> bool:
 
 
 def all_gather(obj: Any, group: Any = None) -> list[Any]:
-    """Gather a picklable object from every rank, to every rank (over ``group``, a group of
-    every rank; None: the default group)."""
+    """Every rank's picklable ``obj``, on every rank (``group``: of every rank; None: default)."""
     if get_world_size() == 1:
         return [obj]
     out: list[Any] = [None] * get_world_size()
@@ -82,19 +52,9 @@ def all_gather(obj: Any, group: Any = None) -> list[Any]:
     return out
 
 
-def all_gather_tensor(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
-    """Every rank's ``tensor`` (same shape everywhere), stacked: shape ``(world_size, *shape)``
-    (over ``group``, a group of every rank; None: the default group)."""
-    if get_world_size() == 1:
-        return tensor.unsqueeze(0)
-    out = [torch.empty_like(tensor) for _ in range(get_world_size())]
-    dist.all_gather(out, tensor, group=group)
-    return torch.stack(out)
-
-
 def gather(obj: Any, dst: int = 0, group: Any = None) -> list[Any]:
-    """Gather a picklable object from every rank on rank ``dst``; other ranks get ``[]`` (over
-    ``group``, a group of every rank; None: the default group)."""
+    """Every rank's picklable ``obj`` on rank ``dst``, ``[]`` on the others (``group``: as in
+    :func:`all_gather`)."""
     if get_world_size() == 1:
         return [obj]
     out: Optional[list[Any]] = [None] * get_world_size() if get_rank() == dst else None
@@ -102,26 +62,12 @@ def gather(obj: Any, dst: int = 0, group: Any = None) -> list[Any]:
     return out if out is not None else []
 
 
-def reduce_dict(tensors: dict[str, torch.Tensor], average: bool = True) -> dict[str, torch.Tensor]:
-    """Sum (or average) a dict of same-shaped tensors over all ranks, in one collective. Every
-    rank gets the result; the keys must be the same on every rank."""
-    if get_world_size() == 1:
-        return dict(tensors)
-    names = sorted(tensors)
-    packed = torch.stack([tensors[n] for n in names])
-    dist.all_reduce(packed)
-    if average:
-        packed = packed / get_world_size()
-    return dict(zip(names, packed))
-
-
 class CpuGroup:
     """A gloo group of every rank for the trainer's own collectives while it trains, released
     when :meth:`open` ends (docs/internals.md: gloo teardown). ``group`` is None outside
     :meth:`open` and in one process, where the default group serves."""
 
-    def __init__(self) -> None:
-        self.group: Any = None
+    group: Any = None
 
     @contextlib.contextmanager
     def open(self) -> Iterator[None]:
@@ -135,3 +81,20 @@ class CpuGroup:
             if group is not None and dist.is_initialized():
                 # ours is then the last reference: dropping it joins the group's threads
                 dist.destroy_process_group(group)
+
+
+# imported when first named: a default run uses none of them
+_LAZY = {"init_distributed": "process_group", "destroy_distributed": "process_group"}
+_LAZY |= {"all_gather_tensor": "tensor_collectives", "reduce_dict": "tensor_collectives"}
+
+if TYPE_CHECKING:
+    from .process_group import destroy_distributed, init_distributed
+    from .tensor_collectives import all_gather_tensor, reduce_dict
+else:  # hidden from type checkers, which would take any name through it
+    __getattr__, __dir__ = lazy_exports(globals(), _LAZY)
+
+__all__ = [
+    "CpuGroup", "all_gather", "all_gather_tensor", "destroy_distributed", "gather", "get_rank",
+    "get_world_size", "init_distributed", "is_dtensor", "is_main_process", "is_sharded",
+    "reduce_dict",
+]  # fmt: skip

@@ -14,16 +14,14 @@ try:
 except ImportError:  # Windows: no flock, no lock
     fcntl = None  # type: ignore[assignment]
 
-
 # The lock descriptors this process holds, which a forked child (a data loader's worker) closes:
 # an flock belongs to the open file, so a worker outliving a failed run would keep it locked.
 _HELD: set[int] = set()
 
 
 def _close_in_child() -> None:
-    for fd in _HELD:
-        os.close(fd)
-    _HELD.clear()
+    while _HELD:
+        os.close(_HELD.pop())
 
 
 if hasattr(os, "register_at_fork"):

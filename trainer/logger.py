@@ -7,6 +7,8 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from .lazy import lazy_exports
+
 _FORMAT = "[%(asctime)s %(name)s %(levelname)s]: %(message)s"
 _DATE_FORMAT = "%m/%d %H:%M:%S"
 
@@ -107,10 +109,4 @@ def log_to_file(name: str, path: str) -> Iterator[None]:
 if TYPE_CHECKING:
     from .script_logging import setup_logger as setup_logger
 else:  # core-pytorch-utils' path to it, imported when first named
-
-    def __getattr__(name: str) -> Any:
-        if name == "setup_logger":
-            from .script_logging import setup_logger
-
-            return setup_logger
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    __getattr__, __dir__ = lazy_exports(globals(), {"setup_logger": "script_logging"})

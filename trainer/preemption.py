@@ -2,7 +2,6 @@
 under torchrun every rank must agree on the iteration (the save is a collective)."""
 
 import contextlib
-import logging
 import os
 import signal
 import threading
@@ -11,8 +10,6 @@ from typing import Any, Optional
 
 from .distributed import CpuGroup, get_world_size
 
-logger = logging.getLogger(__name__)
-
 # SIGUSR1 is what SLURM sends ahead of preemption (with --signal=USR1@<seconds>).
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # agreed_signal's answer when a checkpoint write failed: above any signal, it wins the maximum.
@@ -20,12 +17,9 @@ WRITE_FAILED = 1000
 
 
 class Preemption:
-    """Catches the preemption signals while training and tells when every rank stops for one.
-
-    In one process the stop comes after the iteration the signal arrived in. Under torchrun the
-    ranks share what they caught every ``check_period`` iterations without stalling the loop
-    (``preemption_agreement.py``), and stop at the same iteration, at most ``2 * check_period``
-    iterations after the signal.
+    """Catches the preemption signals while training and tells when every rank stops for one:
+    in one process, after the iteration the signal arrived in; under torchrun, at one iteration,
+    at most ``2 * check_period`` iterations after the signal (``preemption_agreement.py``).
 
     Args:
         check_period: Iterations between the checks under torchrun.
@@ -41,9 +35,8 @@ class Preemption:
 
     @contextlib.contextmanager
     def catching(self) -> Iterator[None]:
-        """Catch the signals for the block (in the main thread only). A signal that the block did
-        not act on (it came in the last iteration, or after it) is not dropped: once the block
-        has ended normally, the process exits for it, with the status of a preemption."""
+        """Catch the signals for the block (in the main thread only). A signal it did not act on
+        (in the last iteration, or after it) still exits the process if the block ends normally."""
         self.caught, self._agreement = None, None
         self.distributed = get_world_size() > 1
         if self.distributed:
@@ -63,12 +56,9 @@ class Preemption:
             if self._agreement is not None:
                 self._agreement.finish()
         if self.caught is not None:
-            status = 128 + self.caught
-            logger.warning(
-                f"{signal.Signals(self.caught).name} arrived after the last iteration: training "
-                f"is complete; exiting with status {status}, as the signal asks."
-            )
-            raise SystemExit(status)
+            from .preemption_exit import exit_after_training  # a signal arrived: rare
+
+            exit_after_training(self.caught)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.caught is not None:  # a second signal: exit at once, as the default handler does
@@ -83,12 +73,7 @@ class Preemption:
         return local if self._agreement is None else self._agreement.check(iteration, local)
 
     def exit(self, signum: int, path: Optional[str], iters_done: int) -> None:
-        """Exit after the checkpoint at ``path`` (None on ranks that do not write) was saved,
-        with the status a shell reports for death by ``signum`` (128 + its number)."""
-        status = 128 + signum
-        logger.warning(
-            f"Preempted by {signal.Signals(signum).name} after iteration {iters_done}: saved "
-            f"{path or 'a checkpoint (rank 0 writes)'}; exiting with status {status}. Rerun the "
-            "same command to resume."
-        )
-        raise SystemExit(status)
+        """Exit for ``signum`` once ``path`` is saved (None on the ranks that do not write)."""
+        from .preemption_exit import exit_preempted  # a signal arrived: rare
+
+        exit_preempted(signum, path, iters_done)

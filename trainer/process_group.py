@@ -1,4 +1,5 @@
-"""Joining and leaving the process group of a torchrun launch: imported under torchrun only."""
+"""Joining and leaving the process group of a torchrun launch (``trainer.distributed``'s
+:func:`init_distributed` and :func:`destroy_distributed`): imported when first named."""
 
 import datetime
 import gc
@@ -12,8 +13,23 @@ import torch.distributed as dist
 logger = logging.getLogger("trainer.distributed")  # the public module, in log lines
 
 
-def join(backend: Optional[str], timeout_s: float) -> tuple[int, int]:
-    """:func:`~trainer.distributed.init_distributed` once torchrun's variables are set."""
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) -> tuple[int, int]:
+    """Join the process group that ``torchrun`` describes in the environment (a no-op without
+    it), binding each process to a GPU by its ``LOCAL_RANK``; returns ``(rank, world_size)``.
+
+    Args:
+        backend: ``"nccl"`` or ``"gloo"``; None: nccl if every local process has a GPU of its
+            own, else gloo.
+        timeout_s: How long a collective may wait for the other ranks before it fails (and with
+            it the job): bounds the hang when a rank stalls.
+
+    Example::
+
+        >>> init_distributed()  # a single process
+        (0, 1)
+    """
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return 0, 1
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -38,10 +54,12 @@ def join(backend: Optional[str], timeout_s: float) -> tuple[int, int]:
     return dist.get_rank(), dist.get_world_size()
 
 
-def leave() -> None:
-    """:func:`~trainer.distributed.destroy_distributed` in a process group. Not a barrier of
-    the default group, which could abort the exiting process (docs/internals.md: gloo
-    teardown)."""
+def destroy_distributed() -> None:
+    """Tear down what :func:`init_distributed` joined: call it at the end of a torchrun script,
+    after ``main()`` has returned. A no-op in one process. Not a barrier of the default group,
+    which could abort the exiting process (docs/internals.md: gloo teardown)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
     gc.collect()  # models in reference cycles, freed while every group is alive and idle
     group = dist.new_group(backend="gloo")
     dist.barrier(group=group)

@@ -1,9 +1,8 @@
-"""The hooks that ship with ``trainer``, one per file. The core's hooks import with the package;
-the others when first named, so that a run loads only the features it uses."""
+"""The hooks that ship with ``trainer``, one per file; those beyond the core's import lazily."""
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from ..lazy import lazy_exports
 from .checkpoint_hook import CheckpointHook
 from .distributed_hook import DistributedHook
 from .hookbase import HookBase, Priority
@@ -30,16 +29,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .progress_bar_hook import ProgressBarHook
     from .watchdog_hook import WatchdogHook
 else:  # hidden from type checkers, which would take any name through it
-
-    def __getattr__(name: str) -> Any:
-        if name in _EXTRAS:
-            return getattr(import_module(f".{_EXTRAS[name]}", __name__), name)
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXTRAS])
-
+    __getattr__, __dir__ = lazy_exports(globals(), _EXTRAS)
 
 __all__ = [
     "BestCheckpointHook", "CheckpointHook", "DistributedHook", "EarlyStoppingHook", "EMAHook",
