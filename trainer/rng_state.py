@@ -1,4 +1,5 @@
-"""The state of every random number generator that training depends on, as checkpoint data."""
+"""The state of every random number generator that training depends on, as checkpoint data
+(``data_resume.py`` sets it)."""
 
 import random
 from typing import Any
@@ -18,18 +19,3 @@ def get_rng_state(extra_generators: tuple[torch.Generator, ...] = ()) -> dict[st
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         "generators": [g.get_state() for g in extra_generators],
     }
-
-
-def set_rng_state(
-    state: dict[str, Any], extra_generators: tuple[torch.Generator, ...] = ()
-) -> None:
-    """Restore what :func:`get_rng_state` returned."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    for g, g_state in zip(extra_generators, state["generators"]):
-        g.set_state(g_state)
