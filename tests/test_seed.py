@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from trainer import set_random_seed
-from trainer.data_resume import set_rng_state
-from trainer.rng_state import get_rng_state
+from trainer.rng_state import get_rng_state, set_rng_state
 
 
 def draw():

@@ -82,9 +82,8 @@ def atomic_write(path: str, write: Callable[[Any], Any], mode: Optional[int] = N
     folder = os.path.dirname(os.path.abspath(path))
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(
-            prefix=f".{os.path.basename(path)}.", suffix=TEMP_SUFFIX, dir=folder
-        )
+        prefix = f".{os.path.basename(path)}."
+        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=TEMP_SUFFIX, dir=folder)
         os.fchmod(fd, 0o666 & ~current_umask() if mode is None else mode)
         with os.fdopen(fd, "wb") as f:
             write(f)

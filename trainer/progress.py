@@ -104,14 +104,11 @@ class DataStream:
         )
         # the generators of the loader, its samplers and the samplers these wrap, each once
         found = [getattr(owner, "generator", None) for owner in _samplers(data_loader)]
-        self.generators = tuple(
-            {id(g): g for g in found if isinstance(g, torch.Generator)}.values()
-        )
+        self.generators = tuple(dict.fromkeys(g for g in found if isinstance(g, torch.Generator)))
         # A loader with persistent workers makes its iterator once, drawing the workers' base
         # seed then; its later passes draw only what the sampler draws.
-        self._persistent_to_make = bool(getattr(data_loader, "persistent_workers", False)) and (
-            getattr(data_loader, "num_workers", 0) > 0
-        )
+        persistent = getattr(data_loader, "persistent_workers", False)
+        self._persistent_to_make = bool(persistent) and getattr(data_loader, "num_workers", 0) > 0
 
     def next_batch(self) -> Any:
         """The next batch of the current pass (a new pass starts when there is none)."""
@@ -130,6 +127,10 @@ class DataStream:
             f"data_loader ended after fewer batches than its len() of {len(self.data_loader)}; "
             "make __len__ of the dataset or sampler match what it yields."
         )
+
+    def has_next(self, n: int) -> bool:
+        """Whether the pass has another iteration's ``n`` batches: always, with a length."""
+        return True
 
     def release(self) -> None:
         """After a failure, drop the pass and shut its worker processes down now (unless

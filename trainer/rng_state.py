@@ -1,5 +1,5 @@
-"""The state of every random number generator that training depends on, as checkpoint data
-(``data_resume.py`` sets it)."""
+"""The state of every random number generator that training depends on, as checkpoint data.
+``set_rng_state``, which only a resume needs, lives in ``data_resume.py``."""
 
 import random
 from typing import Any
@@ -19,3 +19,11 @@ def get_rng_state(extra_generators: tuple[torch.Generator, ...] = ()) -> dict[st
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         "generators": [g.get_state() for g in extra_generators],
     }
+
+
+def __getattr__(name: str) -> Any:
+    if name == "set_rng_state":
+        from .data_resume import set_rng_state
+
+        return set_rng_state
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,9 +13,6 @@ logger = logging.getLogger(__name__)
 class CheckpointHook(HookBase):
     """Saves a checkpoint every ``period`` epochs (or iterations), and always at the end.
 
-    A save due at an epoch's last iteration waits for the epoch's end, so that the checkpoint
-    holds the state after ``after_epoch`` (the epoch's LR step included) and resume is exact.
-
     Args:
         period: Epochs (``by_epoch``) or iterations between checkpoints; 0 saves at the end only.
         max_to_keep: Keep the newest N checkpoints this hook wrote (with those of preemptions
@@ -56,7 +53,8 @@ class CheckpointHook(HookBase):
         return 0 if self._by_epoch else self._period
 
     def after_iter(self) -> None:
-        """Save mid-epoch checkpoints (one due at an epoch's last iteration waits)."""
+        """Save mid-epoch checkpoints. One due at an epoch's last iteration waits for its end, to
+        hold the state after ``after_epoch`` (the epoch's LR step) so that resume is exact."""
         if not self.is_last_inner_iter():
             self._add(self.trainer.checkpointer.name())
 
