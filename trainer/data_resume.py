@@ -22,7 +22,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sampler
 
 from .distributed import get_rank, get_world_size
 from .progress import DataStream, _samplers
-from .rng_state import get_rng_state
+from .rng_state import get_rng_state, set_rng_state
 
 logger = logging.getLogger(__name__)
 # Mixed into a number drawn from the data's RNG to seed another stream (any odd constant).
@@ -85,21 +85,6 @@ def resume(
         )
         to_skip = 0
     stream._to_skip = to_skip
-
-
-def set_rng_state(
-    state: dict[str, Any], extra_generators: tuple[torch.Generator, ...] = ()
-) -> None:
-    """Restore what :func:`~trainer.rng_state.get_rng_state` returned."""
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    for g, g_state in zip(extra_generators, state["generators"]):
-        g.set_state(g_state)
 
 
 def make_persistent_iterator(stream: DataStream) -> None:

@@ -2,13 +2,14 @@
 mid-epoch resume continues exactly."""
 
 import dataclasses
+import random
 import time
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from .distributed import CpuGroup, get_world_size
-from .rng_state import get_rng_state
 
 Position = tuple[int, int]  # (epoch, iterations done in it): where training goes on from
 
@@ -169,6 +170,20 @@ class DataStream:
         if self._stateful:
             state["loader"] = self.data_loader.state_dict() if mid_pass else None
         return state
+
+
+def get_rng_state(extra_generators: tuple[torch.Generator, ...] = ()) -> dict[str, Any]:
+    """The state of every RNG that training depends on, as plain data and tensors (loadable with
+    ``weights_only=True``); ``trainer.rng_state.set_rng_state`` restores it."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "generators": [g.get_state() for g in extra_generators],
+    }
 
 
 def _samplers(data_loader: Any) -> list[Any]:
