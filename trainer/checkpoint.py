@@ -19,16 +19,8 @@ logger = logging.getLogger(__name__)
 
 class Checkpointer:
     """Gathers the trainer's whole state into checkpoints and restores it (``trainer.checkpointer``;
-    save with ``trainer.save_checkpoint``, which first flushes the metrics and tells the hooks).
-
-    A checkpoint is a dict of tensors and plain data (it loads with ``weights_only=True``):
-    ``model`` (the unwrapped module's weights), ``optimizer``, the ``parts`` by key, ``hooks``
-    (the stateful ones' states, by key), ``extra`` (what :meth:`register` added), ``rng`` (the
-    ``data``'s RNG states, per rank), ``progress`` and ``config`` (``accumulation_steps``,
-    refused if changed on resume, and ``amp``, reported). ``batch_size`` is per process, to map
-    the position when it changes on resume; ``cpu`` is the trainer's gloo group; ``by_epoch``:
-    training counts epochs, which :meth:`name` uses.
-    """
+    ``trainer.save_checkpoint`` first flushes the metrics and tells the hooks). What a checkpoint
+    holds: docs/checkpoints.md. ``batch_size`` is per process; ``cpu`` the trainer's gloo group."""
 
     def __init__(
         self,
@@ -59,7 +51,7 @@ class Checkpointer:
         self._by_epoch = by_epoch
         self.last_path: Optional[str] = None  # the checkpoint saved (rank 0) or loaded last
         self._sharded = is_sharded(model)  # by FSDP2's fully_shard
-        self.writer = files.BackgroundWriter()  # its ``failed`` flag is read every iteration
+        self.writer = files.BackgroundWriter()
 
     @property
     def optimizers(self) -> list[Optimizer]:
@@ -91,13 +83,11 @@ class Checkpointer:
         """Save the whole state as ``ckpt_dir/file_name`` and point ``latest.txt`` at it.
 
         Training waits only while the state is copied to CPU memory; rank 0 writes the file in
-        the background, atomically, and calls ``then()`` once it is durable. The next save,
-        :meth:`wait` and the end of ``train()`` raise a failed write's ``OSError``. Every rank
-        calls this, and gets the path being written (None on other ranks).
+        the background, atomically, then calls ``then()``. The next save and :meth:`wait` raise
+        a failed write's ``OSError``. Every rank calls this; rank 0 gets the path.
         """
         state = self._live_state()
-        # Per-rank RNG, so every rank's dropout and data-worker seeds resume exactly (with a
-        # stateful loader's own state, checked with the rest)
+        # per rank, so that every rank's dropout and data-worker seeds resume exactly
         own_rng = self._data.rng_state(mid_pass=self._progress.position[1] > 0)
         self._refuse_unloadable(file_name, {**state, "rng": [own_rng]})
         self._progress.mark_saved()
@@ -132,7 +122,7 @@ class Checkpointer:
         return path
 
     def _live_state(self) -> dict[str, Any]:
-        """Every part's ``state_dict()``, as the parts return it (tensors on their devices)."""
+        """Every part's ``state_dict()``, tensors on their devices."""
         return {
             "progress": self._progress.state_dict(self._batch_size),
             "config": self.config(),
@@ -144,19 +134,17 @@ class Checkpointer:
         }
 
     def _refuse_unloadable(self, file_name: str, state: dict[str, Any]) -> None:
-        """Refuse a state that no resume could use: tensors not finite (it would become `latest`
-        and make every rerun fail alike), or values that ``weights_only`` loads cannot rebuild.
-        Under torchrun every rank raises alike (with rank 0's last write failure, if any)."""
-        bad = files.bad_tensors(
-            {**state, "optimizer": state["optimizer"]["state"]}, self.parameters()
-        )
+        """Refuse a state no resume could use: tensors not finite (as `latest` it would fail
+        every rerun alike), or values ``weights_only`` loads cannot rebuild. Ranks agree."""
+        optimizer = state["optimizer"]["state"]
+        bad = files.bad_tensors({**state, "optimizer": optimizer}, self.parameters())
+        unloadable = None
         try:
             files.check_plain(state)
-            unloadable = None
         except files.UnloadableState as e:
             from .checkpoint_errors import unloadable_message
 
-            unloadable = unloadable_message(file_name, e.path, e.value)
+            unloadable = unloadable_message(file_name, *e.args)
         if get_world_size() > 1:  # sharded state differs by rank: every rank must agree
             everyone = all_gather((bad, unloadable, self.writer.failed), group=self._cpu.group)
             if any(failed for *_, failed in everyone):
@@ -188,19 +176,14 @@ class Checkpointer:
                 logger.info(f"Removed {stray}, left by an interrupted checkpoint write.")
 
     def parameters(self) -> set[str]:
-        """The names of the model's parameters in its ``state_dict`` (a tied weight's every
-        name), which must be finite."""
+        """The names of the model's parameters in its ``state_dict`` (a tied weight's every one)."""
         return {name for name, _ in self._module.named_parameters(remove_duplicate=False)}
 
     def config(self) -> dict[str, Any]:
         """The ``config`` a checkpoint holds, with the optimizers' classes (a state does not
         fit another class)."""
-        objects = {
-            "optimizer": self._optimizer,
-            **{f"extra.{n}": o for n, o in self._extra.items()},
-        }
-        classes = {key: type(obj).__name__ for key, obj in objects.items()}
-        return {**self._config, "classes": classes}
+        classes = {f"extra.{name}": type(obj).__name__ for name, obj in self._extra.items()}
+        return {**self._config, "classes": {"optimizer": type(self._optimizer).__name__, **classes}}
 
     def load(
         self,

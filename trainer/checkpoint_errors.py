@@ -2,7 +2,7 @@
 finite, a write that failed. Imported only when one of those happens."""
 
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 # The owners of a checkpoint's top-level keys, as a message names them.
 _OWNERS = {
@@ -51,19 +51,19 @@ def refusal(
     )
 
 
-def write_error(path: str, error: BaseException) -> Optional[OSError]:
-    """The error of a failed write of ``path`` that says what is kept, or None if ``error`` has
-    no ``OSError`` behind it. (torch.save reports a failed write, a full disk, as a RuntimeError
-    of its own, with the OSError as its context.)"""
+def raise_write_failure(path: str, error: BaseException) -> NoReturn:
+    """Raise the error of a failed write of ``path``, saying what is kept, if an ``OSError`` is
+    behind ``error`` (torch.save reports a full disk as a RuntimeError of its own, with the
+    OSError as its context); else ``error`` itself."""
     cause = next((c for c in _chain(error) if isinstance(c, OSError)), None)
     if cause is None:
-        return None
+        raise error
     message = (
         f"Could not write {path}: {cause.strerror or cause}. The previous checkpoint "
         "and latest.txt are untouched; free disk space or pick another work_dir."
     )
     # OSError(None, message) would read "[Errno None] ..."
-    return OSError(cause.errno, message) if cause.errno else OSError(message)
+    raise (OSError(cause.errno, message) if cause.errno else OSError(message)) from error
 
 
 def _chain(error: Optional[BaseException]) -> Iterator[BaseException]:

@@ -18,15 +18,13 @@ TEMP_SUFFIX = ".tmp"
 
 
 class BackgroundWriter:
-    """Runs checkpoint writes on a background thread, one at a time. :meth:`submit` and
-    :meth:`wait` raise what the previous write raised. The thread is not a daemon: an
-    interpreter that exits finishes the write."""
+    """Runs checkpoint writes on a thread, one at a time; :meth:`submit` and :meth:`wait` raise
+    what the previous write raised. Not a daemon: an exiting interpreter finishes the write."""
 
     def __init__(self) -> None:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
-        #: The last write failed and :meth:`wait` has not raised it yet (read every iteration).
-        self.failed = False
+        self.failed = False  # a write failed and wait() has not raised it (read every iteration)
 
     def submit(self, write: Callable[[], None]) -> None:
         """Wait for the previous write, then start ``write()`` in the background."""
@@ -64,7 +62,7 @@ def update_latest_pointer(ckpt_dir: str, file_name: str, mode: Optional[int] = N
 
 
 def current_umask() -> int:
-    """The process's umask (Linux reports it; elsewhere it is set and restored at once)."""
+    """The process's umask, read from Linux's /proc (setting and restoring it races threads)."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -79,14 +77,13 @@ def current_umask() -> int:
 
 def atomic_write(path: str, write: Callable[[Any], Any], mode: Optional[int] = None) -> None:
     """Write ``path`` through ``write(binary file)`` so that it is either untouched or complete:
-    a fresh temporary file in its folder, fsynced, ``os.replace``-d, then the folder fsynced. The
-    file gets permissions ``mode``, by default 0o666 less the umask (not mkstemp's 0o600)."""
+    a temporary file in its folder, fsynced, ``os.replace``-d, then the folder fsynced. The file
+    gets permissions ``mode``, by default 0o666 less the umask (not mkstemp's 0o600)."""
     folder = os.path.dirname(os.path.abspath(path))
     tmp = None
     try:
-        fd, tmp = tempfile.mkstemp(
-            prefix=f".{os.path.basename(path)}.", suffix=TEMP_SUFFIX, dir=folder
-        )
+        prefix = f".{os.path.basename(path)}."
+        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=TEMP_SUFFIX, dir=folder)
         os.fchmod(fd, 0o666 & ~current_umask() if mode is None else mode)
         with os.fdopen(fd, "wb") as f:
             write(f)
@@ -110,13 +107,10 @@ def _atomic_write(path: str, write: Callable[[Any], Any], mode: Optional[int]) -
         atomic_write(path, write, mode)
     except BaseException as e:
         try:
-            from .checkpoint_errors import write_error
+            from .checkpoint_errors import raise_write_failure
         except ImportError:  # no file descriptor left to import with, say: the error as it is
             raise e from None
-        error = write_error(path, e)
-        if error is None:
-            raise
-        raise error from e
+        raise_write_failure(path, e)
 
 
 # What ``torch.load(weights_only=True)`` rebuilds as it was saved: tensors, the containers that
@@ -132,17 +126,8 @@ _NUMPY_AS_PYTHON = (np.bool_, np.integer, np.float64)
 
 
 class UnloadableState(TypeError):
-    """A ``value`` at ``path`` (keys and indices) of a checkpoint's state that
-    ``torch.load(weights_only=True)`` cannot rebuild."""
-
-    def __init__(self, path: tuple, value: Any) -> None:
-        super().__init__(path, value)
-        self.path, self.value = path, value
-
-    def __str__(self) -> str:
-        from .checkpoint_errors import describe, format_path
-
-        return f"{describe(self.value)} at {format_path(self.path)}"
+    """``args``: the path (keys and indices) in a checkpoint's state of a value, and the value,
+    that ``torch.load(weights_only=True)`` cannot rebuild."""
 
 
 def copy_to_cpu(state: Any) -> Any:
@@ -190,10 +175,9 @@ def _plain(obj: Any, path: tuple, tensor: Callable[[torch.Tensor], Any]) -> Any:
 
 
 def bad_tensors(data: dict[str, Any], parameters: Collection[str]) -> list[str]:
-    """The names (``model.linear.weight``, ``optimizer.0.momentum_buffer``...) of the tensors
-    of a checkpoint's ``data`` that no run should go on from: the model's ``parameters``, the
-    optimizer's and registered objects' state not finite, or a model buffer holding a NaN (an
-    infinity may be on purpose, as a causal mask's -inf is). One host read per device."""
+    """The names (``model.linear.weight``, ``optimizer.0.momentum_buffer``...) of the tensors in
+    ``data`` no run should go on from: parameters, optimizer and registered state not finite, or
+    a model buffer holding a NaN (a causal mask's -inf is on purpose). One host read per device."""
     state = {key: data[key] for key in ("model", "optimizer", "extra") if key in data}
     buffers = {f"model.{key}" for key in state.get("model", {}) if key not in parameters}
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}

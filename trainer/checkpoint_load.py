@@ -15,6 +15,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from .checkpoint_files import LATEST_POINTER, bad_tensors
+from .data_resume import resume as resume_data
 from .distributed import get_world_size
 from .fsdp import keyed_by_name, load_full_model_state, load_full_optimizer_state
 from .progress import Position
@@ -115,12 +116,15 @@ def _load_state(ckpt: "Checkpointer", data: dict[str, Any], path: str) -> None:
     # epoch's end: the next pass starts fresh, nothing to skip.
     inner = position[1]
     mid_pass = progress.epoch_len is None or inner < progress.epoch_len
-    ckpt._data.resume(
-        data["rng"], path, inner * accumulation if mid_pass else 0,
-        remapped=inner != data["progress"]["inner_iter"] or len(data["rng"]) != get_world_size(),
-    )  # fmt: skip
+    remapped = inner != data["progress"]["inner_iter"] or len(data["rng"]) != get_world_size()
+    resume_data(ckpt._data, data["rng"], path, inner * accumulation if mid_pass else 0, remapped)
     saved = data["progress"]
-    progress.resume(position, saved.get("stopped", False), saved.get("iters_done", 0))
+    iters_done = saved.get("iters_done", 0)  # a stream's; with a length, from the position
+    if progress.epoch_len is not None:
+        iters_done = position[0] * progress.epoch_len + inner
+    progress.position, progress.saved = position, (position, saved.get("stopped", False))
+    progress.start_iter = min(progress.max_iters, iters_done)
+    progress.iter = progress.start_iter - 1
 
 
 def load_checkpoint_file(path: str) -> dict[str, Any]:
@@ -537,3 +541,25 @@ def map_position(
         "schedule goes on from its saved step."
     )
     return epoch, new_inner
+
+
+def file_names(names: list[Any]) -> list[str]:
+    """The plain file names (no folder, no ``..``) among a loaded CheckpointHook's ``names``;
+    the others are ignored with a warning."""
+    kept = [name for name in names if _is_file_name(name)]
+    for name in names:
+        if not _is_file_name(name):
+            logger.warning(
+                f"Ignoring {name!r} among the checkpoints the loaded state lists: not a file "
+                "name in the checkpoint folder, so it is never deleted."
+            )
+    return kept
+
+
+def _is_file_name(name: Any) -> bool:
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and os.path.basename(name) == name
+        and not any(sep in name for sep in (os.sep, os.altsep, "\0") if sep)
+    )

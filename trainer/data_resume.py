@@ -39,7 +39,8 @@ _LOADER_OPTIONS = (
 def resume(
     stream: DataStream, per_rank: list[dict[str, Any]], path: str, to_skip: int, remapped: bool
 ) -> None:
-    """:meth:`DataStream.resume`: restore this rank's RNG state, and what the next pass skips."""
+    """Restore this rank's RNG state from a checkpoint's ``per_rank`` states; the next pass skips
+    ``to_skip`` batches (``remapped``: a number mapped to another world or batch size)."""
     rank, world_size = get_rank(), get_world_size()
     loader = stream.data_loader
     foreign = [

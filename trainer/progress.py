@@ -1,26 +1,24 @@
-"""Where training is: :class:`Progress`, and :class:`DataStream`, the data iteration that a
-mid-epoch resume continues exactly (``data_resume.py`` holds what only that needs)."""
+"""Where training is: :class:`Progress`, and :class:`DataStream`, the data passes that a
+mid-epoch resume continues exactly."""
 
 import dataclasses
+import random
 import time
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from .distributed import CpuGroup, get_world_size
-from .rng_state import get_rng_state
 
 Position = tuple[int, int]  # (epoch, iterations done in it): where training goes on from
 
 
 @dataclasses.dataclass
 class Progress:
-    """The counters of a run, kept in one place.
-
-    ``epoch``, ``inner_iter`` and ``iter`` name the iteration running (or the last one);
-    ``position`` is where a checkpoint taken now resumes: it moves when an iteration or an epoch
-    ends. ``saved``: the position and stop of the last checkpoint saved or loaded.
-    ``epoch_len`` is None for a data loader without a length, whose epochs end with its passes.
+    """The counters of a run. ``epoch``, ``inner_iter`` and ``iter`` name the iteration running
+    (or the last one); ``position``, where a checkpoint taken now resumes, moves when an iteration
+    or an epoch ends. ``epoch_len`` is None for a loader without a length (epochs are its passes).
     """
 
     epoch_len: Optional[int]
@@ -32,7 +30,7 @@ class Progress:
     epoch_start: int = 0  # the iterations done before the current epoch
     position: Position = (0, 0)
     stopped: bool = False  # Trainer.stop was called (or the resumed checkpoint remembers it)
-    saved: tuple[Position, bool] = ((-1, -1), False)
+    saved: tuple[Position, bool] = ((-1, -1), False)  # the last checkpoint's position and stop
     last_log_iter: int = -1  # the last iteration that was a log point
     data_seconds: float = 0.0  # waiting for batches in this train(), up to the last log point
 
@@ -71,16 +69,6 @@ class Progress:
         self.stopped = self.saved == (self.position, True) and not continue_after_stop
         return self.stopped
 
-    def resume(self, position: Position, stopped: bool, iters_done: int) -> None:
-        """Go on from a loaded checkpoint's ``position``, after ``iters_done`` iterations (for a
-        stream; with a length they follow from the position)."""
-        self.position = position
-        self.saved = (position, stopped)
-        if self.epoch_len is not None:
-            iters_done = position[0] * self.epoch_len + position[1]
-        self.start_iter = min(self.max_iters, iters_done)
-        self.iter = self.start_iter - 1
-
     def state_dict(self, batch_size: Optional[int]) -> dict[str, Any]:
         """The position as plain data, with what mapping it to another world size needs."""
         epoch, inner = self.position
@@ -96,16 +84,11 @@ class Progress:
 
 
 class DataStream:
-    """Passes over a data loader, one per epoch, that a mid-epoch resume continues exactly
-    (``data_resume.py`` says how); :func:`data_stream` makes one, or for a loader without a
-    length an ``UnsizedDataStream``.
-
-    Args:
-        data_loader: A data loader, or any iterable.
-        cpu: The trainer's gloo group, over which a stream's ranks agree on a pass's end.
+    """Passes over a data loader (any iterable), one per epoch, that a mid-epoch resume continues
+    exactly (``data_resume.py``); :func:`data_stream` makes one. ``cpu``: the trainer's gloo group.
     """
 
-    sized = True  # the loader has a length (an UnsizedDataStream's has not)
+    sized = True  # False for an UnsizedDataStream, whose has_next() ends its passes
     pass_ended = False  # an UnsizedDataStream's pass ended (has_next said so)
 
     def __init__(self, data_loader: Any, cpu: Optional[CpuGroup] = None) -> None:
@@ -122,14 +105,11 @@ class DataStream:
         )
         # the generators of the loader, its samplers and the samplers these wrap, each once
         found = [getattr(owner, "generator", None) for owner in _samplers(data_loader)]
-        self.generators = tuple(
-            {id(g): g for g in found if isinstance(g, torch.Generator)}.values()
-        )
+        self.generators = tuple(dict.fromkeys(g for g in found if isinstance(g, torch.Generator)))
         # A loader with persistent workers makes its iterator once, drawing the workers' base
         # seed then; its later passes draw only what the sampler draws.
-        self._persistent_to_make = bool(getattr(data_loader, "persistent_workers", False)) and (
-            getattr(data_loader, "num_workers", 0) > 0
-        )
+        persistent = getattr(data_loader, "persistent_workers", False)
+        self._persistent_to_make = bool(persistent) and getattr(data_loader, "num_workers", 0) > 0
 
     def next_batch(self) -> Any:
         """The next batch of the current pass (a new pass starts when there is none)."""
@@ -150,13 +130,12 @@ class DataStream:
         )
 
     def has_next(self, n: int) -> bool:
-        """Whether the current pass has the ``n`` batches of another iteration: always, with a
-        length (epochs are then counted in iterations)."""
+        """Whether the pass has another iteration's ``n`` batches: always, with a length."""
         return True
 
     def release(self) -> None:
-        """Drop the pass in progress and shut its worker processes down now (after a failure:
-        a rerun resumes from a checkpoint). A loader with persistent workers keeps its own."""
+        """After a failure, drop the pass and shut its worker processes down now (unless
+        persistent)."""
         data_iter, self._iter = self._iter, None
         if not getattr(data_iter, "_persistent_workers", False):
             # what the iterator's __del__ does, which a traceback holding it would delay
@@ -184,22 +163,27 @@ class DataStream:
         return iter(self.data_loader)
 
     def rng_state(self, mid_pass: bool) -> dict[str, Any]:
-        """Every RNG's state now, the state the pass started with when ``mid_pass``, and then
-        too the state of a loader that keeps its own (``state_dict()``)."""
+        """Every RNG's state now and, ``mid_pass``, the pass's at its start and the state of a
+        loader that keeps its own (``state_dict()``)."""
         state: dict[str, Any] = {"now": get_rng_state(self.generators)}
         state["epoch_start"] = self._pass_rng if mid_pass else None
         if self._stateful:
             state["loader"] = self.data_loader.state_dict() if mid_pass else None
         return state
 
-    def resume(
-        self, per_rank: list[dict[str, Any]], path: str, batches_to_skip: int, remapped: bool
-    ) -> None:
-        """Restore this rank's RNG state from a checkpoint; the next pass skips ``batches_to_skip``
-        batches (``remapped``: a number mapped to another world or batch size)."""
-        from .data_resume import resume
 
-        resume(self, per_rank, path, batches_to_skip, remapped)
+def get_rng_state(extra_generators: tuple[torch.Generator, ...] = ()) -> dict[str, Any]:
+    """The state of every RNG that training depends on, as plain data and tensors (loadable with
+    ``weights_only=True``); ``trainer.rng_state.set_rng_state`` restores it."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "generators": [g.get_state() for g in extra_generators],
+    }
 
 
 def _samplers(data_loader: Any) -> list[Any]:

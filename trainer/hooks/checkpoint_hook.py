@@ -13,9 +13,6 @@ logger = logging.getLogger(__name__)
 class CheckpointHook(HookBase):
     """Saves a checkpoint every ``period`` epochs (or iterations), and always at the end.
 
-    A save due at an epoch's last iteration waits for the epoch's end, so that the checkpoint
-    holds the state after ``after_epoch`` (the epoch's LR step included) and resume is exact.
-
     Args:
         period: Epochs (``by_epoch``) or iterations between checkpoints; 0 saves at the end only.
         max_to_keep: Keep the newest N checkpoints this hook wrote (with those of preemptions
@@ -56,7 +53,8 @@ class CheckpointHook(HookBase):
         return 0 if self._by_epoch else self._period
 
     def after_iter(self) -> None:
-        """Save mid-epoch checkpoints (one due at an epoch's last iteration waits)."""
+        """Save mid-epoch checkpoints. One due at an epoch's last iteration waits for its end, to
+        hold the state after ``after_epoch`` (the epoch's LR step) so that resume is exact."""
         if not self.is_last_inner_iter():
             self._add(self.trainer.checkpointer.name())
 
@@ -67,14 +65,14 @@ class CheckpointHook(HookBase):
             self._add(self.trainer.checkpointer.name())
 
     def _add(self, file_name: str, save: bool = True) -> None:
-        """Save ``file_name`` (or adopt it, durable already) and delete those beyond the newest
+        """Save ``file_name`` (or adopt it, durable already), then delete all but the newest
         ``max_to_keep``."""
         self._saved = [name for name in self._saved if name != file_name] + [file_name]
         ckpt_dir = self.trainer.ckpt_dir
         old = self._saved[: -self._max_to_keep] if self._max_to_keep else []
+        # The checkpoint still lists the old files: a run killed before they are deleted deletes
+        # them after resuming. They go in the background, once the new one is durable.
         if save:
-            # The checkpoint still lists the old files: a run killed before they are deleted
-            # deletes them after resuming. They go in the background, once the new one is durable.
             self.trainer.save_checkpoint(file_name, then=lambda: _delete(ckpt_dir, old))
         else:
             _delete(ckpt_dir, old)
@@ -85,30 +83,16 @@ class CheckpointHook(HookBase):
         return {"saved": list(self._saved)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned, keeping plain file names only: this hook
-        deletes by these names, and must never reach outside ``ckpt_dir``."""
-        self._saved = [name for name in state["saved"] if _is_file_name(name)]
-        for name in state["saved"]:
-            if not _is_file_name(name):
-                logger.warning(
-                    f"Ignoring {name!r} among the checkpoints the loaded state lists: not a file "
-                    "name in the checkpoint folder, so it is never deleted."
-                )
+        """Restore what :meth:`state_dict` returned, plain file names only (never deleting
+        outside ``ckpt_dir``)."""
+        from ..checkpoint_load import file_names
 
-
-def _is_file_name(name: Any) -> bool:
-    """Whether ``name`` is a plain file name: no folder, no ``..``, no absolute path."""
-    return (
-        isinstance(name, str)
-        and name not in ("", ".", "..")
-        and os.path.basename(name) == name
-        and not any(sep in name for sep in (os.sep, os.altsep, "\0") if sep)
-    )
+        self._saved = file_names(state["saved"])
 
 
 def _delete(ckpt_dir: str, names: list[str]) -> None:
     """Delete old checkpoints; one that cannot be deleted is a warning (training is fine)."""
-    for path in (os.path.join(ckpt_dir, name) for name in names if _is_file_name(name)):
+    for path in (os.path.join(ckpt_dir, name) for name in names):
         try:
             if os.path.lexists(path):
                 os.remove(path)
