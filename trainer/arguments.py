@@ -137,9 +137,9 @@ def progress_bar() -> list[HookBase]:
 
 def _errors() -> ModuleType:
     """The long messages of the rarer errors, imported when one is raised."""
-    from . import argument_errors
+    from . import setup_errors
 
-    return argument_errors
+    return setup_errors
 
 
 def _check_types(model: Any, optimizer: Any, lr_scheduler: Any, data_loader: Any) -> None:

@@ -501,7 +501,7 @@ class Trainer:
         if (path is not None or auto_resume) and self.load_checkpoint(path, auto_resume):
             trained = False
         if trained:
-            from .argument_errors import restart_refused
+            from .setup_errors import restart_refused
 
             raise restart_refused(self.cur_iter, self.max_iters, self.ckpt_dir, auto_resume)
         if self.progress.stay_stopped(continue_after_stop):  # (LoggerHook tells other starts)

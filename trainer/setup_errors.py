@@ -1,6 +1,6 @@
-"""The long messages of the Trainer's rarer errors and warnings (arguments that do not fit
-together, a train() that cannot start again), imported when one is raised; the checks that
-raise them are in :mod:`trainer.arguments` and :meth:`Trainer.train <trainer.Trainer.train>`."""
+"""The long messages of the rarer errors and warnings in how a Trainer is set up (arguments that
+do not fit together, a hook registered twice, a plateau metric that never comes, a train() that
+cannot start again), imported when one is raised; the checks stay where they are made."""
 
 from typing import Any
 
@@ -115,4 +115,52 @@ def restart_refused(
         f"This Trainer has trained up to {done} in an earlier train(): its model and "
         f"optimizer hold that state, {why}. {go_on}To train again from scratch, build a new "
         "model, optimizer and Trainer."
+    )
+
+
+def hook_registered_already(hook: Any, here: bool) -> ValueError:
+    if here:
+        return ValueError(
+            f"This {hook.class_name} is registered already: it would run twice per event. "
+            "Register another instance if you want two."
+        )
+    return ValueError(
+        f"This {hook.class_name} is registered on another trainer: a hook serves one "
+        "trainer (self.trainer). Create another instance for this one, or unregister it "
+        "from the other trainer first."
+    )
+
+
+def second_hook_of_a_kind(cls: type, hook: Any, twice: str) -> ValueError:
+    return ValueError(
+        f"A {cls.__name__} is registered already, and a second one would {twice}. "
+        f"To configure it, replace it: trainer.unregister_hook({cls.__name__}), then "
+        f"trainer.register_hook({type(hook).__name__}(...))."
+    )
+
+
+def plateau_metric_ignored(plateau_metric: str, scheduler: Any) -> ValueError:
+    return ValueError(
+        f"LRUpdateHook(plateau_metric={plateau_metric!r}) is only used with "
+        f"ReduceLROnPlateau, and the trainer's lr_scheduler is "
+        f"{type(scheduler.torch_scheduler or scheduler).__name__}; remove plateau_metric."
+    )
+
+
+def no_plateau_metric(default: str, cur_epoch: int) -> RuntimeError:
+    return RuntimeError(
+        "ReduceLROnPlateau needs a metric to judge, and no plateau_metric was given, "
+        f"so it judges {default!r}, which nothing logged by the end of "
+        f"epoch {cur_epoch + 1}. Either replace the default hook with "
+        "LRUpdateHook(plateau_metric='<name>') (trainer.unregister_hook(LRUpdateHook) "
+        "first), with a name your EvalHook returns (e.g. 'val_loss'), or return "
+        f"{{{default!r}: value}} from an EvalHook(1, eval_func)."
+    )
+
+
+def plateau_metric_never_came(plateau_metric: str, logged: list[str]) -> str:
+    return (
+        f"LRUpdateHook(plateau_metric={plateau_metric!r}): no value of it was "
+        "logged in training, so ReduceLROnPlateau never stepped. Logged: "
+        f"{', '.join(logged)}."
     )
