@@ -69,10 +69,7 @@ def check_arguments(  # each is checked here, so Any
     if max_num_checkpoints is not None:
         check_int("max_num_checkpoints", max_num_checkpoints, minimum=1)
     if checkpoint_period == 0 and max_num_checkpoints != 3:
-        raise ValueError(
-            "checkpoint_period=0 turns periodic checkpoints off, so max_num_checkpoints would be "
-            "ignored; remove it, or pass a checkpoint_period >= 1."
-        )
+        raise _errors().max_num_checkpoints_ignored()
     if not clip_grad_norm >= 0:
         raise ValueError(f"clip_grad_norm must be >= 0 (0 disables), got {clip_grad_norm!r}.")
     if isinstance(enable_amp, torch.dtype) and enable_amp not in _AMP_DTYPES:
@@ -228,7 +225,4 @@ def make_writable_dir(path: str) -> None:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:
-        raise PermissionError(
-            f"{path!r} (the checkpoint folder in work_dir) is not writable ({e.strerror or e}); "
-            "pass a writable work_dir."
-        ) from e
+        raise _errors().not_writable(path, e) from e

@@ -72,7 +72,6 @@ class LRWarmupScheduler:
         self.warmup_mode = warmup_mode
         self.warmup_init_lr = warmup_init_lr
         self.warmup_factor = warmup_factor
-
         self.last_iter = self.last_epoch = 0
         # whether the optimizer holds warmup LRs (afterwards an LR set by hand stays)
         self._warming = False
@@ -128,10 +127,8 @@ class LRWarmupScheduler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned and set the optimizer's LRs to match."""
-        self.last_iter = state["last_iter"]
-        self.last_epoch = state["last_epoch"]
-        self.regular_lrs = list(state["regular_lrs"])
-        self.warmup_end_lrs = state["warmup_end_lrs"]
+        self.last_iter, self.last_epoch = state["last_iter"], state["last_epoch"]
+        self.regular_lrs, self.warmup_end_lrs = list(state["regular_lrs"]), state["warmup_end_lrs"]
         if self.torch_scheduler is not None:
             self.torch_scheduler.load_state_dict(state["torch_scheduler"])
         # past warmup, the optimizer's state has the LRs unless a torch scheduler sets them

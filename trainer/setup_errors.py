@@ -36,6 +36,20 @@ def other_optimizer(lr_scheduler: Any, scheduled: Any, optimizer: Optimizer) -> 
     )
 
 
+def max_num_checkpoints_ignored() -> ValueError:
+    return ValueError(
+        "checkpoint_period=0 turns periodic checkpoints off, so max_num_checkpoints would be "
+        "ignored; remove it, or pass a checkpoint_period >= 1."
+    )
+
+
+def not_writable(path: str, e: OSError) -> PermissionError:
+    return PermissionError(
+        f"{path!r} (the checkpoint folder in work_dir) is not writable ({e.strerror or e}); "
+        "pass a writable work_dir."
+    )
+
+
 def cuda_graph_refused(compiled: bool) -> ValueError:
     if compiled:
         return ValueError(
