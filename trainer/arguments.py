@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 import tempfile
+from types import ModuleType
 from typing import Any, Optional
 
 import torch
@@ -68,49 +69,25 @@ def check_arguments(  # each is checked here, so Any
     if max_num_checkpoints is not None:
         check_int("max_num_checkpoints", max_num_checkpoints, minimum=1)
     if checkpoint_period == 0 and max_num_checkpoints != 3:
-        raise ValueError(
-            "checkpoint_period=0 turns periodic checkpoints off, so max_num_checkpoints would be "
-            "ignored; remove it, or pass a checkpoint_period >= 1."
-        )
+        raise _errors().max_num_checkpoints_ignored()
     if not clip_grad_norm >= 0:
         raise ValueError(f"clip_grad_norm must be >= 0 (0 disables), got {clip_grad_norm!r}.")
     if isinstance(enable_amp, torch.dtype) and enable_amp not in _AMP_DTYPES:
         raise ValueError(
             f"enable_amp must be True, False, torch.float16 or torch.bfloat16, got {enable_amp!r}."
         )
-    if cuda_graph and _compiled(model):
-        raise ValueError(
-            "A torch.compile-d model and cuda_graph=True do not combine here; for CUDA graphs "
-            'under torch.compile, pass cuda_graph=False and compile with mode="reduce-overhead".'
-        )
-    if cuda_graph and is_sharded(model):
-        raise ValueError(
-            "cuda_graph=True does not support models sharded with fully_shard (FSDP2): "
-            "its collectives cannot be captured here. Pass cuda_graph=False."
-        )
-    if isinstance(lr_scheduler, LRWarmupScheduler):
-        given = {
-            "by_epoch": by_epoch, "warmup_t": warmup_t, "warmup_by_epoch": warmup_by_epoch,
-            "warmup_mode": warmup_mode, "warmup_init_lr": warmup_init_lr,
-            "warmup_factor": warmup_factor,
-        }  # fmt: skip
-        ignored = [f"{k}={v!r}" for k, v in given.items() if v != WARMUP_DEFAULTS[k]]
-        if ignored:
-            raise ValueError(
-                f"lr_scheduler is an LRWarmupScheduler, which already holds its warmup and "
-                f"by_epoch settings, so {', '.join(ignored)} would be ignored. Pass them to "
-                "the LRWarmupScheduler, or pass the torch scheduler it wraps instead."
-            )
+    if cuda_graph and (_compiled(model) or is_sharded(model)):
+        raise _errors().cuda_graph_refused(compiled=_compiled(model))
+    warmup = {
+        "by_epoch": by_epoch, "warmup_t": warmup_t, "warmup_by_epoch": warmup_by_epoch,
+        "warmup_mode": warmup_mode, "warmup_init_lr": warmup_init_lr,
+        "warmup_factor": warmup_factor,
+    }  # fmt: skip
+    if isinstance(lr_scheduler, LRWarmupScheduler) and warmup != WARMUP_DEFAULTS:
+        raise _errors().warmup_settings_ignored(warmup, WARMUP_DEFAULTS)
     epoch_len = _check_epoch_len(data_loader, accumulation_steps)
     if epoch_len is None and max_epochs:
-        what = type(data_loader).__name__
-        if getattr(data_loader, "dataset", None) is not None:
-            what += f" over {type(data_loader.dataset).__name__}"
-        raise ValueError(
-            f"max_epochs={max_epochs} needs a data_loader with a length, and this one "
-            f"(a {what}) has none: it is a stream. Pass max_iters=N instead; an epoch is then "
-            "one pass until the stream ends."
-        )
+        raise _errors().stream_without_epochs(max_epochs, data_loader)
     return epoch_len
 
 
@@ -155,6 +132,13 @@ def progress_bar() -> list[HookBase]:
     return [ProgressBarHook()]
 
 
+def _errors() -> ModuleType:
+    """The long messages of the rarer errors, imported when one is raised."""
+    from . import setup_errors
+
+    return setup_errors
+
+
 def _check_types(model: Any, optimizer: Any, lr_scheduler: Any, data_loader: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -162,9 +146,8 @@ def _check_types(model: Any, optimizer: Any, lr_scheduler: Any, data_loader: Any
         raise TypeError(
             f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}."
         )
-    if lr_scheduler is not None and not isinstance(
-        lr_scheduler, (LRScheduler, ReduceLROnPlateau, LRWarmupScheduler)
-    ):
+    schedulers = (LRScheduler, ReduceLROnPlateau, LRWarmupScheduler)
+    if lr_scheduler is not None and not isinstance(lr_scheduler, schedulers):
         raise TypeError(
             "lr_scheduler must be a torch.optim.lr_scheduler scheduler, an LRWarmupScheduler or "
             f"None, got {type(lr_scheduler).__name__}."
@@ -175,54 +158,24 @@ def _check_types(model: Any, optimizer: Any, lr_scheduler: Any, data_loader: Any
 
 def _check_wiring(model: nn.Module, optimizer: Optimizer, lr_scheduler: Any) -> None:
     if not any(group["params"] for group in optimizer.param_groups):
-        raise ValueError(
-            f"optimizer holds no parameters: {type(optimizer).__name__} would step nothing. "
-            f"Build it on the model's parameters: torch.optim.{type(optimizer).__name__}("
-            "model.parameters(), ...)."
-        )
+        raise _errors().empty_optimizer(optimizer)
     own = {id(p) for p in model.parameters()}
     foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in own]
     if foreign:
-        shapes = ", ".join(str(tuple(p.shape)) for p in foreign[:3])
-        raise ValueError(
-            f"optimizer holds {len(foreign)} parameters that are not the model's (shapes "
-            f"{shapes}{', ...' if len(foreign) > 3 else ''}): stepping it would never change "
-            "the model. Build it on this model's parameters, e.g. "
-            f"torch.optim.{type(optimizer).__name__}(model.parameters(), ...), after moving the "
-            "model to its device and wrapping or sharding it."
-        )
+        raise _errors().foreign_parameters(optimizer, foreign)
     scheduler = lr_scheduler
     if isinstance(scheduler, LRWarmupScheduler):
         scheduler = scheduler.torch_scheduler or scheduler
     scheduled = getattr(scheduler, "optimizer", optimizer)
     if scheduled is not optimizer:
-        raise ValueError(
-            f"lr_scheduler schedules another optimizer ({type(scheduled).__name__} object at "
-            f"{id(scheduled):#x}), not the trainer's optimizer ({type(optimizer).__name__} at "
-            f"{id(optimizer):#x}), so the trainer's LR would never change. Build it on the "
-            f"optimizer you pass: {type(lr_scheduler).__name__}(optimizer, ...)."
-        )
+        raise _errors().other_optimizer(lr_scheduler, scheduled, optimizer)
 
 
 def check_closure_free(optimizer: Optimizer) -> None:
     """Refuse an optimizer whose ``step`` needs a closure (LBFGS) for the built-in step."""
     closure = inspect.signature(optimizer.step).parameters.get("closure")
     if closure is not None and closure.default is inspect.Parameter.empty:
-        name = type(optimizer).__name__
-        raise TypeError(
-            f"optimizer is a {name}, whose step() needs a closure that re-evaluates the loss, "
-            "and the built-in step calls step() once without one. Subclass Trainer and "
-            "override train_one_iter:\n"
-            "    def train_one_iter(self):\n"
-            "        batch = self.next_batch()\n"
-            "        def closure():\n"
-            "            self.optimizer.zero_grad()\n"
-            "            loss, self.losses = self.compute_losses(batch)\n"
-            "            self.backward(loss)\n"
-            "            return loss\n"
-            "        self.optimizer.step(closure)\n"
-            "        self.log_losses(**self.losses)"
-        )
+        raise _errors().closure_needed(optimizer)
 
 
 def warn_unoptimized(model: nn.Module, optimizers: list[Optimizer]) -> None:
@@ -230,12 +183,7 @@ def warn_unoptimized(model: nn.Module, optimizers: list[Optimizer]) -> None:
     held = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
     left = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
     if left:
-        logger.warning(
-            f"{len(left)} trainable parameters of the model are in no optimizer and will not "
-            f"change: {', '.join(left[:5])}{', ...' if len(left) > 5 else ''}. If that is "
-            "meant, freeze them with requires_grad_(False); otherwise add them to the optimizer "
-            "(or register a second one with trainer.checkpointer.register)."
-        )
+        logger.warning(_errors().unoptimized_warning(left))
 
 
 def _check_epochs_or_iters(max_epochs: Any, max_iters: Any) -> None:
@@ -277,29 +225,4 @@ def make_writable_dir(path: str) -> None:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:
-        raise PermissionError(
-            f"{path!r} (the checkpoint folder in work_dir) is not writable ({e.strerror or e}); "
-            "pass a writable work_dir."
-        ) from e
-
-
-def refuse_restart(cur_iter: int, max_iters: int, ckpt_dir: str, auto_resume: bool) -> None:
-    """Raise for a Trainer that trained before and has no checkpoint to resume from now."""
-    done = f"iteration {cur_iter + 1} of {max_iters}"
-    if auto_resume:
-        why = f"and {ckpt_dir} holds no checkpoint to resume from"
-    else:
-        why = "so train(auto_resume=False) cannot start afresh"
-    if cur_iter + 1 >= max_iters:
-        raise RuntimeError(
-            f"This Trainer has trained to the end already ({done}): its model and optimizer "
-            f"hold that state, {why}, and there is nothing left to train. To train again "
-            "from scratch, build a new model, optimizer and Trainer; to train longer, build "
-            "the Trainer with a larger max_epochs or max_iters."
-        )
-    go_on = "" if auto_resume else "To go on from the last checkpoint, call train(). "
-    raise RuntimeError(
-        f"This Trainer has trained up to {done} in an earlier train(): its model and "
-        f"optimizer hold that state, {why}. {go_on}To train again from scratch, build a new "
-        "model, optimizer and Trainer."
-    )
+        raise _errors().not_writable(path, e) from e

@@ -1,6 +1,5 @@
 """Warmup on top of any ``torch.optim.lr_scheduler`` scheduler."""
 
-import warnings
 from typing import Any, Optional
 
 import torch
@@ -34,18 +33,6 @@ class LRWarmupScheduler:
         warmup_init_lr: The first LR of ``"fix"`` warmup.
         warmup_factor: The starting factor of ``"factor"`` and ``"auto"`` warmup.
         optimizer: The optimizer, needed only when ``torch_scheduler`` is None.
-
-    Example::
-
-        >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
-        >>> step = torch.optim.lr_scheduler.StepLR(opt, step_size=10)
-        >>> sched = LRWarmupScheduler(step, by_epoch=True, warmup_t=4, warmup_init_lr=0.02)
-        >>> lrs = []
-        >>> for _ in range(5):
-        ...     lrs.append(round(opt.param_groups[0]["lr"], 3))
-        ...     sched.iter_update()
-        >>> lrs
-        [0.02, 0.04, 0.06, 0.08, 0.1]
     """
 
     def __init__(
@@ -61,7 +48,14 @@ class LRWarmupScheduler:
         *,
         optimizer: Optional[Optimizer] = None,
     ) -> None:
-        _check_warmup(warmup_t, warmup_mode, warmup_by_epoch, by_epoch)
+        check_int("warmup_t", warmup_t, minimum=0, note="0 disables warmup")
+        if warmup_mode not in _WARMUP_MODES:
+            raise ValueError(f"warmup_mode must be one of {_WARMUP_MODES}, got {warmup_mode!r}.")
+        if warmup_by_epoch and not by_epoch:
+            raise ValueError(
+                "warmup_by_epoch=True needs an epoch-based schedule: pass by_epoch=True, or count "
+                "warmup_t in iterations with warmup_by_epoch=False."
+            )
         if torch_scheduler is None and optimizer is None:
             raise ValueError("Pass optimizer= when torch_scheduler is None.")
         if isinstance(torch_scheduler, ReduceLROnPlateau) and not by_epoch:
@@ -78,14 +72,18 @@ class LRWarmupScheduler:
         self.warmup_mode = warmup_mode
         self.warmup_init_lr = warmup_init_lr
         self.warmup_factor = warmup_factor
-
         self.last_iter = self.last_epoch = 0
         # whether the optimizer holds warmup LRs (afterwards an LR set by hand stays)
         self._warming = False
         self.base_lrs = self._get_lrs()
         # chainable schedulers (StepLR, ...) step from the regular LR, not the warmup LR
         self.regular_lrs = list(self.base_lrs)
-        self.warmup_end_lrs = self._regular_lrs_at_warmup_end() if warmup_mode == "auto" else None
+        # "auto" mode's target: the regular LRs at the end of warmup
+        self.warmup_end_lrs: Optional[list[float]] = None
+        if warmup_mode == "auto":
+            from .lr_warmup_auto import regular_lrs_at_warmup_end
+
+            self.warmup_end_lrs = regular_lrs_at_warmup_end(self)
         self._apply()
 
     @property
@@ -129,10 +127,8 @@ class LRWarmupScheduler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned and set the optimizer's LRs to match."""
-        self.last_iter = state["last_iter"]
-        self.last_epoch = state["last_epoch"]
-        self.regular_lrs = list(state["regular_lrs"])
-        self.warmup_end_lrs = state["warmup_end_lrs"]
+        self.last_iter, self.last_epoch = state["last_iter"], state["last_epoch"]
+        self.regular_lrs, self.warmup_end_lrs = list(state["regular_lrs"]), state["warmup_end_lrs"]
         if self.torch_scheduler is not None:
             self.torch_scheduler.load_state_dict(state["torch_scheduler"])
         # past warmup, the optimizer's state has the LRs unless a torch scheduler sets them
@@ -161,23 +157,6 @@ class LRWarmupScheduler:
             self.torch_scheduler.step()
         self.regular_lrs = self._get_lrs()
 
-    def _regular_lrs_at_warmup_end(self) -> list[float]:
-        """Run the regular schedule to the end of warmup and rewind it ("auto" mode's target)."""
-        if self.torch_scheduler is None or self.is_plateau:
-            return list(self.base_lrs)
-        per_epoch = self.by_epoch and not self.warmup_by_epoch
-        steps = self.warmup_t // (self.epoch_len or 1) if per_epoch else self.warmup_t
-        saved = self.torch_scheduler.state_dict()
-        # A look-ahead, not training: torch's "step() before optimizer.step()" warning is moot.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
-            for _ in range(steps):
-                self.torch_scheduler.step()
-        end_lrs = self._get_lrs()
-        self.torch_scheduler.load_state_dict(saved)
-        self._set_lrs(self.base_lrs)
-        return end_lrs
-
     def _apply(self) -> None:
         t = self.last_epoch if self.warmup_by_epoch else self.last_iter
         if t >= self.warmup_t:
@@ -198,14 +177,3 @@ class LRWarmupScheduler:
                 for b, end in zip(self.base_lrs, self.warmup_end_lrs)
             ]
         self._set_lrs(lrs)
-
-
-def _check_warmup(warmup_t: int, warmup_mode: str, warmup_by_epoch: bool, by_epoch: bool) -> None:
-    check_int("warmup_t", warmup_t, minimum=0, note="0 disables warmup")
-    if warmup_mode not in _WARMUP_MODES:
-        raise ValueError(f"warmup_mode must be one of {_WARMUP_MODES}, got {warmup_mode!r}.")
-    if warmup_by_epoch and not by_epoch:
-        raise ValueError(
-            "warmup_by_epoch=True needs an epoch-based schedule: pass by_epoch=True, or count "
-            "warmup_t in iterations with warmup_by_epoch=False."
-        )

@@ -85,11 +85,8 @@ class HistoryBuffer:
 
 class MetricStorage(Mapping):
     """A mapping from metric name to :class:`HistoryBuffer`, with each metric's latest iteration.
-
-    :meth:`update` adds numbers at once. :meth:`add` keeps scalar tensors on their device (no
-    sync per iteration) until :meth:`flush` turns them into numbers in one transfer, reduced
-    over ranks under torchrun if marked ``reduce``, and raises ``FloatingPointError`` on a
-    non-finite value of a series marked ``check_finite`` (a loss).
+    :meth:`add` keeps scalar tensors on their device until :meth:`flush` copies them in one
+    transfer (reduced over ranks if ``reduce``; a non-finite ``check_finite`` value raises).
 
     Args:
         window_size: The window of each buffer, i.e. how many values a smoothed metric averages.
@@ -184,11 +181,10 @@ class MetricStorage(Mapping):
         for table in (self._buffers, self._latest_iter, self._smooth, self._pending):
             table.clear()
         for name, entry in state["metrics"].items():
-            self._buffers[name] = HistoryBuffer(entry["buffer"]["window_size"])
-            self._buffers[name].load_state_dict(entry["buffer"])
-            self._latest_iter[name] = entry["iter"]
             # checkpoints from before the trainer's times were each period's means smooth them
-            self._smooth[name] = entry["smooth"] and name not in PERIOD_TIMES
+            smooth = entry["smooth"] and name not in PERIOD_TIMES
+            self._buffer(name, smooth).load_state_dict(entry["buffer"])  # its own window size
+            self._latest_iter[name] = entry["iter"]
 
     def add(
         self,
@@ -212,7 +208,12 @@ class MetricStorage(Mapping):
         # Called every iteration, so kept lean: a detached scalar tensor (a loss) passes as is.
         for name, value in metrics.items():
             if isinstance(value, torch.Tensor) and (value.requires_grad or value.dim()):
-                value = _scalar(name, value)
+                if value.numel() != 1:
+                    raise ValueError(
+                        f"Metric {name!r} must be a number or a one-element tensor, got a tensor "
+                        f"of shape {tuple(value.shape)}; reduce it first (e.g. .mean())."
+                    )
+                value = value.detach().reshape(())
             series = self._pending.get(name)
             if series is None:
                 series = self._pending[name] = _Series(smooth, check_finite, reduce, [], [])
@@ -260,15 +261,6 @@ TRAINER_METRICS = frozenset({"total_loss", "lr", "grad_norm", *_MAX_REDUCED})
 PERIOD_TIMES = ("data_time", "iter_time")
 
 
-def _scalar(name: str, value: torch.Tensor) -> torch.Tensor:
-    if value.numel() != 1:
-        raise ValueError(
-            f"Metric {name!r} must be a number or a one-element tensor, got a tensor of shape "
-            f"{tuple(value.shape)}; reduce it first (e.g. .mean())."
-        )
-    return value.detach().reshape(())
-
-
 def _has_tensor(values: list[Any]) -> bool:
     return any(map(isinstance, values, itertools.repeat(torch.Tensor)))  # at C speed
 
@@ -290,8 +282,6 @@ def _to_host(series: list[list[Any]]) -> list[list[float]]:
 def _stacked(values: list[Any], device: Optional[torch.device], dtype: torch.dtype) -> torch.Tensor:
     """Numbers and scalar tensors as one 1-D tensor of ``dtype`` on ``device`` (None: that of
     the first tensor among them), without a sync."""
-    if not _has_tensor(values):
-        return torch.tensor(list(map(float, values)), dtype=dtype, device=device)
     try:
         stacked = torch.stack(values)  # the common case: scalar tensors on one device
     except (TypeError, RuntimeError):  # numbers among them, or tensors on several devices

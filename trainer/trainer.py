@@ -29,7 +29,7 @@ from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import MetricStorage
 from .preemption import WRITE_FAILED, Preemption
 from .progress import Progress, data_stream
-from .step import total_loss, unwrapped, wrappers
+from .step import unwrapped, wrappers
 
 logger = logging.getLogger(__name__)
 
@@ -450,7 +450,9 @@ class Trainer:
         if (path is not None or auto_resume) and self.load_checkpoint(path, auto_resume):
             trained = False
         if trained:
-            args.refuse_restart(self.cur_iter, self.max_iters, self.ckpt_dir, auto_resume)
+            from .setup_errors import restart_refused
+
+            raise restart_refused(self.cur_iter, self.max_iters, self.ckpt_dir, auto_resume)
         if self.progress.stay_stopped(continue_after_stop):  # (LoggerHook tells other starts)
             logger.info(
                 f"The run was ended by stop() at iteration {self.start_iter}: not training "
@@ -609,6 +611,8 @@ class Trainer:
                 out = model(**batch) if unpack else model(batch)
         if isinstance(out, torch.Tensor) and out.dim() == 0:  # the common case, kept short
             return out, {"total_loss": out.detach()}
+        from .losses import total_loss  # a dict of losses (or an error)
+
         return total_loss(out)
 
     def _forward_backward_step(

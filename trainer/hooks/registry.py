@@ -43,24 +43,16 @@ class HookRegistry:
         """Add ``hook`` in priority order."""
         if not isinstance(hook, HookBase):
             raise TypeError(f"hook must be a HookBase instance, got {type(hook).__name__}.")
-        if any(h is hook for h in self._hooks):
-            raise ValueError(
-                f"This {hook.class_name} is registered already: it would run twice per event. "
-                "Register another instance if you want two."
-            )
-        if _alive(hook.trainer):
-            raise ValueError(
-                f"This {hook.class_name} is registered on another trainer: a hook serves one "
-                "trainer (self.trainer). Create another instance for this one, or unregister it "
-                "from the other trainer first."
-            )
+        here = any(h is hook for h in self._hooks)
+        if here or _alive(hook.trainer):  # here, or on another trainer
+            from ..setup_errors import hook_registered_already
+
+            raise hook_registered_already(hook, here)
         for cls, twice in self._one_of_each.items():
             if isinstance(hook, cls) and any(isinstance(h, cls) for h in self._hooks):
-                raise ValueError(
-                    f"A {cls.__name__} is registered already, and a second one would {twice}. "
-                    f"To configure it, replace it: trainer.unregister_hook({cls.__name__}), then "
-                    f"trainer.register_hook({type(hook).__name__}(...))."
-                )
+                from ..setup_errors import second_hook_of_a_kind
+
+                raise second_hook_of_a_kind(cls, hook, twice)
         hook.trainer = self._owner
         position = sum(1 for h in self._hooks if h.priority <= hook.priority)
         self._hooks.insert(position, hook)
