@@ -37,7 +37,6 @@ EXTRAS = [
     "trainer.cuda_graph",
     "trainer.data_resume",
     "trainer.evaluation",
-    "trainer.failure",
     "trainer.fsdp",
     "trainer.history_buffer",
     "trainer.log_rewind",

@@ -2,6 +2,7 @@ import gc
 import inspect
 import io
 import os
+import sys
 import weakref
 
 import pytest
@@ -585,3 +586,25 @@ def test_the_trainer_has_at_most_45_public_names_and_22_parameters(make_trainer)
     assert len(public) <= 45, public
     assert len(inspect.signature(Trainer.__init__).parameters) - 1 <= 22
     assert Trainer.__bases__ == (object,)
+
+
+class _NoImports:  # a process out of file descriptors cannot open a module's file
+    def find_spec(self, name, path=None, target=None):
+        raise OSError(24, "Too many open files", name)
+
+
+class FailWithoutFiles(HookBase):
+    def after_iter(self):
+        if self.trainer.cur_iter == 2:
+            sys.meta_path.insert(0, _NoImports())
+            raise OSError(24, "Too many open files")
+
+
+def test_a_failure_that_leaves_no_file_descriptor_is_still_logged(make_trainer, monkeypatch):
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # restored after the test
+    trainer = make_trainer(loader=tiny_loader(shuffle=True, num_workers=2))
+    trainer.register_hook(FailWithoutFiles())
+    with pytest.raises(OSError, match="Too many open files$"):
+        trainer.train()
+    log = open(trainer.log_file).read()
+    assert "Training failed in iteration 3 of " in log and "OSError: [Errno 24]" in log

@@ -108,8 +108,8 @@ def _atomic_write(path: str, write: Callable[[Any], Any], mode: Optional[int]) -
     except BaseException as e:
         try:
             from .checkpoint_errors import raise_write_failure
-        except ImportError:  # no file descriptor left to import with, say: the error as it is
-            raise e from None
+        except (ImportError, OSError):  # no file descriptor left to import with, say
+            raise e from None  # the error as it is
         raise_write_failure(path, e)
 
 

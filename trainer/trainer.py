@@ -6,6 +6,7 @@ import functools
 import logging
 import math
 import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
@@ -18,13 +19,14 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from torch.utils.data import DataLoader
 
 from . import arguments as args
+from . import logger as trainer_logging
 from .checkpoint import Checkpointer
 from .distributed import CpuGroup, get_rank, get_world_size, is_main_process, is_sharded
 from .env import collect_env
 from .hooks import CheckpointHook, DistributedHook, HookBase, LoggerHook, LRUpdateHook
 from .hooks.registry import HookRegistry
 from .lock import WorkDirLock
-from .logger import ensure_console_logging, log_to_file, rank_log_file
+from .logger import TRACEBACK_FOLLOWS, ensure_console_logging, log_to_file, rank_log_file
 from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import MetricStorage
 from .preemption import WRITE_FAILED, Preemption
@@ -349,16 +351,42 @@ class Trainer:
                 self._storage.flush(every_rank=True)  # what was logged after the last log point
                 if self.progress.stopped and not self.progress.is_saved:
                     self.save_checkpoint(self._checkpointer.name())  # a rerun stays stopped
-            except (KeyboardInterrupt, Exception) as e:
-                from .failure import after_failure  # a failed run's path only
-
-                after_failure(self, e)
+            except KeyboardInterrupt:
+                self._after_failure()
+                logger.warning(
+                    f"Interrupted (Ctrl-C) in iteration {self.cur_iter + 1} of {self.max_iters}: "
+                    "not saved. Rerun to resume from the last checkpoint "
+                    f"({self._checkpointer.last_path or 'none yet: from the start'})."
+                )
+                raise SystemExit(128 + signal.SIGINT) from None  # what a shell reports for it
+            except Exception as e:
+                self._after_failure()
+                # the traceback in this rank's log file; on the console Python prints it, once
+                where = "as it started"
+                if self.cur_iter >= self.start_iter:
+                    where = f"in iteration {self.cur_iter + 1} of {self.max_iters}"
+                logger.exception(
+                    f"Training failed {where}: {type(e).__name__}: {e}",
+                    extra={TRACEBACK_FOLLOWS: True},
+                )
                 raise
             finally:
                 try:
                     self._hooks.call("after_train", every_handler=True)
                 finally:
                     self._checkpointer.wait()  # the last checkpoint is on disk when train() ends
+
+    def _after_failure(self) -> None:
+        """Erase the progress bar's line, release the loader's workers, and put this rank's
+        values logged since the last log point in the storage (no collective). Nothing here
+        imports: a failure may leave no file descriptor to import with."""
+        if trainer_logging.live_line is not None:  # a progress bar is drawing
+            trainer_logging.live_line.erase()
+        self._data.release()
+        try:
+            self._storage.flush()
+        except FloatingPointError:
+            pass  # a NaN loss among them: kept up to it, and the error in flight says the rest
 
     def _train_epoch(self) -> bool:
         """Run (the rest of) the position's epoch; whether training goes on."""
