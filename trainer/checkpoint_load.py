@@ -548,8 +548,8 @@ def file_names(names: list[Any]) -> list[str]:
     the others are ignored with a warning."""
     kept = [name for name in names if _is_file_name(name)]
     for name in names:
-        if not _is_file_name(name):
-            logger.warning(
+        if not _is_file_name(name):  # the hook's warning, from the hook's logger
+            logging.getLogger("trainer.hooks.checkpoint_hook").warning(
                 f"Ignoring {name!r} among the checkpoints the loaded state lists: not a file "
                 "name in the checkpoint folder, so it is never deleted."
             )

@@ -102,7 +102,9 @@ def test_a_crafted_state_never_deletes_outside_the_checkpoint_folder(make_traine
     resumed.train()  # its saves delete the listed names beyond the newest one
     assert victim.read_text() == "keep me"
     assert listing(resumed) == ["epoch_3.pth", "latest.txt"]
+    warned = [r for r in caplog.records if "among the checkpoints the loaded" in r.message]
     assert f"Ignoring {name!r} among the checkpoints the loaded state lists" in caplog.text
+    assert {r.name for r in warned} == {"trainer.hooks.checkpoint_hook"}
 
 
 def test_a_checkpoint_that_cannot_be_deleted_is_a_warning(make_trainer, monkeypatch, caplog):
