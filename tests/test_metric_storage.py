@@ -168,3 +168,12 @@ def test_series_of_other_dtypes_flushed_together_keep_their_values():
     assert {name: storage[name].latest for name in storage} == {
         "tokens": 12345.0, "big": 100000.0, "loss": 0.5,
     }  # fmt: skip
+
+
+def test_a_saved_buffer_with_a_bad_window_size_is_refused_at_load():
+    storage = MetricStorage()
+    storage.update(0, loss=1.0)
+    state = storage.state_dict()
+    state["metrics"]["loss"]["buffer"]["window_size"] = 0
+    with pytest.raises(ValueError, match="window_size must be a positive int, got 0"):
+        MetricStorage().load_state_dict(state)

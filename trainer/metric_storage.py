@@ -78,6 +78,7 @@ class HistoryBuffer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
+        check_int("window_size", state["window_size"], minimum=1)
         self._window = deque(state["window"], maxlen=state["window_size"])
         self._count = state["count"]
         self._sum = state["sum"]
@@ -86,7 +87,8 @@ class HistoryBuffer:
 class MetricStorage(Mapping):
     """A mapping from metric name to :class:`HistoryBuffer`, with each metric's latest iteration.
     :meth:`add` keeps scalar tensors on their device until :meth:`flush` copies them in one
-    transfer (reduced over ranks if ``reduce``; a non-finite ``check_finite`` value raises).
+    transfer (reduced over ranks if ``reduce``; a non-finite ``check_finite`` value raises
+    ``FloatingPointError``).
 
     Args:
         window_size: The window of each buffer, i.e. how many values a smoothed metric averages.
@@ -282,6 +284,8 @@ def _to_host(series: list[list[Any]]) -> list[list[float]]:
 def _stacked(values: list[Any], device: Optional[torch.device], dtype: torch.dtype) -> torch.Tensor:
     """Numbers and scalar tensors as one 1-D tensor of ``dtype`` on ``device`` (None: that of
     the first tensor among them), without a sync."""
+    if not _has_tensor(values):
+        return torch.tensor(list(map(float, values)), dtype=dtype, device=device)
     try:
         stacked = torch.stack(values)  # the common case: scalar tensors on one device
     except (TypeError, RuntimeError):  # numbers among them, or tensors on several devices
