@@ -49,7 +49,6 @@ EXTRAS = [
     "trainer.preemption_exit",
     "trainer.process_group",
     "trainer.rank_agreement",
-    "trainer.rng_state",
     "trainer.script_logging",
     "trainer.seed",
     "trainer.setup_errors",

@@ -119,12 +119,7 @@ def _load_state(ckpt: "Checkpointer", data: dict[str, Any], path: str) -> None:
     remapped = inner != data["progress"]["inner_iter"] or len(data["rng"]) != get_world_size()
     resume_data(ckpt._data, data["rng"], path, inner * accumulation if mid_pass else 0, remapped)
     saved = data["progress"]
-    iters_done = saved.get("iters_done", 0)  # a stream's; with a length, from the position
-    if progress.epoch_len is not None:
-        iters_done = position[0] * progress.epoch_len + inner
-    progress.position, progress.saved = position, (position, saved.get("stopped", False))
-    progress.start_iter = min(progress.max_iters, iters_done)
-    progress.iter = progress.start_iter - 1
+    progress.resume(position, saved.get("stopped", False), saved.get("iters_done", 0))
 
 
 def load_checkpoint_file(path: str) -> dict[str, Any]:

@@ -2,14 +2,13 @@
 mid-epoch resume continues exactly."""
 
 import dataclasses
-import random
 import time
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from .distributed import CpuGroup, get_world_size
+from .rng_state import get_rng_state
 
 Position = tuple[int, int]  # (epoch, iterations done in it): where training goes on from
 
@@ -68,6 +67,16 @@ class Progress:
         stays stopped (unless ``continue_after_stop``)."""
         self.stopped = self.saved == (self.position, True) and not continue_after_stop
         return self.stopped
+
+    def resume(self, position: Position, stopped: bool, iters_done: int) -> None:
+        """Go on from a loaded checkpoint's ``position``, after ``iters_done`` iterations (for a
+        stream; with a length they follow from the position)."""
+        self.position = position
+        self.saved = (position, stopped)
+        if self.epoch_len is not None:
+            iters_done = position[0] * self.epoch_len + position[1]
+        self.start_iter = min(self.max_iters, iters_done)
+        self.iter = self.start_iter - 1
 
     def state_dict(self, batch_size: Optional[int]) -> dict[str, Any]:
         """The position as plain data, with what mapping it to another world size needs."""
@@ -170,20 +179,6 @@ class DataStream:
         if self._stateful:
             state["loader"] = self.data_loader.state_dict() if mid_pass else None
         return state
-
-
-def get_rng_state(extra_generators: tuple[torch.Generator, ...] = ()) -> dict[str, Any]:
-    """The state of every RNG that training depends on, as plain data and tensors (loadable with
-    ``weights_only=True``); ``trainer.rng_state.set_rng_state`` restores it."""
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return {
-        "python": [version, list(internal), gauss],
-        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "generators": [g.get_state() for g in extra_generators],
-    }
 
 
 def _samplers(data_loader: Any) -> list[Any]:

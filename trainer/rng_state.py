@@ -1,6 +1,4 @@
-"""The state of every random number generator that training depends on, as checkpoint data:
-:func:`get_rng_state` (in ``progress.py``, which every run loads) and :func:`set_rng_state`,
-which only a resume needs."""
+"""The state of every random number generator that training depends on, as checkpoint data."""
 
 import random
 from typing import Any
@@ -8,9 +6,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from .progress import get_rng_state
 
-__all__ = ["get_rng_state", "set_rng_state"]
+def get_rng_state(extra_generators: tuple[torch.Generator, ...] = ()) -> dict[str, Any]:
+    """The state of every RNG that training depends on, as plain data and tensors (loadable with
+    ``weights_only=True``); :func:`set_rng_state` restores it."""
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    return {
+        "python": [version, list(internal), gauss],
+        "numpy": [kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, cached],
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "generators": [g.get_state() for g in extra_generators],
+    }
 
 
 def set_rng_state(
