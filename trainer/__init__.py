@@ -5,7 +5,7 @@ from typing import TYPE_CHECKING
 from .distributed import all_gather, gather, get_rank, get_world_size, is_main_process
 from .env import collect_env
 from .hooks import CheckpointHook, DistributedHook, HookBase, LoggerHook, LRUpdateHook
-from .lazy import lazy_exports
+from .lazy import lazy_exports as _lazy_exports
 from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import HistoryBuffer, MetricStorage
 from .trainer import Trainer
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .script_logging import setup_logger
     from .seed import set_random_seed
 else:  # hidden from type checkers, which would take any name through it
-    __getattr__, __dir__ = lazy_exports(globals(), _LAZY)
+    __getattr__, __dir__ = _lazy_exports(globals(), _LAZY)
 
 __all__ = [
     "CheckpointHook", "DistributedHook", "EvalHook", "HistoryBuffer", "HookBase", "LoggerHook",

@@ -6,7 +6,6 @@ import logging
 import os
 import sys
 import tempfile
-from types import ModuleType
 from typing import Any, Optional
 
 import torch
@@ -69,7 +68,9 @@ def check_arguments(  # each is checked here, so Any
     if max_num_checkpoints is not None:
         check_int("max_num_checkpoints", max_num_checkpoints, minimum=1)
     if checkpoint_period == 0 and max_num_checkpoints != 3:
-        raise _errors().max_num_checkpoints_ignored()
+        from .setup_errors import max_num_checkpoints_ignored
+
+        raise max_num_checkpoints_ignored()
     if not clip_grad_norm >= 0:
         raise ValueError(f"clip_grad_norm must be >= 0 (0 disables), got {clip_grad_norm!r}.")
     if isinstance(enable_amp, torch.dtype) and enable_amp not in _AMP_DTYPES:
@@ -77,17 +78,23 @@ def check_arguments(  # each is checked here, so Any
             f"enable_amp must be True, False, torch.float16 or torch.bfloat16, got {enable_amp!r}."
         )
     if cuda_graph and (_compiled(model) or is_sharded(model)):
-        raise _errors().cuda_graph_refused(compiled=_compiled(model))
+        from .setup_errors import cuda_graph_refused
+
+        raise cuda_graph_refused(compiled=_compiled(model))
     warmup = {
         "by_epoch": by_epoch, "warmup_t": warmup_t, "warmup_by_epoch": warmup_by_epoch,
         "warmup_mode": warmup_mode, "warmup_init_lr": warmup_init_lr,
         "warmup_factor": warmup_factor,
     }  # fmt: skip
     if isinstance(lr_scheduler, LRWarmupScheduler) and warmup != WARMUP_DEFAULTS:
-        raise _errors().warmup_settings_ignored(warmup, WARMUP_DEFAULTS)
+        from .setup_errors import warmup_settings_ignored
+
+        raise warmup_settings_ignored(warmup, WARMUP_DEFAULTS)
     epoch_len = _check_epoch_len(data_loader, accumulation_steps)
     if epoch_len is None and max_epochs:
-        raise _errors().stream_without_epochs(max_epochs, data_loader)
+        from .setup_errors import stream_without_epochs
+
+        raise stream_without_epochs(max_epochs, data_loader)
     return epoch_len
 
 
@@ -132,13 +139,6 @@ def progress_bar() -> list[HookBase]:
     return [ProgressBarHook()]
 
 
-def _errors() -> ModuleType:
-    """The long messages of the rarer errors, imported when one is raised."""
-    from . import setup_errors
-
-    return setup_errors
-
-
 def _check_types(model: Any, optimizer: Any, lr_scheduler: Any, data_loader: Any) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
@@ -158,24 +158,32 @@ def _check_types(model: Any, optimizer: Any, lr_scheduler: Any, data_loader: Any
 
 def _check_wiring(model: nn.Module, optimizer: Optimizer, lr_scheduler: Any) -> None:
     if not any(group["params"] for group in optimizer.param_groups):
-        raise _errors().empty_optimizer(optimizer)
+        from .setup_errors import empty_optimizer
+
+        raise empty_optimizer(optimizer)
     own = {id(p) for p in model.parameters()}
     foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in own]
     if foreign:
-        raise _errors().foreign_parameters(optimizer, foreign)
+        from .setup_errors import foreign_parameters
+
+        raise foreign_parameters(optimizer, foreign)
     scheduler = lr_scheduler
     if isinstance(scheduler, LRWarmupScheduler):
         scheduler = scheduler.torch_scheduler or scheduler
     scheduled = getattr(scheduler, "optimizer", optimizer)
     if scheduled is not optimizer:
-        raise _errors().other_optimizer(lr_scheduler, scheduled, optimizer)
+        from .setup_errors import other_optimizer
+
+        raise other_optimizer(lr_scheduler, scheduled, optimizer)
 
 
 def check_closure_free(optimizer: Optimizer) -> None:
     """Refuse an optimizer whose ``step`` needs a closure (LBFGS) for the built-in step."""
     closure = inspect.signature(optimizer.step).parameters.get("closure")
     if closure is not None and closure.default is inspect.Parameter.empty:
-        raise _errors().closure_needed(optimizer)
+        from .setup_errors import closure_needed
+
+        raise closure_needed(optimizer)
 
 
 def warn_unoptimized(model: nn.Module, optimizers: list[Optimizer]) -> None:
@@ -183,7 +191,9 @@ def warn_unoptimized(model: nn.Module, optimizers: list[Optimizer]) -> None:
     held = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
     left = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
     if left:
-        logger.warning(_errors().unoptimized_warning(left))
+        from .setup_errors import unoptimized_warning
+
+        logger.warning(unoptimized_warning(left))
 
 
 def _check_epochs_or_iters(max_epochs: Any, max_iters: Any) -> None:
@@ -225,4 +235,6 @@ def make_writable_dir(path: str) -> None:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:
-        raise _errors().not_writable(path, e) from e
+        from .setup_errors import not_writable
+
+        raise not_writable(path, e) from e

@@ -83,8 +83,9 @@ class Checkpointer:
         """Save the whole state as ``ckpt_dir/file_name`` and point ``latest.txt`` at it.
 
         Training waits only while the state is copied to CPU memory; rank 0 writes the file in
-        the background, atomically, then calls ``then()``. The next save and :meth:`wait` raise
-        a failed write's ``OSError``. Every rank calls this; rank 0 gets the path.
+        the background, atomically, and calls ``then()`` once it is durable. The next save,
+        :meth:`wait` and the end of ``train()`` raise a failed write's ``OSError``. Every rank
+        calls this; rank 0 gets the path (other ranks None).
         """
         state = self._live_state()
         # per rank, so that every rank's dropout and data-worker seeds resume exactly

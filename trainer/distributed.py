@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from .lazy import lazy_exports
+from .lazy import lazy_exports as _lazy_exports
 
 
 def _is_distributed() -> bool:
@@ -91,7 +91,7 @@ if TYPE_CHECKING:
     from .process_group import destroy_distributed, init_distributed
     from .tensor_collectives import all_gather_tensor, reduce_dict
 else:  # hidden from type checkers, which would take any name through it
-    __getattr__, __dir__ = lazy_exports(globals(), _LAZY)
+    __getattr__, __dir__ = _lazy_exports(globals(), _LAZY)
 
 __all__ = [
     "CpuGroup", "all_gather", "all_gather_tensor", "destroy_distributed", "gather", "get_rank",

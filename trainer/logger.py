@@ -7,7 +7,7 @@ import sys
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
-from .lazy import lazy_exports
+from .lazy import lazy_exports as _lazy_exports
 
 _FORMAT = "[%(asctime)s %(name)s %(levelname)s]: %(message)s"
 _DATE_FORMAT = "%m/%d %H:%M:%S"
@@ -55,7 +55,8 @@ class _FileHandler(logging.FileHandler):
 
 
 def open_no_follow(path: str, append: bool) -> Any:
-    """Open text file ``path`` to append or overwrite, refusing a symbolic link (see below)."""
+    """Open text file ``path`` to append or overwrite, refusing a symbolic link
+    (:func:`open_fd_no_follow`)."""
     fd = open_fd_no_follow(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC))
     return os.fdopen(fd, "a" if append else "w", encoding="utf-8")
 
@@ -109,4 +110,4 @@ def log_to_file(name: str, path: str) -> Iterator[None]:
 if TYPE_CHECKING:
     from .script_logging import setup_logger as setup_logger
 else:  # core-pytorch-utils' path to it, imported when first named
-    __getattr__, __dir__ = lazy_exports(globals(), {"setup_logger": "script_logging"})
+    __getattr__, __dir__ = _lazy_exports(globals(), {"setup_logger": "script_logging"})

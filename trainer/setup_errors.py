@@ -1,6 +1,7 @@
-"""The long messages of the rarer errors and warnings in how a Trainer is set up (arguments that
-do not fit together, a hook registered twice, a plateau metric that never comes, a train() that
-cannot start again), imported when one is raised; the checks stay where they are made."""
+"""The long messages of the rarer errors and warnings that a mistake in setting up a run causes
+(arguments that do not fit together, a hook registered twice, a plateau metric that never comes,
+a train() that cannot start again), imported when one is raised; each check stays where it is
+made, and names its message."""
 
 from typing import Any
 

@@ -1,5 +1,5 @@
 """The :class:`Trainer`: the loop, the step's public building blocks, and the hooks around them.
-What it holds lives beside it: ``progress.py``, ``metric_storage.py``, ``checkpoint.py``..."""
+What it holds (progress, metrics, checkpoints, hooks) lives in the modules beside it."""
 
 import contextlib
 import functools
@@ -83,6 +83,22 @@ class Trainer:
         cuda_graph: Capture the whole step in a CUDA graph after 3 eager iterations.
         preempt_check_period: Under torchrun, the ranks share caught preemption signals every N
             iterations.
+
+    Example::
+
+        >>> import tempfile, torch
+        >>> class Regressor(torch.nn.Linear):  # returns its loss
+        ...     def forward(self, batch):
+        ...         return torch.nn.functional.mse_loss(super().forward(batch[0]), batch[1])
+        >>> data = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+        >>> model = Regressor(4, 1)
+        >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> loader = torch.utils.data.DataLoader(data, batch_size=8)
+        >>> trainer = Trainer(model, optimizer, None, loader, max_epochs=2,
+        ...                   work_dir=tempfile.mkdtemp(), log_period=2)
+        >>> trainer.train()
+        >>> trainer.cur_iter, trainer.metric_storage["total_loss"].count
+        (7, 8)
     """
 
     def __init__(

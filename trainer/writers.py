@@ -39,7 +39,8 @@ class MetricWriter:
 
 
 def time_left(elapsed: float, iters_done: int, iters_left: int) -> datetime.timedelta:
-    """The ETA of ``iters_left`` at the pace of ``iters_done`` in ``elapsed`` seconds."""
+    """The ETA of ``iters_left`` at the pace of ``iters_done`` in ``elapsed`` seconds
+    (evaluations and checkpoints included)."""
     return datetime.timedelta(seconds=int(elapsed / max(iters_done, 1) * iters_left))
 
 
@@ -97,7 +98,8 @@ class ConsoleWriter(MetricWriter):
 
 class TensorBoardWriter(MetricWriter):
     """Scalars in TensorBoard event files under ``log_dir`` (tagged by :func:`tensorboard_tag`)
-    ending in ``.trainer``: a run from ``start_iter`` drops their events from that step on.
+    ending in ``.trainer``: a run from ``start_iter`` drops their events from that step on, and
+    changes no other event file.
 
     Args:
         log_dir: Where the event files go.

@@ -2,7 +2,7 @@
 
 from typing import TYPE_CHECKING
 
-from ..lazy import lazy_exports
+from ..lazy import lazy_exports as _lazy_exports
 from .checkpoint_hook import CheckpointHook
 from .distributed_hook import DistributedHook
 from .hookbase import HookBase, Priority
@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from .progress_bar_hook import ProgressBarHook
     from .watchdog_hook import WatchdogHook
 else:  # hidden from type checkers, which would take any name through it
-    __getattr__, __dir__ = lazy_exports(globals(), _EXTRAS)
+    __getattr__, __dir__ = _lazy_exports(globals(), _EXTRAS)
 
 __all__ = [
     "BestCheckpointHook", "CheckpointHook", "DistributedHook", "EarlyStoppingHook", "EMAHook",

@@ -8,8 +8,12 @@ from .hookbase import HookBase, Priority
 class DistributedHook(HookBase):
     """Calls ``set_epoch(epoch)`` on the data loader's sampler, batch sampler and
     ``IterableDataset`` where they have one (``DistributedSampler`` does) before each pass, so
-    every pass shuffles differently and every rank agrees on the order. The Trainer registers
-    one by default."""
+    every pass shuffles differently and every rank agrees on the order.
+
+    Example::
+
+        >>> hook = DistributedHook()  # the Trainer registers one by default
+    """
 
     priority = Priority.DISTRIBUTED
 
