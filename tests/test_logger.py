@@ -100,3 +100,17 @@ def test_log_files_are_not_written_through_a_symbolic_link(tmp_path):
         with log_to_file("trainer_test_link", str(tmp_path / "log.txt")):
             pass
     assert not target.exists()
+
+
+def test_names_that_moved_out_of_the_logger_module_still_import_from_it():
+    import trainer.logger
+    from trainer.hooks import progress_bar_hook
+    from trainer.logger import LiveLine, draws_safely_on
+    from trainer.script_logging import log_file_path, setup_logger
+
+    assert LiveLine is progress_bar_hook.LiveLine
+    assert draws_safely_on is progress_bar_hook.draws_safely_on
+    star: dict = {}
+    exec("from trainer.logger import *", star)  # the names of __all__, lazy ones included
+    assert star["setup_logger"] is setup_logger and star["log_file_path"] is log_file_path
+    assert {"setup_logger", "LiveLine"} <= set(dir(trainer.logger))

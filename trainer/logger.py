@@ -107,7 +107,19 @@ def log_to_file(name: str, path: str) -> Iterator[None]:
         handler.close()
 
 
+# where these lived before: imported when first named, by the scripts and the progress bar
+_MOVED = {"setup_logger": "script_logging", "log_file_path": "script_logging"}
+_MOVED |= dict.fromkeys(["LiveLine", "draws_safely_on"], "hooks.progress_bar_hook")
+
 if TYPE_CHECKING:
+    from .hooks.progress_bar_hook import LiveLine as LiveLine
+    from .hooks.progress_bar_hook import draws_safely_on as draws_safely_on
+    from .script_logging import log_file_path as log_file_path
     from .script_logging import setup_logger as setup_logger
-else:  # core-pytorch-utils' path to it, imported when first named
-    __getattr__, __dir__ = _lazy_exports(globals(), {"setup_logger": "script_logging"})
+else:  # hidden from type checkers, which would take any name through it
+    __getattr__, __dir__ = _lazy_exports(globals(), _MOVED)
+
+__all__ = [
+    "TRACEBACK_FOLLOWS", "ensure_console_logging", "is_terminal", "live_line", "log_file_path",
+    "log_to_file", "open_fd_no_follow", "open_no_follow", "rank_log_file", "setup_logger",
+]  # fmt: skip
