@@ -2,10 +2,13 @@
 an :class:`~trainer.LRWarmupScheduler` in that mode."""
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .lr_scheduler import LRWarmupScheduler
 
 
-def regular_lrs_at_warmup_end(scheduler: Any) -> list[float]:
+def regular_lrs_at_warmup_end(scheduler: "LRWarmupScheduler") -> list[float]:
     """Run ``scheduler``'s regular schedule to the end of warmup, and rewind it."""
     torch_scheduler = scheduler.torch_scheduler
     if torch_scheduler is None or scheduler.is_plateau:
