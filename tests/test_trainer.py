@@ -594,16 +594,26 @@ class _NoImports:  # a process out of file descriptors cannot open a module's fi
 
 
 class FailWithoutFiles(HookBase):
+    def __init__(self, nan_first):
+        self._nan_first = nan_first
+
     def after_iter(self):
+        if self.trainer.cur_iter == 1 and self._nan_first:  # pending until a log point
+            self.trainer.log_losses(aux_loss=torch.tensor(float("nan")))
         if self.trainer.cur_iter == 2:
             sys.meta_path.insert(0, _NoImports())
             raise OSError(24, "Too many open files")
 
 
-def test_a_failure_that_leaves_no_file_descriptor_is_still_logged(make_trainer, monkeypatch):
+@pytest.mark.parametrize("nan_first", [False, True])
+def test_a_failure_that_leaves_no_file_descriptor_is_still_logged(
+    make_trainer, monkeypatch, nan_first
+):
     monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # restored after the test
-    trainer = make_trainer(loader=tiny_loader(shuffle=True, num_workers=2))
-    trainer.register_hook(FailWithoutFiles())
+    # the NaN path's module, imported afresh when a NaN loss is flushed after the failure
+    monkeypatch.delitem(sys.modules, "trainer.metric_flush", raising=False)
+    trainer = make_trainer(loader=tiny_loader(shuffle=True, num_workers=2), log_period=50)
+    trainer.register_hook(FailWithoutFiles(nan_first))
     with pytest.raises(OSError, match="Too many open files$"):
         trainer.train()
     log = open(trainer.log_file).read()

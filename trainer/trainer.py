@@ -394,15 +394,17 @@ class Trainer:
 
     def _after_failure(self) -> None:
         """Erase the progress bar's line, release the loader's workers, and put this rank's
-        values logged since the last log point in the storage (no collective). Nothing here
-        imports: a failure may leave no file descriptor to import with."""
+        values logged since the last log point in the storage (no collective). A failure may
+        leave no file descriptor to import with: nothing here needs an import to succeed."""
         if trainer_logging.live_line is not None:  # a progress bar is drawing
             trainer_logging.live_line.erase()
         self._data.release()
+        # A NaN loss among them is kept up to it, unless its module cannot be imported: either
+        # way the error in flight says the rest.
         try:
             self._storage.flush()
-        except FloatingPointError:
-            pass  # a NaN loss among them: kept up to it, and the error in flight says the rest
+        except (FloatingPointError, ImportError, OSError):
+            pass
 
     def _train_epoch(self) -> bool:
         """Run (the rest of) the position's epoch; whether training goes on."""
