@@ -46,7 +46,6 @@ EXTRAS = [
     "trainer.misc",
     "trainer.moved",
     "trainer.preemption_agreement",
-    "trainer.preemption_exit",
     "trainer.process_group",
     "trainer.rank_agreement",
     "trainer.script_logging",

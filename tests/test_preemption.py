@@ -3,6 +3,7 @@ processes, are in test_resume.py)."""
 
 import os
 import signal
+import sys
 
 import pytest
 import torch
@@ -91,3 +92,28 @@ def test_preemption_checkpoints_count_against_max_num_checkpoints(tmp_path):
     assert sorted(p for p in os.listdir(ckpt_dir) if p.endswith(".pth")) == [
         "epoch_4.pth", "iter_29.pth"
     ]  # fmt: skip
+
+
+class _NoImports:  # out of file descriptors, no module of ours could be imported
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "trainer":
+            raise OSError(24, "Too many open files", name)
+
+
+@pytest.mark.parametrize("at_iter", [3, 15])  # mid-run (save, then exit), and the last one
+def test_a_signal_saves_and_exits_without_importing(tmp_path, monkeypatch, at_iter):
+    class SignalWithoutFiles(HookBase):
+        def after_iter(self):
+            if self.trainer.cur_iter == at_iter:
+                sys.meta_path.insert(0, _NoImports())
+                os.kill(os.getpid(), signal.SIGUSR1)
+
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))  # restored after the test
+    trainer = build(tmp_path, max_epochs=2)
+    trainer.register_hook(SignalWithoutFiles())
+    with pytest.raises(SystemExit) as exit_info:
+        trainer.train()
+    trainer.checkpointer.wait()
+    assert exit_info.value.code == 128 + signal.SIGUSR1
+    saved = "iter_4.pth" if at_iter == 3 else "epoch_2.pth"
+    assert (tmp_path / "checkpoints" / "latest.txt").read_text() == saved

@@ -2,6 +2,7 @@
 under torchrun every rank must agree on the iteration (the save is a collective)."""
 
 import contextlib
+import logging
 import os
 import signal
 import threading
@@ -9,6 +10,8 @@ from collections.abc import Iterator
 from typing import Any, Optional
 
 from .distributed import CpuGroup, get_world_size
+
+logger = logging.getLogger(__name__)
 
 # SIGUSR1 is what SLURM sends ahead of preemption (with --signal=USR1@<seconds>).
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
@@ -56,9 +59,12 @@ class Preemption:
             if self._agreement is not None:
                 self._agreement.finish()
         if self.caught is not None:
-            from .preemption_exit import exit_after_training  # a signal arrived: rare
-
-            exit_after_training(self.caught)
+            status = 128 + self.caught
+            logger.warning(
+                f"{signal.Signals(self.caught).name} arrived after the last iteration: training "
+                f"is complete; exiting with status {status}, as the signal asks."
+            )
+            raise SystemExit(status)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.caught is not None:  # a second signal: exit at once, as the default handler does
@@ -73,7 +79,12 @@ class Preemption:
         return local if self._agreement is None else self._agreement.check(iteration, local)
 
     def exit(self, signum: int, path: Optional[str], iters_done: int) -> None:
-        """Exit for ``signum`` once ``path`` is saved (None on the ranks that do not write)."""
-        from .preemption_exit import exit_preempted  # a signal arrived: rare
-
-        exit_preempted(signum, path, iters_done)
+        """Exit after the checkpoint at ``path`` (None on ranks that do not write) was saved,
+        with the status a shell reports for death by ``signum`` (128 + its number)."""
+        status = 128 + signum
+        logger.warning(
+            f"Preempted by {signal.Signals(signum).name} after iteration {iters_done}: saved "
+            f"{path or 'a checkpoint (rank 0 writes)'}; exiting with status {status}. Rerun the "
+            "same command to resume."
+        )
+        raise SystemExit(status)
