@@ -113,4 +113,5 @@ def test_names_that_moved_out_of_the_logger_module_still_import_from_it():
     star: dict = {}
     exec("from trainer.logger import *", star)  # the names of __all__, lazy ones included
     assert star["setup_logger"] is setup_logger and star["log_file_path"] is log_file_path
+    assert star["LiveLine"] is LiveLine and star["draws_safely_on"] is draws_safely_on
     assert {"setup_logger", "LiveLine"} <= set(dir(trainer.logger))

@@ -120,6 +120,7 @@ else:  # hidden from type checkers, which would take any name through it
     __getattr__, __dir__ = _lazy_exports(globals(), _MOVED)
 
 __all__ = [
-    "TRACEBACK_FOLLOWS", "ensure_console_logging", "is_terminal", "live_line", "log_file_path",
-    "log_to_file", "open_fd_no_follow", "open_no_follow", "rank_log_file", "setup_logger",
+    "LiveLine", "TRACEBACK_FOLLOWS", "draws_safely_on", "ensure_console_logging", "is_terminal",
+    "log_file_path", "log_to_file", "open_fd_no_follow", "open_no_follow", "rank_log_file",
+    "setup_logger",
 ]  # fmt: skip
