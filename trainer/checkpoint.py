@@ -145,7 +145,7 @@ class Checkpointer:
         except files.UnloadableState as e:
             from .checkpoint_errors import unloadable_message
 
-            unloadable = unloadable_message(file_name, *e.args)
+            unloadable = unloadable_message(file_name, e.path, e.value)
         if get_world_size() > 1:  # sharded state differs by rank: every rank must agree
             everyone = all_gather((bad, unloadable, self.writer.failed), group=self._cpu.group)
             if any(failed for *_, failed in everyone):

@@ -126,8 +126,12 @@ _NUMPY_AS_PYTHON = (np.bool_, np.integer, np.float64)
 
 
 class UnloadableState(TypeError):
-    """``args``: the path (keys and indices) in a checkpoint's state of a value, and the value,
-    that ``torch.load(weights_only=True)`` cannot rebuild."""
+    """A ``value`` at ``path`` (keys and indices) of a checkpoint's state that
+    ``torch.load(weights_only=True)`` cannot rebuild."""
+
+    def __init__(self, path: tuple, value: Any) -> None:
+        super().__init__(f"{type(value).__name__} at {list(path)}")
+        self.path, self.value = path, value
 
 
 def copy_to_cpu(state: Any) -> Any:
