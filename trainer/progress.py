@@ -202,9 +202,10 @@ def loader_length(data_loader: Any) -> Optional[int]:
         return None
 
 
-def data_stream(data_loader: Any, cpu: Optional[CpuGroup] = None) -> DataStream:
-    """The passes over ``data_loader``: an ``UnsizedDataStream`` for one without a length."""
-    if loader_length(data_loader) is None:
+def data_stream(data_loader: Any, cpu: Optional[CpuGroup], *, sized: bool) -> DataStream:
+    """The passes over ``data_loader``: an ``UnsizedDataStream`` unless ``sized`` (the loader has
+    a length, as :func:`loader_length` tells)."""
+    if not sized:
         from .unsized_stream import UnsizedDataStream
 
         return UnsizedDataStream(data_loader, cpu)

@@ -192,7 +192,7 @@ class Trainer:
             self._graphed_step = GraphedStep(self._forward_backward_step, optimizer, self._device)
         self._cpu = CpuGroup()  # under torchrun, a gloo group of the trainer's while it trains
         self._lock = WorkDirLock(self.work_dir)  # rank 0's, while it trains
-        self._data = data_stream(data_loader, self._cpu)
+        self._data = data_stream(data_loader, self._cpu, sized=self.epoch_len is not None)
         self._hooks = HookRegistry(self, _ONE_OF_EACH)
         self._storage = MetricStorage(epoch_len=self.epoch_len, cpu=self._cpu)
         self._preemption = Preemption(preempt_check_period, self._cpu)
