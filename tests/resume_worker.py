@@ -5,7 +5,8 @@ Configured by environment variables:
     MODE                  "epoch" (3 epochs of 10 iterations) or "iter" (25 iterations)
     NUM_WORKERS           the data loader's worker processes
 Under torchrun it trains with DistributedDataParallel and a DistributedSampler.
-    SHARD=1               under torchrun: shard the model with FSDP2's fully_shard instead of DDP
+    SHARD=1               under torchrun (1 rank too): shard the model with FSDP2's fully_shard
+    FULL_CKPT=1           one full checkpoint file instead of a sharded checkpoint's folder
     CLIP=c                clip_grad_norm
     ACCUM=k               accumulation_steps
     BATCH=b               batch size per process (4)
@@ -145,7 +146,7 @@ def main():
     torch.manual_seed(0)  # the same initial weights on every rank, for fully_shard
     net = Model()
     set_random_seed(rank)
-    if world_size > 1 and env_int("SHARD"):
+    if env_int("SHARD") and torch.distributed.is_initialized():  # torchrun, 1 rank or more
         for layer in net.net:
             if isinstance(layer, nn.Linear):
                 fully_shard(layer)
@@ -161,6 +162,8 @@ def main():
         checkpoint_period=0, warmup_t=5, warmup_init_lr=0.005,
         clip_grad_norm=float(os.environ.get("CLIP", 0)), accumulation_steps=env_int("ACCUM", 1),
     )  # fmt: skip
+    if env_int("FULL_CKPT"):
+        trainer.checkpointer.sharded = False
     # checkpoints every CKPT_PERIOD iterations, the newest 3 kept
     trainer.register_hook(CheckpointHook(env_int("CKPT_PERIOD", 3), 3, by_epoch=False))
     trainer.register_hook(Crash())

@@ -51,6 +51,7 @@ EXTRAS = [
     "trainer.script_logging",
     "trainer.seed",
     "trainer.setup_errors",
+    "trainer.sharded_checkpoint",
     "trainer.tensor_collectives",
     "trainer.unsized_stream",
     "trainer.hooks.best_checkpoint_hook",

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from trainer import HookBase
+from trainer.sharded_checkpoint import STATE_FILE
 
 from conftest import TinyModel, build, communicate, cpu_env, failure_output, torchrun_command
 
@@ -232,9 +233,26 @@ def test_fsdp2_trains_as_ddp_does_and_its_checkpoint_loads_into_a_plain_model(tm
     assert fsdp.keys() == ddp.keys()
     for name in fsdp:  # a per-shard gradient norm would clip differently
         torch.testing.assert_close(fsdp[name], ddp[name], rtol=1e-6, atol=1e-7)
-    # the last checkpoint holds the full weights as plain tensors (rank 0 wrote it)
+    # the last checkpoint is sharded: a folder of each rank's shards, with rank 0's
+    # trainer.pth; one command turns it into one file of the full weights
     ckpt_dir = fsdp_run / "work" / "checkpoints"
-    ckpt = load(ckpt_dir / (ckpt_dir / "latest.txt").read_text().strip())
+    folder = ckpt_dir / (ckpt_dir / "latest.txt").read_text().strip()
+    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp", STATE_FILE]
+    command = [sys.executable, "-m", "trainer.sharded_checkpoint", str(folder), str(tmp_path / "m")]
+    subprocess.run(command, env=cpu_env(), check=True, capture_output=True)
+    plain = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+    plain.load_state_dict({k.removeprefix("net."): v for k, v in load(tmp_path / "m").items()})
+    assert_bit_equal(plain.state_dict(), {k.removeprefix("net."): v for k, v in fsdp.items()})
+
+
+@pytest.mark.slow
+def test_fsdp2_full_checkpoints_hold_the_whole_state_in_one_file(tmp_path, fsdp_run):
+    code, err = torchrun(tmp_path / "work", tmp_path / "out.pth", SHARD=1, CLIP=0.05, FULL_CKPT=1)
+    assert code == 0, failure_output(err)
+    fsdp = load(fsdp_run / "out.pth")
+    assert_bit_equal(load(tmp_path / "out.pth"), fsdp)
+    ckpt_dir = tmp_path / "work" / "checkpoints"
+    ckpt = load(ckpt_dir / (ckpt_dir / "latest.txt").read_text().strip())  # rank 0 wrote it
     plain = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
     plain.load_state_dict({k.removeprefix("net."): v for k, v in ckpt["model"].items()})
     assert_bit_equal(plain.state_dict(), {k.removeprefix("net."): v for k, v in fsdp.items()})

@@ -51,7 +51,11 @@ class Checkpointer:
         self._by_epoch = by_epoch
         self.last_path: Optional[str] = None  # the checkpoint saved (rank 0) or loaded last
         self._sharded = is_sharded(model)  # by FSDP2's fully_shard
+        #: Save sharded checkpoints (a folder of every rank's shards, see
+        #: ``sharded_checkpoint.py``): the default for FSDP2 models. False: one full file.
+        self.sharded = self._sharded
         self.writer = files.BackgroundWriter()
+        self._releases: list[Callable[[], None]] = []  # run by wait(), once the writes are done
 
     @property
     def optimizers(self) -> list[Optimizer]:
@@ -92,15 +96,31 @@ class Checkpointer:
         own_rng = self._data.rng_state(mid_pass=self._progress.position[1] > 0)
         self._refuse_unloadable(file_name, {**state, "rng": [own_rng]})
         self._progress.mark_saved()
+        path = os.path.join(self.ckpt_dir, file_name)
+        if self.sharded:  # every rank writes its shards
+            from .sharded_checkpoint import save
+
+            save(self, state, own_rng, path, then)
+        else:
+            self._save_file(state, own_rng, path, then)
+        if not is_main_process():
+            return None
+        self.last_path = path
+        logger.info(f"Saving checkpoint {path} (after iteration {self._progress.iter + 1}).")
+        return path
+
+    def _save_file(
+        self, state: dict[str, Any], own_rng: Any, path: str, then: Optional[Callable[[], None]]
+    ) -> None:
+        """Save one file of the whole (full) state: rank 0 writes it."""
         weights = None
         if self._sharded:  # FSDP2: every rank gathers the full states, which rank 0 writes
             from .fsdp import full_state_dicts
 
-            weights = full_state_dicts(self._model, self._optimizer)
+            weights = full_state_dicts(self._model, self._optimizer, state)
         rng = gather(own_rng, group=self._cpu.group)
         if not is_main_process():
-            return None
-        path = os.path.join(self.ckpt_dir, file_name)
+            return
         if weights is not None:  # gathered into fresh CPU tensors already: no second copy
             del state["model"], state["optimizer"]
         self.writer.wait()  # one copy in memory at a time; raises if the last write failed
@@ -118,9 +138,6 @@ class Checkpointer:
                 then()
 
         self.writer.submit(write)
-        self.last_path = path
-        logger.info(f"Saving checkpoint {path} (after iteration {self._progress.iter + 1}).")
-        return path
 
     def _live_state(self) -> dict[str, Any]:
         """Every part's ``state_dict()``, tensors on their devices."""
@@ -158,22 +175,33 @@ class Checkpointer:
             raise refusal(file_name, self._progress.iter + 1, unloadable, bad)
 
     def wait(self) -> None:
-        """Wait for the write in flight; raise its error, if any."""
-        self.writer.wait()
+        """Wait for the write in flight; raise its error, if any. What the writes held until
+        then (a sharded save's gloo group, its threads) is released."""
+        try:
+            self.writer.wait()
+        finally:
+            while self._releases:
+                self._releases.pop()()
 
     def raise_write_error(self) -> None:
-        """Raise the failed write's ``OSError`` on rank 0, elsewhere an error pointing at it."""
+        """Raise the failed write's error on the rank that failed, elsewhere one pointing at it."""
         self.writer.wait()
         raise RuntimeError(
-            "Rank 0 could not write a checkpoint (its log names the file and the reason); "
+            f"{'A rank' if self.sharded else 'Rank 0'} could not write a checkpoint (its log "
+            "names the file and the reason); "
             f"every rank stops after iteration {self._progress.iter + 1}."
         )
 
     def remove_temp_files(self) -> None:
         """On rank 0, delete what writes interrupted by a crash left behind."""
         if is_main_process():
-            for stray in glob.glob(os.path.join(self.ckpt_dir, f".*{files.TEMP_SUFFIX}")):
-                os.remove(stray)
+            for stray in glob.glob(os.path.join(self.ckpt_dir, f".*{files.TEMP_SUFFIX}*")):
+                if os.path.isdir(stray) and not os.path.islink(stray):  # a sharded one's
+                    from .sharded_checkpoint import remove
+
+                    remove(stray)
+                else:
+                    os.remove(stray)
                 logger.info(f"Removed {stray}, left by an interrupted checkpoint write.")
 
     def parameters(self) -> set[str]:

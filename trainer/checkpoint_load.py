@@ -69,10 +69,10 @@ def load(
     parameters = ckpt.parameters()
     auto_picked = path is None
     if path is None:
-        path, data = load_newest(candidates, ckpt.ckpt_dir, parameters)
+        path, data = load_newest(candidates, ckpt)
         weights = data["model"]
     elif resume:
-        data = load_resumable(path, parameters)
+        data = load_resumable(path, ckpt)
         weights = data["model"]
     else:
         weights = model_weights(load_checkpoint_file(path), path)
@@ -123,8 +123,13 @@ def _load_state(ckpt: "Checkpointer", data: dict[str, Any], path: str) -> None:
 
 
 def load_checkpoint_file(path: str) -> dict[str, Any]:
-    """Load a checkpoint with ``weights_only=True``: tensors and plain data only, never code."""
+    """Load a checkpoint with ``weights_only=True``: tensors and plain data only, never code.
+    Of a sharded checkpoint's folder, the model's full weights alone (``{"model": ...}``)."""
     if os.path.isdir(path):
+        from .sharded_checkpoint import is_sharded_checkpoint, read_weights
+
+        if is_sharded_checkpoint(path):
+            return {"model": read_weights(path)}
         raise IsADirectoryError(f"Checkpoint {path!r} is a directory, not a file.")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"Checkpoint {path!r} does not exist.")
@@ -139,13 +144,20 @@ def load_checkpoint_file(path: str) -> dict[str, Any]:
     return data
 
 
-def load_resumable(path: str, parameters: Collection[str]) -> dict[str, Any]:
+def load_resumable(path: str, ckpt: "Checkpointer") -> dict[str, Any]:
     """The checkpoint at ``path``, if it can resume a run: every part there, of the types that
     loading uses, its tensors finite; else a RuntimeError naming ``path`` and the problem."""
-    data = load_checkpoint_file(path)
+    sharded = os.path.isdir(path)
+    if sharded:  # a sharded checkpoint's folder (or an error naming what it is)
+        from .sharded_checkpoint import read_resumable
+
+        data = read_resumable(path, ckpt)  # its tensors checked already, on every rank alike
+    else:
+        data = load_checkpoint_file(path)
     check_keys(data, path, RESUME_KEYS)
     check_structure(data, path, RESUME_KEYS)
-    check_finite(data, path, parameters)
+    if not sharded:
+        check_finite(data, path, ckpt.parameters())
     return data
 
 
@@ -187,15 +199,13 @@ def _mtime(path: str) -> float:
         return 0.0
 
 
-def load_newest(
-    candidates: list[str], ckpt_dir: str, parameters: Collection[str]
-) -> tuple[str, dict[str, Any]]:
+def load_newest(candidates: list[str], ckpt: "Checkpointer") -> tuple[str, dict[str, Any]]:
     """The first of ``candidates`` (newest first) that loads and can resume a run, as ``(path,
     data)``; one that does not is skipped with a warning, and if none does, this raises."""
     failures = []
     for path in candidates:
         try:
-            data = load_resumable(path, parameters)
+            data = load_resumable(path, ckpt)
         except (RuntimeError, OSError) as e:
             logger.warning(f"Skipping a checkpoint that does not load: {e}")
             failures.append(str(e))
@@ -204,7 +214,7 @@ def load_newest(
             logger.warning(f"Resuming from {path}, the newest checkpoint that loads.")
         return path, data
     raise RuntimeError(
-        f"None of the {len(failures)} checkpoints in {ckpt_dir} loads:\n"
+        f"None of the {len(failures)} checkpoints in {ckpt.ckpt_dir} loads:\n"
         + "\n".join(failures)
         + "\nMove them out of the folder to start afresh, or pass "
         "resume_from_checkpoint= a good file."

@@ -1,6 +1,6 @@
-"""Checkpoints and gradient sync for models sharded with FSDP2 (``fully_shard``), whose
-parameters are DTensors. Checkpoints hold the full, unsharded state, so a plain model loads
-them too."""
+"""Gradient sync, and full (one-file) checkpoints, for models sharded with FSDP2
+(``fully_shard``), whose parameters are DTensors; sharded checkpoints are
+``sharded_checkpoint.py``'s."""
 
 import contextlib
 from typing import Any, Iterator
@@ -31,10 +31,15 @@ def no_gradient_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def full_state_dicts(model: nn.Module, optimizer: Optimizer) -> tuple[dict, dict]:
+def full_state_dicts(model: nn.Module, optimizer: Optimizer, state: dict) -> tuple[dict, dict]:
     """The full model and optimizer state dicts (the optimizer's keyed by parameter names), in
-    CPU memory on rank 0 and empty elsewhere. A collective: every rank calls it."""
+    CPU memory on rank 0 and empty elsewhere; the rest of the checkpoint's ``state`` must hold
+    no shard. A collective: every rank calls it."""
     from torch.distributed.checkpoint import state_dict as dcp
+
+    from .sharded_checkpoint import refuse_shards_in_rest
+
+    refuse_shards_in_rest(state)
 
     options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
     return (
@@ -44,20 +49,27 @@ def full_state_dicts(model: nn.Module, optimizer: Optimizer) -> tuple[dict, dict
 
 
 def load_full_model_state(model: nn.Module, state: dict[str, Any], strict: bool) -> None:
-    """Load a full state dict (every rank has it) into the sharded ``model``."""
+    """Load a full state dict (every rank has it), or this rank's shards of one (DTensors, from
+    a sharded checkpoint), into ``model``."""
     from torch.distributed.checkpoint import state_dict as dcp
 
     # dict(): the helper turns the values it loads into DTensors in place
-    options = dcp.StateDictOptions(full_state_dict=True, strict=strict)
+    options = dcp.StateDictOptions(full_state_dict=not _has_dtensors(state), strict=strict)
     dcp.set_model_state_dict(model, dict(state), options=options)
 
 
 def load_full_optimizer_state(model: nn.Module, optimizer: Optimizer, state: dict) -> None:
-    """Load an optimizer state dict keyed by parameter names (from :func:`full_state_dicts`)."""
+    """Load an optimizer state dict keyed by parameter names (from :func:`full_state_dicts`, or
+    this rank's shards of one from a sharded checkpoint)."""
     from torch.distributed.checkpoint import state_dict as dcp
 
-    options = dcp.StateDictOptions(full_state_dict=True)
+    full = not any(_has_dtensors(s) for s in state.get("state", {}).values())
+    options = dcp.StateDictOptions(full_state_dict=full)
     dcp.set_optimizer_state_dict(model, optimizer, state, options=options)
+
+
+def _has_dtensors(state: dict[str, Any]) -> bool:
+    return any(is_dtensor(v) for v in state.values() if isinstance(v, torch.Tensor))
 
 
 def keyed_by_name(optimizer_state: dict[str, Any]) -> bool:

@@ -94,7 +94,11 @@ def _delete(ckpt_dir: str, names: list[str]) -> None:
     """Delete old checkpoints; one that cannot be deleted is a warning (training is fine)."""
     for path in (os.path.join(ckpt_dir, name) for name in names):
         try:
-            if os.path.lexists(path):
+            if os.path.isdir(path) and not os.path.islink(path):  # a sharded checkpoint
+                from ..sharded_checkpoint import remove
+
+                remove(path)
+            elif os.path.lexists(path):
                 os.remove(path)
                 logger.debug(f"Deleted old checkpoint {path}")
         except OSError as e:

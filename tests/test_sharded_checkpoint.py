@@ -1,0 +1,381 @@
+"""Sharded checkpoints of FSDP2 models (torch.distributed.checkpoint): every rank writes its own
+shards in the background, a checkpoint is whole or absent, it loads on another number of
+processes, and loading it runs no code from its files."""
+
+import os
+import pickle
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from trainer import Trainer
+from trainer.sharded_checkpoint import STATE_FILE, read_metadata, read_weights
+
+from conftest import communicate, cpu_env, failure_output, torchrun_command
+from test_resume import (
+    assert_bit_equal,
+    load,
+    run,
+    start_torchrun,
+    torchrun,
+    wait_for_training,
+)
+
+pytestmark = pytest.mark.slow  # torchrun runs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Two uninterrupted runs of tests/resume_worker.py on 2 ranks, the model sharded by FSDP2:
+    one saving sharded checkpoints (the default), one full files; they train alike."""
+    root = tmp_path_factory.mktemp("runs")
+    for name, env in (("sharded", {}), ("full", {"FULL_CKPT": 1})):
+        code, err = torchrun(root / name, root / f"{name}.pth", SHARD=1, CLIP=0.05, **env)
+        assert code == 0, failure_output(err)
+    assert_bit_equal(load(root / "sharded.pth"), load(root / "full.pth"))
+    return root
+
+
+def latest(work):
+    ckpt_dir = work / "checkpoints"
+    return ckpt_dir / (ckpt_dir / "latest.txt").read_text().strip()
+
+
+def test_every_rank_writes_its_own_shards_and_rank_0_the_rest(runs):
+    folder = runs / "sharded" / "checkpoints" / "iter_12.pth"
+    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp", STATE_FILE]
+    metadata = read_metadata(str(folder))
+    for name in (
+        "model.net.0.weight",
+        "model.net.0.bias",
+        "optimizer.state.net.0.weight.momentum_buffer",
+    ):
+        chunks = metadata.state_dict_metadata[name].chunks
+        assert [tuple(c.offsets) for c in chunks] in ([(0,), (8,)], [(0, 0), (8, 0)])
+        files = {
+            info.relative_path for index, info in metadata.storage_data.items() if index.fqn == name
+        }
+        assert files == {"__0_0.distcp", "__1_0.distcp"}  # half the rows each
+    rest = load(folder / STATE_FILE)
+    assert "model" not in rest and "optimizer" not in rest and len(rest["rng"]) == 2
+    assert rest["progress"]["iters_done"] == 12 and rest["progress"]["world_size"] == 2
+    # the newest 3 kept, each a folder; no temporary folder left
+    assert sorted(os.listdir(runs / "sharded" / "checkpoints")) == [
+        "epoch_3.pth", "iter_12.pth", "iter_9.pth", "latest.txt"
+    ]  # fmt: skip
+    assert latest(runs / "sharded").name == "epoch_3.pth"
+
+
+class Net(nn.Module):
+    """tests/resume_worker.py's model, in this process and unsharded."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+
+    def forward(self, batch):
+        x, y, _ = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+
+def plain_trainer(work_dir):
+    """A single-process trainer that can resume resume_worker.py's checkpoints."""
+    net = Net()
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+    data = TensorDataset(torch.randn(40, 4), torch.randn(40, 1), torch.arange(40))
+    return Trainer(
+        net, optimizer, scheduler, DataLoader(data, batch_size=4), max_epochs=3,
+        work_dir=str(work_dir), checkpoint_period=0, warmup_t=5, warmup_init_lr=0.005,
+    )  # fmt: skip
+
+
+def named_optimizer_state(trainer):
+    names = [name for name, _ in trainer.model.named_parameters()]
+    state = trainer.optimizer.state_dict()["state"]
+    return {names[i]: s["momentum_buffer"] for i, s in state.items()}
+
+
+def test_two_ranks_checkpoint_resumes_exactly_in_one_unsharded_process(tmp_path, runs, caplog):
+    trainer = plain_trainer(tmp_path)
+    trainer.load_checkpoint(str(runs / "sharded" / "checkpoints" / "iter_12.pth"))
+    full = load(runs / "full" / "checkpoints" / "iter_12.pth")  # the same state, in one file
+    assert_bit_equal(trainer.model.state_dict(), full["model"])
+    assert_bit_equal(named_optimizer_state(trainer), {
+        name: s["momentum_buffer"] for name, s in full["optimizer"]["state"].items()
+    })  # fmt: skip
+    assert trainer.lr == full["optimizer"]["param_groups"][0]["lr"]
+    assert trainer.lr_scheduler.state_dict() == full["lr_scheduler"]
+    # 2 processes x 4 samples: epoch 2 (of 5 iterations) stopped after 2 = 16 samples
+    assert trainer.progress.position == (2, 4) and trainer.start_iter == 24
+    assert "with 2 processes x batches of 4 to 1 x 4" in caplog.text
+
+
+def test_weights_alone_load_into_a_plain_model_and_into_one_file(tmp_path, runs):
+    folder = runs / "sharded" / "checkpoints" / "epoch_3.pth"
+    final = {k.removeprefix("net."): v for k, v in load(runs / "sharded.pth").items()}
+    assert_bit_equal(read_weights(str(folder)), {f"net.{k}": v for k, v in final.items()})
+    trainer = plain_trainer(tmp_path)
+    trainer.load_checkpoint(str(folder), resume=False)
+    assert_bit_equal(trainer.model.net.state_dict(), final)
+    assert trainer.cur_iter == -1  # the weights alone
+    # what docs/checkpoints.md gives for inference
+    command = [
+        sys.executable,
+        "-m",
+        "trainer.sharded_checkpoint",
+        str(folder),
+        str(tmp_path / "w.pth"),
+    ]
+    proc = subprocess.run(command, env=cpu_env(), capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    plain = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
+    plain.load_state_dict({k.removeprefix("net."): v for k, v in load(tmp_path / "w.pth").items()})
+    assert_bit_equal(plain.state_dict(), final)
+
+
+def test_a_mismatched_model_is_refused_with_the_keys(tmp_path, runs):
+    trainer = plain_trainer(tmp_path)
+    trainer.model.net[3] = nn.Linear(16, 2)
+    with pytest.raises(RuntimeError, match=r"shapes differ: net\.3\.weight \(1, 16\) vs \(2, 16\)"):
+        trainer.load_checkpoint(str(runs / "sharded" / "checkpoints" / "iter_12.pth"))
+
+
+@pytest.mark.parametrize("rank, nth_save", [(0, 19), (1, 34)])
+def test_a_rank_killed_while_writing_leaves_the_last_checkpoint_and_reruns_bit_exact(
+    tmp_path, runs, rank, nth_save
+):
+    # each rank torch.save-s every shard: rank 0 writes 13 a checkpoint, rank 1 23 (DCP
+    # leaves the replicated entries to it): this kills one of them in the second checkpoint
+    work, out = tmp_path / "work", tmp_path / "out.pth"
+    code, _ = torchrun(work, out, SHARD=1, CLIP=0.05, KILL_IN_SAVE=nth_save, KILL_RANK=rank)
+    assert code != 0 and not out.exists()
+    ckpt_dir = work / "checkpoints"
+    assert (ckpt_dir / "latest.txt").read_text() == "iter_3.pth"
+    assert ".iter_6.pth.tmp" in os.listdir(ckpt_dir) and "iter_6.pth" not in os.listdir(ckpt_dir)
+    code, err = torchrun(work, out, SHARD=1, CLIP=0.05)
+    assert code == 0, failure_output(err)
+    assert "Resumed from checkpoint" in err and "at iteration 3" in err
+    assert "left by an interrupted checkpoint write" in err  # the partial folder
+    assert_bit_equal(load(out), load(runs / "sharded.pth"))
+    assert not [name for name in os.listdir(ckpt_dir) if name.endswith(".tmp")]
+
+
+def test_sigterm_to_one_rank_saves_one_sharded_checkpoint_and_reruns_bit_exact(tmp_path, runs):
+    work, out = tmp_path / "work", tmp_path / "out.pth"
+    proc = start_torchrun(
+        work, out, SHARD=1, CLIP=0.05, SLOW=0.2, CKPT_PERIOD=1000, LOG_PERIOD=1000,
+        PREEMPT_CHECK=2, PID_DIR=tmp_path,
+    )  # fmt: skip
+    wait_for_training(work, proc)
+    time.sleep(0.3)
+    os.kill(int((tmp_path / "pid_1").read_text()), signal.SIGTERM)
+    _, err = communicate(proc, timeout=90)
+    assert proc.returncode != 0 and not out.exists()
+    stop = re.search(r"Preempted by SIGTERM after iteration (\d+)", (work / "log.txt").read_text())
+    assert stop, failure_output(err)
+    n = int(stop.group(1))
+    assert sorted(os.listdir(work / "checkpoints")) == [f"iter_{n}.pth", "latest.txt"]
+    assert STATE_FILE in os.listdir(work / "checkpoints" / f"iter_{n}.pth")  # whole, waited for
+    code, err = torchrun(work, out, SHARD=1, CLIP=0.05)
+    assert code == 0, failure_output(err)
+    assert f"at iteration {n}" in err
+    assert_bit_equal(load(out), load(runs / "sharded.pth"))
+
+
+def test_killed_after_the_rename_before_the_pointer_resumes_from_the_new_one(tmp_path, runs):
+    work, out = tmp_path / "work", tmp_path / "out.pth"
+    code, _ = torchrun(work, out, SHARD=1, CLIP=0.05, KILL_BEFORE_POINTER=2, KILL_RANK=0)
+    assert code != 0
+    assert (work / "checkpoints" / "latest.txt").read_text() == "iter_3.pth"
+    code, err = torchrun(work, out, SHARD=1, CLIP=0.05)
+    assert code == 0, failure_output(err)
+    assert "Resumed from checkpoint" in err and "at iteration 3" in err  # latest.txt's
+    assert_bit_equal(load(out), load(runs / "sharded.pth"))
+
+
+def test_two_ranks_killed_resume_on_one_process_and_one_rank_on_two(tmp_path):
+    work = tmp_path / "two"
+    code, _ = torchrun(work, tmp_path / "x", SHARD=1, KILL_AT_ITER=7, KILL_WHEN_SAVED=1)
+    assert code != 0
+    code, err = run(work, tmp_path / "one.pth")  # one process, the model not sharded
+    assert code == 0, failure_output(err)
+    assert "Resumed from checkpoint" in err and "with 2 processes x batches of 4 to 1 x 4" in err
+    work = tmp_path / "one"
+    one_rank = ("--nproc_per_node", "1")
+    code, _ = torchrun(
+        work, tmp_path / "x", args=one_rank, SHARD=1, KILL_AT_ITER=7, KILL_WHEN_SAVED=1
+    )
+    assert code != 0 and os.path.isdir(work / "checkpoints" / "iter_6.pth")
+    code, err = torchrun(work, tmp_path / "two.pth", SHARD=1)
+    assert code == 0, failure_output(err)
+    assert "Resumed from checkpoint" in err and "with 1 processes x batches of 4 to 2 x 4" in err
+
+
+class RunsCode:
+    """Unpickling it touches a file: what a crafted checkpoint would do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def craft(folder, part, marker):
+    """Put code in ``part`` of a sharded checkpoint: its metadata, one of DCP's byte entries,
+    or rank 0's trainer.pth."""
+    if part == "metadata":
+        with open(folder / ".metadata", "wb") as f:
+            pickle.dump(RunsCode(marker), f)
+    elif part == "entry":  # the optimizer's LR, re-pointed at a torch.save of code
+        with open(folder / ".metadata", "rb") as f:
+            metadata = pickle.load(f)  # (the test trusts its own file)
+        index = next(i for i in metadata.storage_data if i.fqn == "optimizer.param_groups.0.lr")
+        info = metadata.storage_data[index]
+        path = folder / info.relative_path
+        offset = path.stat().st_size
+        with open(path, "ab") as f:
+            torch.save(RunsCode(marker), f)
+        info.offset, info.length = offset, path.stat().st_size - offset
+        with open(folder / ".metadata", "wb") as f:
+            pickle.dump(metadata, f)
+    else:
+        state = load(folder / STATE_FILE)
+        state["config"]["amp"] = RunsCode(marker)
+        torch.save(state, folder / STATE_FILE)
+
+
+@pytest.mark.parametrize("part", ["metadata", "entry", "trainer.pth"])
+def test_a_sharded_checkpoint_carrying_code_is_skipped_and_never_runs(tmp_path, runs, part, caplog):
+    work = tmp_path / "work"
+    shutil.copytree(runs / "sharded", work)
+    marker = tmp_path / "code_ran"
+    craft(latest(work), part, marker)
+    trainer = plain_trainer(work)
+    with pytest.raises(RuntimeError, match="could not be loaded safely"):
+        trainer.load_checkpoint(str(latest(work)))
+    # auto-resume skips it, with a warning, for the newest checkpoint that loads
+    assert trainer.load_checkpoint(auto_resume=True)
+    assert "Skipping a checkpoint that does not load" in caplog.text
+    assert trainer.checkpointer.last_path.endswith("iter_12.pth")
+    assert not marker.exists()
+
+
+ASYNC_SCRIPT = """
+import os, sys, threading, time
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from trainer import Trainer
+from trainer.distributed import init_distributed
+
+rank, world_size = init_distributed()
+torch.manual_seed(0)
+model = fully_shard(nn.Linear(4, 4))
+opt = torch.optim.AdamW(model.parameters())
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = model
+    def forward(self, batch):
+        return self.inner(batch).square().mean()
+trainer = Trainer(Model(), opt, None, [torch.randn(2, 4)] * 2, max_epochs=1,
+                  work_dir=sys.argv[1], checkpoint_period=0)
+trainer.train()
+held, released = threading.Event(), []
+real_save = torch.save
+def save(*args, **kwargs):
+    if threading.current_thread() is not threading.main_thread():
+        held.wait()  # the writes wait until the test lets them go
+    return real_save(*args, **kwargs)
+torch.save = save
+def release():
+    time.sleep(0.5)
+    released.append(True)
+    held.set()
+ckpt_dir = trainer.ckpt_dir
+trainer.save_checkpoint("a.pth")  # returns once staged: its write is held
+print(f"{rank} returned {os.path.isdir(os.path.join(ckpt_dir, 'a.pth'))}", flush=True)
+threading.Thread(target=release).start()
+trainer.save_checkpoint("b.pth")  # waits for a.pth's write first
+print(f"{rank} second save after release {bool(released)}", flush=True)
+trainer.checkpointer.wait()
+written = sorted(name for name in os.listdir(ckpt_dir) if name.endswith(".pth"))
+print(f"{rank} both written {written}", flush=True)
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
+os._exit(0)
+"""
+
+
+def test_a_save_blocks_only_while_staging_and_the_next_waits_for_it(tmp_path):
+    script = tmp_path / "hold.py"
+    script.write_text(textwrap.dedent(ASYNC_SCRIPT))
+    cmd = torchrun_command("--nproc_per_node", "2", str(script), str(tmp_path / "work"))
+    proc = subprocess.Popen(
+        cmd, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    out, err = communicate(proc, timeout=90)
+    assert proc.returncode == 0, failure_output(err)
+    for rank in (0, 1):  # on every rank, wait() returns once the checkpoint is in place
+        assert f"{rank} returned False" in out
+        assert f"{rank} second save after release True" in out
+        assert f"{rank} both written ['a.pth', 'b.pth']" in out
+
+
+EMA_SCRIPT = """
+import os, sys
+import torch
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from trainer import Trainer
+from trainer.distributed import init_distributed
+from trainer.hooks import EMAHook
+
+rank, world_size = init_distributed()
+torch.manual_seed(0)
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+    def forward(self, batch):
+        return self.linear(batch).square().mean()
+model = fully_shard(Model())
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+trainer = Trainer(model, optimizer, None, [torch.randn(2, 4)] * 2, max_epochs=1,
+                  work_dir=sys.argv[1])
+trainer.checkpointer.sharded = sys.argv[2] == "sharded"
+trainer.register_hook(EMAHook(0.9))  # its average: DTensors, each rank's shard
+try:
+    trainer.train()
+except ValueError as e:
+    print(f"{rank} refused: {e}", flush=True)  # one write: the ranks share stdout
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
+os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+def test_shards_in_a_hooks_state_are_refused_not_saved_as_rank_0s(tmp_path, kind):
+    script = tmp_path / "ema.py"
+    script.write_text(EMA_SCRIPT)
+    cmd = torchrun_command("--nproc_per_node", "2", str(script), str(tmp_path / "work"), kind)
+    proc = subprocess.Popen(
+        cmd, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    out, err = communicate(proc, timeout=90)
+    assert proc.returncode == 0, failure_output(err)
+    for rank in (0, 1):
+        assert f"{rank} refused: hooks.EMAHook holds DTensors (shards of the FSDP2 model)" in out
+    assert os.listdir(tmp_path / "work" / "checkpoints") == []
