@@ -27,6 +27,7 @@ Under torchrun it trains with DistributedDataParallel and a DistributedSampler.
     KILL_BEFORE_POINTER=n SIGKILL it after its n-th checkpoint file, before latest.txt moves
     SLOW_SAVE=s           sleep s seconds in every checkpoint write (after creating WORK_DIR/saving)
     PID_DIR               write this process's pid to PID_DIR/pid_{rank}
+    DUMP_RESUMED=path     rank 0 saves the full model and optimizer state there as training starts
     RESTART_DELAY=s       in an attempt that torchrun restarted, rank 0 joins the group s late
 """
 
@@ -43,7 +44,11 @@ def env_int(name, default=0):
 def main():
     import torch
     from torch import nn
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_state_dict,
+    )
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
@@ -85,6 +90,13 @@ def main():
     checkpoint_module.update_latest_pointer = update_pointer
 
     class Crash(HookBase):
+        def before_train(self):  # after the resume: the full state it loaded, saved by rank 0
+            if os.environ.get("DUMP_RESUMED"):
+                options = StateDictOptions(full_state_dict=True)
+                state = get_state_dict(self.trainer.model, self.trainer.optimizer, options=options)
+                if rank == 0:
+                    real_save(state, os.environ["DUMP_RESUMED"])
+
         def after_iter(self):
             time.sleep(float(os.environ.get("SLOW", 0)))
             if self.trainer.cur_iter == env_int("KILL_AT_ITER", -1):

@@ -216,9 +216,18 @@ def test_two_ranks_killed_resume_on_one_process_and_one_rank_on_two(tmp_path):
         work, tmp_path / "x", args=one_rank, SHARD=1, KILL_AT_ITER=7, KILL_WHEN_SAVED=1
     )
     assert code != 0 and os.path.isdir(work / "checkpoints" / "iter_6.pth")
-    code, err = torchrun(work, tmp_path / "two.pth", SHARD=1)
+    shutil.copytree(work / "checkpoints" / "iter_6.pth", tmp_path / "saved_by_one")
+    dump = tmp_path / "resumed.pth"
+    code, err = torchrun(work, tmp_path / "two.pth", SHARD=1, DUMP_RESUMED=dump)
     assert code == 0, failure_output(err)
     assert "Resumed from checkpoint" in err and "with 1 processes x batches of 4 to 2 x 4" in err
+    # the two ranks resumed with the model and optimizer state that one process saved
+    saved = plain_trainer(tmp_path / "plain")
+    saved.load_checkpoint(str(tmp_path / "saved_by_one"))
+    model, optimizer = load(dump)
+    assert_bit_equal(model, saved.model.state_dict())
+    momentum = {name: s["momentum_buffer"] for name, s in optimizer["state"].items()}
+    assert_bit_equal(momentum, named_optimizer_state(saved))
 
 
 class RunsCode:
@@ -290,35 +299,40 @@ class Model(nn.Module):
     def forward(self, batch):
         return self.inner(batch).square().mean()
 trainer = Trainer(Model(), opt, None, [torch.randn(2, 4)] * 2, max_epochs=1,
-                  work_dir=sys.argv[1], checkpoint_period=0)
-trainer.train()
+                  work_dir=sys.argv[1])
+ckpt_dir = trainer.ckpt_dir
 held, released = threading.Event(), []
 real_save = torch.save
 def save(*args, **kwargs):
     if threading.current_thread() is not threading.main_thread():
-        held.wait()  # the writes wait until the test lets them go
+        held.wait()  # the writes wait until a release() lets them go
     return real_save(*args, **kwargs)
 torch.save = save
 def release():
     time.sleep(0.5)
     released.append(True)
     held.set()
-ckpt_dir = trainer.ckpt_dir
+threading.Thread(target=release).start()
+trainer.train()  # saves epoch_1.pth at its end, and waits for the write
+print(f"{rank} train() returned after release {bool(released)}", flush=True)
+held.clear()
 trainer.save_checkpoint("a.pth")  # returns once staged: its write is held
-print(f"{rank} returned {os.path.isdir(os.path.join(ckpt_dir, 'a.pth'))}", flush=True)
+print(f"{rank} save returned, a.pth there {os.path.isdir(os.path.join(ckpt_dir, 'a.pth'))}",
+      flush=True)
+released.clear()
 threading.Thread(target=release).start()
 trainer.save_checkpoint("b.pth")  # waits for a.pth's write first
-print(f"{rank} second save after release {bool(released)}", flush=True)
+print(f"{rank} second save returned after release {bool(released)}", flush=True)
 trainer.checkpointer.wait()
 written = sorted(name for name in os.listdir(ckpt_dir) if name.endswith(".pth"))
-print(f"{rank} both written {written}", flush=True)
+print(f"{rank} written {written}", flush=True)
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()
 os._exit(0)
 """
 
 
-def test_a_save_blocks_only_while_staging_and_the_next_waits_for_it(tmp_path):
+def test_a_save_blocks_only_while_staging_and_the_next_save_and_train_end_wait(tmp_path):
     script = tmp_path / "hold.py"
     script.write_text(textwrap.dedent(ASYNC_SCRIPT))
     cmd = torchrun_command("--nproc_per_node", "2", str(script), str(tmp_path / "work"))
@@ -328,9 +342,10 @@ def test_a_save_blocks_only_while_staging_and_the_next_waits_for_it(tmp_path):
     out, err = communicate(proc, timeout=90)
     assert proc.returncode == 0, failure_output(err)
     for rank in (0, 1):  # on every rank, wait() returns once the checkpoint is in place
-        assert f"{rank} returned False" in out
-        assert f"{rank} second save after release True" in out
-        assert f"{rank} both written ['a.pth', 'b.pth']" in out
+        assert f"{rank} train() returned after release True" in out
+        assert f"{rank} save returned, a.pth there False" in out
+        assert f"{rank} second save returned after release True" in out
+        assert f"{rank} written ['a.pth', 'b.pth', 'epoch_1.pth']" in out
 
 
 EMA_SCRIPT = """
