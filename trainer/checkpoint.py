@@ -51,9 +51,9 @@ class Checkpointer:
         self._by_epoch = by_epoch
         self.last_path: Optional[str] = None  # the checkpoint saved (rank 0) or loaded last
         self._sharded = is_sharded(model)  # by FSDP2's fully_shard
-        #: Save sharded checkpoints (a folder of every rank's shards, see
-        #: ``sharded_checkpoint.py``): the default for FSDP2 models. False: one full file.
         self.sharded = self._sharded
+        """Save sharded checkpoints, a folder of every rank's shards (``sharded_checkpoint.py``):
+        the default for FSDP2 models. False: one file of the full state."""
         self.writer = files.BackgroundWriter()
         self._releases: list[Callable[[], None]] = []  # run by wait(), once the writes are done
 
