@@ -170,6 +170,21 @@ def test_a_rank_killed_while_writing_leaves_the_last_checkpoint_and_reruns_bit_e
     assert not [name for name in os.listdir(ckpt_dir) if name.endswith(".tmp")]
 
 
+def test_a_checkpoint_moved_aside_to_be_replaced_is_put_back_after_a_crash(tmp_path, runs):
+    ckpt_dir = tmp_path / "work" / "checkpoints"
+    shutil.copytree(runs / "sharded" / "checkpoints", ckpt_dir)
+    # killed between the renames of a save of iter_12.pth again: the old one moved aside
+    # (.old), the new one complete beside it, neither under the name latest.txt may give
+    os.rename(ckpt_dir / "iter_12.pth", ckpt_dir / ".iter_12.pth.tmp.old")
+    shutil.copytree(ckpt_dir / "iter_9.pth", ckpt_dir / ".iter_12.pth.tmp")
+    plain_trainer(tmp_path / "work").checkpointer.remove_temp_files()
+    assert sorted(os.listdir(ckpt_dir)) == [
+        "epoch_3.pth", "iter_12.pth", "iter_9.pth", "latest.txt"
+    ]  # fmt: skip
+    saved = runs / "sharded" / "checkpoints" / "iter_12.pth"
+    assert_bit_equal(read_weights(str(ckpt_dir / "iter_12.pth")), read_weights(str(saved)))
+
+
 def test_sigterm_to_one_rank_saves_one_sharded_checkpoint_and_reruns_bit_exact(tmp_path, runs):
     work, out = tmp_path / "work", tmp_path / "out.pth"
     proc = start_torchrun(
@@ -190,9 +205,11 @@ def test_sigterm_to_one_rank_saves_one_sharded_checkpoint_and_reruns_bit_exact(t
     assert code == 0, failure_output(err)
     assert f"at iteration {n}" in err
     assert_bit_equal(load(out), load(runs / "sharded.pth"))
+    # the preemption's folder counts among the newest 3 the rerun keeps: no pile-up
+    assert len([name for name in os.listdir(work / "checkpoints") if name != "latest.txt"]) == 3
 
 
-def test_killed_after_the_rename_before_the_pointer_resumes_from_the_new_one(tmp_path, runs):
+def test_killed_after_the_rename_before_the_pointer_resumes_as_latest_txt_says(tmp_path, runs):
     work, out = tmp_path / "work", tmp_path / "out.pth"
     code, _ = torchrun(work, out, SHARD=1, CLIP=0.05, KILL_BEFORE_POINTER=2, KILL_RANK=0)
     assert code != 0
@@ -258,13 +275,25 @@ def craft(folder, part, marker):
         info.offset, info.length = offset, path.stat().st_size - offset
         with open(folder / ".metadata", "wb") as f:
             pickle.dump(metadata, f)
+    elif part == "a path outside":  # an entry read from outside the folder
+        with open(folder / ".metadata", "rb") as f:
+            metadata = pickle.load(f)
+        next(iter(metadata.storage_data.values())).relative_path = "../../x.distcp"
+        with open(folder / ".metadata", "wb") as f:
+            pickle.dump(metadata, f)
+    elif part == "damaged metadata":  # an unknown pickle protocol
+        data = bytearray((folder / ".metadata").read_bytes())
+        data[1] = 9
+        (folder / ".metadata").write_bytes(bytes(data))
     else:
         state = load(folder / STATE_FILE)
         state["config"]["amp"] = RunsCode(marker)
         torch.save(state, folder / STATE_FILE)
 
 
-@pytest.mark.parametrize("part", ["metadata", "entry", "trainer.pth"])
+@pytest.mark.parametrize(
+    "part", ["metadata", "entry", "trainer.pth", "a path outside", "damaged metadata"]
+)
 def test_a_sharded_checkpoint_carrying_code_is_skipped_and_never_runs(tmp_path, runs, part, caplog):
     work = tmp_path / "work"
     shutil.copytree(runs / "sharded", work)
@@ -285,21 +314,21 @@ import os, sys, threading, time
 import torch
 from torch import nn
 from torch.distributed.fsdp import fully_shard
-from trainer import Trainer
+from trainer import HookBase, Trainer
 from trainer.distributed import init_distributed
+from trainer.sharded_checkpoint import read_weights
 
 rank, world_size = init_distributed()
 torch.manual_seed(0)
-model = fully_shard(nn.Linear(4, 4))
-opt = torch.optim.AdamW(model.parameters())
 class Model(nn.Module):
     def __init__(self):
         super().__init__()
-        self.inner = model
+        self.inner = fully_shard(nn.Linear(4, 4))
     def forward(self, batch):
         return self.inner(batch).square().mean()
-trainer = Trainer(Model(), opt, None, [torch.randn(2, 4)] * 2, max_epochs=1,
-                  work_dir=sys.argv[1])
+model = Model()
+trainer = Trainer(model, torch.optim.AdamW(model.parameters()), None, [torch.randn(2, 4)] * 2,
+                  max_epochs=1, work_dir=sys.argv[1])
 ckpt_dir = trainer.ckpt_dir
 held, released = threading.Event(), []
 real_save = torch.save
@@ -312,20 +341,33 @@ def release():
     time.sleep(0.5)
     released.append(True)
     held.set()
-threading.Thread(target=release).start()
+before = {}
+class Probe(HookBase):
+    def after_iter(self):
+        if self.trainer.cur_iter != 0:
+            return
+        trainer.save_checkpoint("a.pth")  # returns once staged: its write is held
+        there = os.path.isdir(os.path.join(ckpt_dir, "a.pth"))
+        print(f"{rank} save returned, a.pth there {there}", flush=True)
+        before.update((k, v.full_tensor()) for k, v in model.state_dict().items())
+        with torch.no_grad():  # after the staging: a.pth keeps the weights before this
+            for p in model.parameters():
+                p.add_(100.0)
+        threading.Thread(target=release).start()
+        trainer.save_checkpoint("b.pth")  # waits for a.pth's write first
+        print(f"{rank} second save returned after release {bool(released)}", flush=True)
+        trainer.checkpointer.wait()
+        held.clear()  # the last save's write is held again
+        released.clear()
+        threading.Thread(target=release).start()
+trainer.register_hook(Probe())
 trainer.train()  # saves epoch_1.pth at its end, and waits for the write
 print(f"{rank} train() returned after release {bool(released)}", flush=True)
-held.clear()
-trainer.save_checkpoint("a.pth")  # returns once staged: its write is held
-print(f"{rank} save returned, a.pth there {os.path.isdir(os.path.join(ckpt_dir, 'a.pth'))}",
-      flush=True)
-released.clear()
-threading.Thread(target=release).start()
-trainer.save_checkpoint("b.pth")  # waits for a.pth's write first
-print(f"{rank} second save returned after release {bool(released)}", flush=True)
-trainer.checkpointer.wait()
 written = sorted(name for name in os.listdir(ckpt_dir) if name.endswith(".pth"))
 print(f"{rank} written {written}", flush=True)
+saved = read_weights(os.path.join(ckpt_dir, "a.pth"))
+same = all(torch.equal(saved[k], v) for k, v in before.items())
+print(f"{rank} a.pth holds the weights before the change {same}", flush=True)
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()
 os._exit(0)
@@ -342,10 +384,11 @@ def test_a_save_blocks_only_while_staging_and_the_next_save_and_train_end_wait(t
     out, err = communicate(proc, timeout=90)
     assert proc.returncode == 0, failure_output(err)
     for rank in (0, 1):  # on every rank, wait() returns once the checkpoint is in place
-        assert f"{rank} train() returned after release True" in out
         assert f"{rank} save returned, a.pth there False" in out
         assert f"{rank} second save returned after release True" in out
+        assert f"{rank} train() returned after release True" in out
         assert f"{rank} written ['a.pth', 'b.pth', 'epoch_1.pth']" in out
+        assert f"{rank} a.pth holds the weights before the change True" in out
 
 
 EMA_SCRIPT = """
@@ -394,3 +437,96 @@ def test_shards_in_a_hooks_state_are_refused_not_saved_as_rank_0s(tmp_path, kind
     for rank in (0, 1):
         assert f"{rank} refused: hooks.EMAHook holds DTensors (shards of the FSDP2 model)" in out
     assert os.listdir(tmp_path / "work" / "checkpoints") == []
+
+
+SCENARIO_SCRIPT = """
+import errno, os, sys
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.fsdp import fully_shard
+from trainer import HookBase, Trainer
+from trainer.distributed import init_distributed
+
+work_dir, scenario, kind, epochs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+rank, world_size = init_distributed()
+torch.manual_seed(0)
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.unused = nn.Linear(4, 4)  # no gradient, so no optimizer state
+    def forward(self, batch):
+        return self.linear(batch).square().mean()
+model = fully_shard(Model())
+momentum = 0.0 if scenario == "plain sgd" else 0.9
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
+trainer = Trainer(model, optimizer, None, [torch.randn(2, 4)] * 2, max_epochs=epochs,
+                  work_dir=work_dir, preempt_check_period=1)
+trainer.checkpointer.sharded = kind == "sharded"
+class FullDisk(dcp.FileSystemWriter):  # rank 1 cannot write the second checkpoint's shards
+    def write_data(self, plan, planner):
+        if scenario == "disk full" and rank == 1 and ".epoch_2." in str(self.path):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write_data(plan, planner)
+dcp.FileSystemWriter = FullDisk
+class WaitOnRank0(HookBase):  # waiting is this rank's own business: the next save still works
+    def after_iter(self):
+        if self.trainer.cur_iter == 0:
+            self.trainer.save_checkpoint("a.pth")
+            if rank == 0:
+                self.trainer.checkpointer.wait()
+            self.trainer.save_checkpoint("b.pth")
+if scenario == "wait on rank 0":
+    trainer.register_hook(WaitOnRank0())
+try:
+    trainer.train()
+    files = sorted(os.listdir(trainer.ckpt_dir))
+    print(f"{rank} trained from {trainer.start_iter} to {trainer.cur_iter + 1}: {files}",
+          flush=True)
+except Exception as e:
+    print(f"{rank} failed: {type(e).__name__}: {e}", flush=True)
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
+os._exit(0)
+"""
+
+
+def scenario(tmp_path, name, kind, epochs):
+    script = tmp_path / "scenario.py"
+    script.write_text(SCENARIO_SCRIPT)
+    args = [str(script), str(tmp_path / "work"), name, kind, str(epochs)]
+    proc = subprocess.Popen(
+        torchrun_command("--nproc_per_node", "2", *args), env=cpu_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    out, err = communicate(proc, timeout=90)
+    assert proc.returncode == 0, failure_output(err)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["sharded", "full"])
+@pytest.mark.parametrize("name", ["unused parameter", "plain sgd"])
+def test_state_missing_for_some_parameters_or_all_resumes(tmp_path, name, kind):
+    # a parameter without a gradient has no optimizer state; plain SGD keeps none at all
+    out = scenario(tmp_path, name, kind, epochs=1)
+    assert "0 trained from 0 to 2" in out
+    out = scenario(tmp_path, name, kind, epochs=2)
+    for rank in (0, 1):
+        assert f"{rank} trained from 2 to 4" in out, out
+
+
+def test_a_rank_that_cannot_write_stops_every_rank_with_the_os_error(tmp_path):
+    out = scenario(tmp_path, "disk full", "sharded", epochs=4)
+    for rank in (0, 1):
+        assert f"{rank} failed: OSError: [Errno 28] Could not write " in out, out
+        assert "No space left on device. The previous checkpoint and latest.txt are" in out
+    ckpt_dir = tmp_path / "work" / "checkpoints"
+    assert (ckpt_dir / "latest.txt").read_text() == "epoch_1.pth"
+    assert "Training failed" in (tmp_path / "work" / "log_rank1.txt").read_text()
+
+
+def test_waiting_on_one_rank_leaves_the_next_save_to_every_rank(tmp_path):
+    out = scenario(tmp_path, "wait on rank 0", "sharded", epochs=1)
+    for rank in (0, 1):
+        assert f"{rank} trained from 0 to 2: ['a.pth', 'b.pth', 'epoch_1.pth', 'latest.txt']" in out

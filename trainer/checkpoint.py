@@ -50,12 +50,12 @@ class Checkpointer:
         self._extra: dict[str, Any] = {}
         self._by_epoch = by_epoch
         self.last_path: Optional[str] = None  # the checkpoint saved (rank 0) or loaded last
-        self._sharded = is_sharded(model)  # by FSDP2's fully_shard
-        self.sharded = self._sharded
+        self._model_sharded = is_sharded(model)  # by FSDP2's fully_shard
+        self.sharded = self._model_sharded
         """Save sharded checkpoints, a folder of every rank's shards (``sharded_checkpoint.py``):
         the default for FSDP2 models. False: one file of the full state."""
         self.writer = files.BackgroundWriter()
-        self._releases: list[Callable[[], None]] = []  # run by wait(), once the writes are done
+        self._write_group: Any = None  # sharded saves' gloo group, while train() runs
 
     @property
     def optimizers(self) -> list[Optimizer]:
@@ -86,15 +86,20 @@ class Checkpointer:
     def save(self, file_name: str, then: Optional[Callable[[], None]] = None) -> Optional[str]:
         """Save the whole state as ``ckpt_dir/file_name`` and point ``latest.txt`` at it.
 
-        Training waits only while the state is copied to CPU memory; rank 0 writes the file in
-        the background, atomically, and calls ``then()`` once it is durable. The next save,
-        :meth:`wait` and the end of ``train()`` raise a failed write's ``OSError``. Every rank
-        calls this; rank 0 gets the path (other ranks None).
+        Training waits only while the state is copied to CPU memory; rank 0 writes the file (or,
+        :attr:`sharded`, every rank its shards) in the background, atomically, and calls
+        ``then()`` once it is durable. The next save, :meth:`wait` and the end of ``train()``
+        raise a failed write's ``OSError``. Every rank calls this; rank 0 gets the path (other
+        ranks None).
         """
         state = self._live_state()
         # per rank, so that every rank's dropout and data-worker seeds resume exactly
         own_rng = self._data.rng_state(mid_pass=self._progress.position[1] > 0)
         self._refuse_unloadable(file_name, {**state, "rng": [own_rng]})
+        if self._model_sharded:  # what rank 0 alone writes must hold no shard
+            from .sharded_checkpoint import refuse_shards_in_rest
+
+            refuse_shards_in_rest(state)
         self._progress.mark_saved()
         path = os.path.join(self.ckpt_dir, file_name)
         if self.sharded:  # every rank writes its shards
@@ -114,10 +119,10 @@ class Checkpointer:
     ) -> None:
         """Save one file of the whole (full) state: rank 0 writes it."""
         weights = None
-        if self._sharded:  # FSDP2: every rank gathers the full states, which rank 0 writes
+        if self._model_sharded:  # FSDP2: every rank gathers the full states; rank 0 writes
             from .fsdp import full_state_dicts
 
-            weights = full_state_dicts(self._model, self._optimizer, state)
+            weights = full_state_dicts(self._model, self._optimizer)
         rng = gather(own_rng, group=self._cpu.group)
         if not is_main_process():
             return
@@ -175,13 +180,8 @@ class Checkpointer:
             raise refusal(file_name, self._progress.iter + 1, unloadable, bad)
 
     def wait(self) -> None:
-        """Wait for the write in flight; raise its error, if any. What the writes held until
-        then (a sharded save's gloo group, its threads) is released."""
-        try:
-            self.writer.wait()
-        finally:
-            while self._releases:
-                self._releases.pop()()
+        """Wait for the write in flight; raise its error, if any."""
+        self.writer.wait()
 
     def raise_write_error(self) -> None:
         """Raise the failed write's error on the rank that failed, elsewhere one pointing at it."""
@@ -195,13 +195,14 @@ class Checkpointer:
     def remove_temp_files(self) -> None:
         """On rank 0, delete what writes interrupted by a crash left behind."""
         if is_main_process():
-            for stray in glob.glob(os.path.join(self.ckpt_dir, f".*{files.TEMP_SUFFIX}*")):
-                if os.path.isdir(stray) and not os.path.islink(stray):  # a sharded one's
-                    from .sharded_checkpoint import remove
+            pattern = os.path.join(self.ckpt_dir, f".*{files.TEMP_SUFFIX}")
+            for stray in glob.glob(pattern) + glob.glob(f"{pattern}.old"):
+                if os.path.isdir(stray) or stray.endswith(".old"):  # a sharded save's
+                    from .sharded_checkpoint import remove_stray
 
-                    remove(stray)
-                else:
-                    os.remove(stray)
+                    remove_stray(stray)  # (it logs what it did)
+                    continue
+                os.remove(stray)
                 logger.info(f"Removed {stray}, left by an interrupted checkpoint write.")
 
     def parameters(self) -> set[str]:

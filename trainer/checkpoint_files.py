@@ -3,6 +3,7 @@ refuses (state that ``torch.load(weights_only=True)`` cannot rebuild, tensors no
 
 import collections
 import os
+import shutil
 import tempfile
 import threading
 from collections.abc import Collection, Iterator
@@ -59,6 +60,15 @@ def update_latest_pointer(ckpt_dir: str, file_name: str, mode: Optional[int] = N
     if os.path.isdir(path) and not os.path.islink(path):
         os.rmdir(path)  # damage in its place (an empty folder); a full one raises, named
     _atomic_write(path, lambda f: f.write(file_name.encode()), mode)
+
+
+def remove_checkpoint(path: str) -> None:
+    """Delete a checkpoint file, a link, or a sharded checkpoint's folder (never what a link
+    points to)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
 
 
 def current_umask() -> int:

@@ -41,7 +41,7 @@ def load(
     """What :meth:`Checkpointer.load` does once a fresh run is ruled out.
 
     Args:
-        path: A checkpoint file; it must exist and load.
+        path: A checkpoint file, or a sharded checkpoint's folder; it must exist and load.
         auto_resume: With no ``path``, use the newest checkpoint in ``ckpt_dir`` that loads,
             ``latest.txt``'s first. One that fails to load is skipped with a warning; if none
             loads, this raises rather than start from scratch.
@@ -81,7 +81,7 @@ def load(
     weights = revised(weights, revise_keys or (), path)
     if not resume and not auto_picked:  # load_newest checked the one it picked
         check_finite({"model": weights}, path, parameters)
-    load_model_state(ckpt._module, weights, path, strict, ckpt._sharded)
+    load_model_state(ckpt._module, weights, path, strict, ckpt._model_sharded)
     if not resume:
         logger.info(f"Loaded model weights from {path}; the training state is not restored.")
         return True
@@ -98,7 +98,9 @@ def _load_state(ckpt: "Checkpointer", data: dict[str, Any], path: str) -> None:
     position = map_position(
         data["progress"], path, progress.epoch_len, ckpt._batch_size, accumulation
     )
-    load_optimizer_state(ckpt._module, ckpt._optimizer, data["optimizer"], path, ckpt._sharded)
+    load_optimizer_state(
+        ckpt._module, ckpt._optimizer, data["optimizer"], path, ckpt._model_sharded
+    )
     for key, part in ckpt._parts.items():
         part.load_state_dict(data[key])
     for kind, owners, states in (

@@ -31,15 +31,10 @@ def no_gradient_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def full_state_dicts(model: nn.Module, optimizer: Optimizer, state: dict) -> tuple[dict, dict]:
+def full_state_dicts(model: nn.Module, optimizer: Optimizer) -> tuple[dict, dict]:
     """The full model and optimizer state dicts (the optimizer's keyed by parameter names), in
-    CPU memory on rank 0 and empty elsewhere; the rest of the checkpoint's ``state`` must hold
-    no shard. A collective: every rank calls it."""
+    CPU memory on rank 0 and empty elsewhere. A collective: every rank calls it."""
     from torch.distributed.checkpoint import state_dict as dcp
-
-    from .sharded_checkpoint import refuse_shards_in_rest
-
-    refuse_shards_in_rest(state)
 
     options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
     return (
@@ -63,8 +58,12 @@ def load_full_optimizer_state(model: nn.Module, optimizer: Optimizer, state: dic
     this rank's shards of one from a sharded checkpoint)."""
     from torch.distributed.checkpoint import state_dict as dcp
 
-    full = not any(_has_dtensors(s) for s in state.get("state", {}).values())
-    options = dcp.StateDictOptions(full_state_dict=full)
+    tensors = [t for s in state.get("state", {}).values() for t in s.values()]
+    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    # shards (DTensors) load as they are, and so does a state without tensors (plain SGD's)
+    full = bool(tensors) and not any(is_dtensor(t) for t in tensors)
+    # not strict: a parameter that had no gradient when saved has no state to load
+    options = dcp.StateDictOptions(full_state_dict=full, strict=False)
     dcp.set_optimizer_state_dict(model, optimizer, state, options=options)
 
 

@@ -21,9 +21,9 @@ import io
 import logging
 import os
 import pickle
-import shutil
 import sys
 import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
@@ -32,10 +32,12 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
 from . import checkpoint_files as files
-from .distributed import CpuGroup, all_gather, gather, get_world_size, is_dtensor, is_main_process
+from .distributed import all_gather, gather, get_rank, get_world_size, is_dtensor, is_main_process
 
 if TYPE_CHECKING:
     from .checkpoint import Checkpointer
@@ -64,10 +66,11 @@ def save(
     path: str,
     then: Optional[Callable[[], None]],
 ) -> None:
-    """:meth:`Checkpointer.save` of a sharded checkpoint at ``path``. Every rank calls it."""
+    """:meth:`Checkpointer.save` of a sharded checkpoint at ``path``. Every rank calls it. While
+    ``train()`` runs (:func:`write_group`) the write goes on in the background; outside, it is
+    done when this returns."""
     model_state = get_model_state_dict(ckpt._module)  # this rank's shards, as DTensors
     optimizer_state = get_optimizer_state_dict(ckpt._module, ckpt._optimizer)  # keyed by name
-    refuse_shards_in_rest(state)
     rest = {key: value for key, value in state.items() if key not in _SHARDED_KEYS}
     rng = gather(own_rng, group=ckpt._cpu.group)
     folder, name = os.path.split(path)
@@ -75,36 +78,61 @@ def save(
     ckpt.writer.wait()  # the last save's files are complete; raises if its write failed
     mode = 0o666 & ~files.current_umask()  # read here, in the training thread
     copied = files.copy_to_cpu({**rest, "rng": rng}) if is_main_process() else None
-    group = _write_group(ckpt)
-    # Training waits while DCP copies the shards (its staging); the write goes on in a thread.
-    future = dcp.async_save(
-        {"model": model_state, "optimizer": optimizer_state},
-        storage_writer=dcp.FileSystemWriter(temp),
-        process_group=group,
-        no_dist=get_world_size() == 1,
-    )
+    shards = {"model": model_state, "optimizer": optimizer_state}
+    writer, group = dcp.FileSystemWriter(temp), ckpt._write_group
+    if group is None and dist.is_initialized():  # outside train(): over the default group
+        future: Any = None
+        _as_write_error(lambda: dcp.save(shards, storage_writer=writer), temp)
+    else:  # training waits while the shards are copied (staged); a thread writes them
+        future = dcp.async_save(
+            shards, storage_writer=writer, process_group=group, async_stager=_Stager(),
+            no_dist=group is None,
+        )  # fmt: skip
 
     def write() -> None:
-        future.result()  # raises on every rank alike: DCP shares a rank's error
-        try:  # DCP's metadata is written last, by rank 0: every rank's files are complete
+        if future is not None:  # raises on every rank alike: DCP shares a rank's error
+            _as_write_error(future.result, temp)
+        try:  # DCP writes its metadata last, on rank 0: every rank's files are complete
             if copied is not None:
                 files.atomic_save(copied, os.path.join(temp, STATE_FILE), mode)
                 _replace_folder(temp, path)
                 files.update_latest_pointer(folder, name, mode)
                 logger.debug(f"Saved checkpoint {path}")  # the next log line names it
         finally:
-            if group is not None:  # every rank's wait() returns once the checkpoint is in place
+            if dist.is_initialized():  # every rank's wait() returns once the folder is in place
                 dist.barrier(group=group)
         if copied is not None and then is not None:
             then()
 
-    ckpt.writer.submit(write)
+    if future is None:
+        write()
+    else:
+        ckpt.writer.submit(write)
+
+
+def _as_write_error(step: Callable[[], Any], temp: str) -> None:
+    """Run ``step``; a failure of DCP's (a ``CheckpointException``, a ``BaseException`` that
+    ``except Exception`` misses) is raised as this rank's error, or the first failed rank's:
+    an ``OSError`` naming the folder where it is one (a full disk, say)."""
+    try:
+        step()
+    except dcp.CheckpointException as e:
+        failures = e.failures
+        error = (failures.get(get_rank()) or next(iter(failures.values())))[0]
+        from .checkpoint_errors import raise_write_failure
+
+        try:
+            raise_write_failure(temp, error)
+        except OSError:
+            raise
+        except BaseException:
+            raise RuntimeError(f"Could not write the checkpoint folder {temp}: {error!r}") from e
 
 
 def refuse_shards_in_rest(state: dict[str, Any]) -> None:
     """Refuse DTensors outside the model and optimizer (an EMAHook's average of an FSDP2 model,
-    say): rank 0 writes the hooks' and registered objects' state, and each rank's shard of them
-    differs, so every rank would resume with rank 0's."""
+    say): rank 0 writes the state of the hooks and registered objects, and the ranks' shards of
+    it differ, so every rank would resume with rank 0's."""
     rest = {key: value for key, value in state.items() if key not in _SHARDED_KEYS}
     named = files._named_tensors(rest, "")
     parts = sorted({".".join(name.split(".")[:2]) for name, t in named if is_dtensor(t)})
@@ -112,94 +140,123 @@ def refuse_shards_in_rest(state: dict[str, Any]) -> None:
         raise ValueError(
             f"{', '.join(parts)} holds DTensors (shards of the FSDP2 model), which a checkpoint "
             "cannot keep: rank 0 writes the state of the hooks and registered objects, and the "
-            "ranks' shards differ. Keep full tensors there (DTensor.full_tensor())."
+            "ranks' shards differ. Keep plain tensors there (a DTensor's full_tensor())."
         )
 
 
-def _write_group(ckpt: "Checkpointer") -> Any:
-    """A gloo group for the writes alone (they talk from a thread while training talks too),
-    released with its threads by the checkpointer's ``wait()`` (at the end of ``train()``)."""
-    if get_world_size() == 1:
-        return None
-    if getattr(ckpt, "_write_group", None) is None:
-        writes, stack = CpuGroup(), contextlib.ExitStack()
-        stack.enter_context(writes.open())
-        ckpt._write_group = writes.group
-
-        def release() -> None:
-            ckpt._write_group = None
-            stack.close()
-
-        ckpt._releases.append(release)
-    return ckpt._write_group
+@contextlib.contextmanager
+def write_group(ckpt: "Checkpointer") -> Iterator[None]:
+    """While ``train()`` runs: a gloo group of every rank for the background writes of sharded
+    saves (they talk from a thread while training talks too, and async_save needs a CPU
+    backend beside NCCL), released with its threads when training ends."""
+    if not dist.is_initialized():
+        yield
+        return
+    ckpt._write_group = dist.new_group(backend="gloo")
+    try:
+        yield
+    finally:
+        group, ckpt._write_group = ckpt._write_group, None
+        dist.destroy_process_group(group)  # the last reference: its threads are joined
 
 
 def _replace_folder(temp: str, path: str) -> None:
-    """Rename the complete folder ``temp`` to ``path`` (replacing a checkpoint of that name),
-    durably."""
-    old = None
-    if os.path.isdir(path) and not os.path.islink(path):
-        old = f"{temp}.old"
+    """Rename the complete folder ``temp`` to ``path``, durably. A checkpoint of that name is
+    moved aside first, as ``temp.old``: a crash between the two renames leaves it there, and
+    :func:`remove_stray` puts it back."""
+    old = f"{temp}.old" if os.path.lexists(path) else None
+    if old is not None:
         os.replace(path, old)
-    elif os.path.lexists(path):
-        os.remove(path)
     os.replace(temp, path)
     folder = os.open(os.path.dirname(path), os.O_RDONLY)
     try:
-        os.fsync(folder)  # makes the rename itself durable
+        os.fsync(folder)  # makes the renames themselves durable
     finally:
         os.close(folder)
     if old is not None:
-        shutil.rmtree(old)
+        files.remove_checkpoint(old)
 
 
-def remove(path: str) -> None:
-    """Delete a checkpoint: a file, a link, or a sharded checkpoint's folder."""
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
-    else:
-        os.remove(path)
+def remove_stray(path: str) -> None:
+    """At a start, what a sharded save interrupted by a crash left (on rank 0): a folder being
+    written is deleted; a checkpoint moved aside to be replaced is put back if its replacement
+    never took its name."""
+    base = os.path.basename(path)
+    name = base[1 : -len(f"{files.TEMP_SUFFIX}.old")] if base.endswith(".old") else None
+    original = os.path.join(os.path.dirname(path), name) if name else None
+    if original is not None and not os.path.lexists(original):
+        os.replace(path, original)
+        logger.info(f"Restored {original}, moved aside by an interrupted checkpoint write.")
+        return
+    files.remove_checkpoint(path)
+    logger.info(f"Removed {path}, left by an interrupted checkpoint write.")
 
 
 # Loading, without running code from the files
 
 
+_METADATA_CLASSES = {
+    **{("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name)
+       for name in (*dcp_metadata.__all__, "_MEM_FORMAT_ENCODING")},
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
+    ("torch", "Size"): torch.Size,
+}  # fmt: skip
+_PATHS = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
+
+
 class _MetadataUnpickler(pickle.Unpickler):
-    """Builds what DCP's ``.metadata`` holds and nothing else: a crafted file cannot call a
+    """Builds what DCP's ``.metadata`` holds and nothing else: DCP's metadata classes, sizes,
+    dtypes, layouts, and the checkpoint's path (as a string), so a crafted file cannot call a
     function."""
 
-    _ALLOWED = {
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("pathlib", "PosixPath"),
-        ("pathlib", "WindowsPath"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    }
-
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch.distributed.checkpoint.metadata" and not name.startswith("__"):
-            found = getattr(dcp_metadata, name, None)
-            if isinstance(found, type):
-                return found
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        if (module, name) in self._ALLOWED:
-            return super().find_class(module, name)
+        if (module, name) in _METADATA_CLASSES:
+            return _METADATA_CLASSES[module, name]
+        if module == "torch" and isinstance(vars(torch).get(name), torch.dtype):
+            return vars(torch)[name]  # (read from the module: no lazy import)
+        if (module, name) == ("torch.serialization", "_get_layout"):
+            return _layout
+        if module in ("pathlib", "pathlib._local") and name in _PATHS:  # informative only
+            return _path
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
 
 
+def _path(*parts: str) -> str:
+    if not all(isinstance(part, str) for part in parts):
+        raise pickle.UnpicklingError("a path of other things than strings")
+    return os.path.join(*parts) if parts else ""
+
+
+def _layout(name: str) -> torch.layout:
+    layout = vars(torch).get(name.removeprefix("torch."))
+    if not isinstance(layout, torch.layout):
+        raise pickle.UnpicklingError(f"{name!r} is not a torch layout")
+    return layout
+
+
 class _SafeReader(dcp.FileSystemReader):
+    """DCP's reader of a folder, whose ``.metadata`` is read by :class:`_MetadataUnpickler`
+    (DCP's own uses ``pickle.load``) and may name files of the folder only."""
+
     def read_metadata(self) -> Any:
         with open(os.path.join(self.path, ".metadata"), "rb") as f:
             metadata = _MetadataUnpickler(f).load()
         if not isinstance(metadata, dcp_metadata.Metadata):
             raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not Metadata")
-        if getattr(metadata, "storage_meta", None) is not None:
+        for info in (metadata.storage_data or {}).values():
+            name = getattr(info, "relative_path", None)
+            if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".."):
+                raise pickle.UnpicklingError(f"it names {name!r}, not a file of the folder")
+        if metadata.storage_meta is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata
 
 
 class _SafePlanner(DefaultLoadPlanner):
+    """DCP's load planner, except that it loads the entries that are not tensors (optimizer
+    settings, say) with ``weights_only=True``: DCP's own unpickles them with
+    ``weights_only=False``."""
+
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         obj = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
@@ -212,7 +269,7 @@ def read_metadata(path: str) -> Any:
     """The DCP metadata of the sharded checkpoint at ``path``, read safely."""
     try:
         return _SafeReader(path).read_metadata()
-    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, TypeError) as e:
+    except Exception as e:
         raise RuntimeError(
             f"Checkpoint {path!r} could not be loaded safely: its DCP metadata does not load "
             f"({type(e).__name__}: {e})."
@@ -222,37 +279,45 @@ def read_metadata(path: str) -> Any:
 def _dcp_load(state: dict[str, Any], path: str, group: Any = None, alone: bool = False) -> None:
     """Fill ``state``'s tensors in place from the checkpoint at ``path``: a collective of
     ``group`` (None: the default one) under torchrun, unless this process reads ``alone``."""
-    alone = alone or get_world_size() == 1
     try:
         dcp.load(
             state,
             storage_reader=_SafeReader(path),
             planner=_SafePlanner(),
             process_group=group,
-            no_dist=alone,
+            no_dist=alone or not dist.is_initialized(),
         )
     except (Exception, dcp.CheckpointException) as e:  # the latter, a BaseException
-        raise RuntimeError(f"Checkpoint {path!r} could not be loaded safely: {e}") from e
+        failures = getattr(e, "failures", {})
+        cause = (failures.get(get_rank()) or next(iter(failures.values()), (e,)))[0]
+        how = " safely" if isinstance(cause, pickle.UnpicklingError) else ""  # code in it
+        raise RuntimeError(
+            f"Checkpoint {path!r} could not be loaded{how}: {type(cause).__name__}: {cause}"
+        ) from e
 
 
-def _model_shapes(path: str) -> dict[str, tuple[int, ...]]:
-    entries = read_metadata(path).state_dict_metadata.items()
+def _saved_keys(metadata: Any, prefix: str) -> dict[str, Any]:
+    """The entries of a checkpoint's metadata under ``prefix`` (``"model."``), by the rest of
+    their keys."""
     return {
-        key[len("model.") :]: tuple(entry.size)
-        for key, entry in entries
-        if key.startswith("model.") and isinstance(entry, dcp_metadata.TensorStorageMetadata)
+        key[len(prefix) :]: entry
+        for key, entry in metadata.state_dict_metadata.items()
+        if key.startswith(prefix)
     }
 
 
 def read_weights(path: str) -> dict[str, torch.Tensor]:
     """The model's full weights in the sharded checkpoint at ``path``, as CPU tensors; each
     process reads them alone (no collective)."""
-    metadata = read_metadata(path)
-    template = {
-        key: torch.empty(entry.size, dtype=entry.properties.dtype)
-        for key, entry in metadata.state_dict_metadata.items()
-        if key.startswith("model.") and isinstance(entry, dcp_metadata.TensorStorageMetadata)
-    }
+    entries = _saved_keys(read_metadata(path), "model.")
+    try:
+        template = {
+            f"model.{key}": torch.empty(entry.size, dtype=entry.properties.dtype)
+            for key, entry in entries.items()
+            if isinstance(entry, dcp_metadata.TensorStorageMetadata)
+        }
+    except Exception as e:  # a size or dtype that is no such thing
+        raise RuntimeError(f"Checkpoint {path!r} is damaged: its metadata says {e}") from e
     if not template:
         raise RuntimeError(f"Checkpoint {path!r} holds no model weights.")
     _dcp_load(template, path, alone=True)
@@ -263,25 +328,40 @@ def read_resumable(path: str, ckpt: "Checkpointer") -> dict[str, Any]:
     """The sharded checkpoint at ``path`` as :func:`~trainer.checkpoint_load.load_resumable`
     sees a file: rank 0's ``trainer.pth``, and this process's part of the model and optimizer
     (its shards for a sharded model, the whole for another) read into fresh tensors. A
-    collective under torchrun."""
+    collective under torchrun: the ranks agree on every refusal, so they skip the same
+    checkpoints."""
     from .checkpoint_load import load_checkpoint_file, load_model_state
 
-    if not is_sharded_checkpoint(path):
-        raise IsADirectoryError(
-            f"Checkpoint {path!r} is a directory, not a file (nor a sharded checkpoint: it "
-            f"holds no {STATE_FILE})."
-        )
-    data = load_checkpoint_file(os.path.join(path, STATE_FILE))
-    if any(key in data for key in _SHARDED_KEYS):
-        raise RuntimeError(f"Checkpoint {path!r} is damaged: {STATE_FILE} holds model state.")
-    shapes = _model_shapes(path)
+    group = ckpt._cpu.group  # None outside train(): the default group, under torchrun
+    problem: Optional[Exception] = None
+    try:
+        if not is_sharded_checkpoint(path):
+            raise IsADirectoryError(
+                f"Checkpoint {path!r} is a directory, not a file (nor a sharded checkpoint: it "
+                f"holds no {STATE_FILE})."
+            )
+        data = load_checkpoint_file(os.path.join(path, STATE_FILE))
+        if any(key in data for key in _SHARDED_KEYS):
+            raise RuntimeError(f"Checkpoint {path!r} is damaged: {STATE_FILE} holds model state.")
+        metadata = read_metadata(path)
+    except (RuntimeError, OSError) as e:
+        problem = e
+    _raise_on_every_rank(problem, group)
+    saved = _saved_keys(metadata, "model.")
+    shapes = {key: tuple(getattr(entry, "size", ())) for key, entry in saved.items()}
     if {k: tuple(v.shape) for k, v in ckpt._module.state_dict().items()} != shapes:
         # raises, naming the keys and shapes that differ (the weights are not read)
         meta = {key: torch.empty(shape, device="meta") for key, shape in shapes.items()}
         load_model_state(ckpt._module, meta, path, strict=True, sharded=False)
-    model = _fresh(get_model_state_dict(ckpt._module))  # this process's part: DTensor shards
-    optimizer = _fresh(get_optimizer_state_dict(ckpt._module, ckpt._optimizer))
-    group = ckpt._cpu.group  # None outside train(): the default group, under torchrun
+    model = _mapped(get_model_state_dict(ckpt._module), torch.empty_like)  # DTensor shards
+    optimizer = _mapped(get_optimizer_state_dict(ckpt._module, ckpt._optimizer), torch.empty_like)
+    # the state of parameters that had none when saved (no gradient yet) stays out
+    in_file = _saved_keys(metadata, "optimizer.state.")
+    optimizer["state"] = {
+        name: kept
+        for name, entry in optimizer["state"].items()
+        if (kept := {key: v for key, v in entry.items() if f"{name}.{key}" in in_file})
+    }
     _dcp_load({"model": model, "optimizer": optimizer}, path, group)
     bad = files.bad_tensors({"model": model, "optimizer": optimizer}, ckpt.parameters())
     if get_world_size() > 1:  # each rank checked its own shards: the ranks agree
@@ -295,15 +375,37 @@ def read_resumable(path: str, ckpt: "Checkpointer") -> dict[str, Any]:
     return {**data, "model": model, "optimizer": optimizer}
 
 
-def _fresh(state: Any) -> Any:
-    """``state`` with every tensor replaced by an empty one like it (a DTensor by a DTensor)."""
+def _raise_on_every_rank(error: Optional[Exception], group: Any) -> None:
+    """Raise ``error``; under torchrun, every rank raises when one has an error (the others a
+    RuntimeError with its message), so that no rank goes on alone into a collective."""
+    if get_world_size() > 1:
+        messages = all_gather(None if error is None else str(error), group=group)
+        first = next((message for message in messages if message), None)
+        if error is None and first is not None:
+            raise RuntimeError(first)
+    if error is not None:
+        raise error
+
+
+def _mapped(state: Any, tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``state`` with ``tensor(t)`` in place of every tensor ``t`` (a DTensor's, a DTensor)."""
     if isinstance(state, torch.Tensor):
-        return torch.empty_like(state)
+        return tensor(state)
     if isinstance(state, dict):
-        return {key: _fresh(value) for key, value in state.items()}
-    if isinstance(state, list):
-        return [_fresh(value) for value in state]
+        return {key: _mapped(value, tensor) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_mapped(value, tensor) for value in state)
     return state
+
+
+class _Stager(BlockingAsyncStager):
+    """DCP's blocking staging, except that a state on the CPU (FSDP2 on CPU) is cloned once:
+    DCP's own deep-copies every tensor, then copies it again into that copy."""
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if any(t.device.type != "cpu" for _, t in files._named_tensors(state_dict, "")):
+            return super().stage(state_dict)
+        return _mapped(state_dict, lambda t: t.detach().clone())
 
 
 def consolidate(path: str, out: str) -> None:

@@ -463,6 +463,10 @@ class Trainer:
                 stack.enter_context(self._lock.held())
             stack.enter_context(log_to_file("trainer", self.log_file))
             stack.enter_context(self._cpu.open())
+            if self._checkpointer.sharded:  # the background writes' own gloo group
+                from .sharded_checkpoint import write_group
+
+                stack.enter_context(write_group(self._checkpointer))
             stack.enter_context(self._preemption.catching())
             yield
 

@@ -4,6 +4,7 @@ import logging
 import os
 from typing import Any, Optional
 
+from ..checkpoint_files import remove_checkpoint
 from ..checks import check_int
 from .hookbase import HookBase, Priority
 
@@ -45,7 +46,7 @@ class CheckpointHook(HookBase):
         (a preemption's) among this hook's, so that preemptions do not pile up checkpoints."""
         name = self.trainer.checkpointer.name()
         path = os.path.join(self.trainer.ckpt_dir, name)
-        if self.trainer.start_iter > 0 and name not in self._saved and os.path.isfile(path):
+        if self.trainer.start_iter > 0 and name not in self._saved and os.path.exists(path):
             self._add(name, save=False)
 
     def after_iter_period(self) -> int:
@@ -94,12 +95,8 @@ def _delete(ckpt_dir: str, names: list[str]) -> None:
     """Delete old checkpoints; one that cannot be deleted is a warning (training is fine)."""
     for path in (os.path.join(ckpt_dir, name) for name in names):
         try:
-            if os.path.isdir(path) and not os.path.islink(path):  # a sharded checkpoint
-                from ..sharded_checkpoint import remove
-
-                remove(path)
-            elif os.path.lexists(path):
-                os.remove(path)
+            if os.path.lexists(path):
+                remove_checkpoint(path)
                 logger.debug(f"Deleted old checkpoint {path}")
         except OSError as e:
             logger.warning(f"Could not delete the old checkpoint {path} ({e.strerror or e}); "
