@@ -42,6 +42,17 @@ def test_paired_overhead_and_checkpoint_save_report():
     assert re.search(r"save_checkpoint is durable after \d+ ms", save)
 
 
+def test_checkpoint_save_fsdp_reports_both_modes_on_both_ranks():
+    script = os.path.join(BENCHMARKS, "checkpoint_save.py")
+    out = run(script, "--fsdp", "--state-gb", "0.01", "--saves", "1")  # launches 2 gloo ranks
+    assert re.search(r"FSDP2 shards on 2 gloo ranks, with AdamW: 1\d MB of state", out)
+    ms = r"\d+ ms \(\d+-\d+\)"  # median (min-max)
+    for mode in ("full", "sharded"):
+        for rank in (0, 1):  # each holds half of the state: about 5 MB
+            assert re.search(rf"\| {mode} \| {rank} \| [56] MB \| {ms} \| {ms} \| \d+ MB \|", out)
+        assert re.search(rf"{mode}: the checkpoint is complete after {ms}", out)
+
+
 def test_iteration_profile_reports_the_extra_time_by_position():
     out = run(os.path.join(BENCHMARKS, "iteration_profile.py"), "--iters", "300")
     positions = ", ".join(f"{p}: [+-]\\d+" for p in (48, 49, 0, 1, 2))
