@@ -9,7 +9,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 
 import pytest
@@ -309,17 +308,43 @@ def test_a_sharded_checkpoint_carrying_code_is_skipped_and_never_runs(tmp_path, 
     assert not marker.exists()
 
 
-ASYNC_SCRIPT = """
-import os, sys, threading, time
+# The scripts below run on 2 gloo ranks (run_script), between these two parts.
+PREAMBLE = """
+import errno, os, sys, threading, time
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.fsdp import fully_shard
 from trainer import HookBase, Trainer
 from trainer.distributed import init_distributed
+from trainer.hooks import EMAHook
 from trainer.sharded_checkpoint import read_weights
 
 rank, world_size = init_distributed()
 torch.manual_seed(0)
+"""
+ENDING = """
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()
+os._exit(0)
+"""
+
+
+def run_script(tmp_path, body, *args):
+    """``body`` between PREAMBLE and ENDING, run by 2 gloo ranks with ``args``; what they
+    printed."""
+    script = tmp_path / "script.py"
+    script.write_text(PREAMBLE + body + ENDING)
+    proc = subprocess.Popen(
+        torchrun_command("--nproc_per_node", "2", str(script), *map(str, args)), env=cpu_env(),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    out, err = communicate(proc, timeout=90)
+    assert proc.returncode == 0, failure_output(err)
+    return out
+
+
+ASYNC_SCRIPT = """
 class Model(nn.Module):
     def __init__(self):
         super().__init__()
@@ -368,21 +393,11 @@ print(f"{rank} written {written}", flush=True)
 saved = read_weights(os.path.join(ckpt_dir, "a.pth"))
 same = all(torch.equal(saved[k], v) for k, v in before.items())
 print(f"{rank} a.pth holds the weights before the change {same}", flush=True)
-torch.distributed.barrier()
-torch.distributed.destroy_process_group()
-os._exit(0)
 """
 
 
 def test_a_save_blocks_only_while_staging_and_the_next_save_and_train_end_wait(tmp_path):
-    script = tmp_path / "hold.py"
-    script.write_text(textwrap.dedent(ASYNC_SCRIPT))
-    cmd = torchrun_command("--nproc_per_node", "2", str(script), str(tmp_path / "work"))
-    proc = subprocess.Popen(
-        cmd, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    out, err = communicate(proc, timeout=90)
-    assert proc.returncode == 0, failure_output(err)
+    out = run_script(tmp_path, ASYNC_SCRIPT, tmp_path / "work")
     for rank in (0, 1):  # on every rank, wait() returns once the checkpoint is in place
         assert f"{rank} save returned, a.pth there False" in out
         assert f"{rank} second save returned after release True" in out
@@ -392,16 +407,6 @@ def test_a_save_blocks_only_while_staging_and_the_next_save_and_train_end_wait(t
 
 
 EMA_SCRIPT = """
-import os, sys
-import torch
-from torch import nn
-from torch.distributed.fsdp import fully_shard
-from trainer import Trainer
-from trainer.distributed import init_distributed
-from trainer.hooks import EMAHook
-
-rank, world_size = init_distributed()
-torch.manual_seed(0)
 class Model(nn.Module):
     def __init__(self):
         super().__init__()
@@ -418,39 +423,19 @@ try:
     trainer.train()
 except ValueError as e:
     print(f"{rank} refused: {e}", flush=True)  # one write: the ranks share stdout
-torch.distributed.barrier()
-torch.distributed.destroy_process_group()
-os._exit(0)
 """
 
 
 @pytest.mark.parametrize("kind", ["sharded", "full"])
 def test_shards_in_a_hooks_state_are_refused_not_saved_as_rank_0s(tmp_path, kind):
-    script = tmp_path / "ema.py"
-    script.write_text(EMA_SCRIPT)
-    cmd = torchrun_command("--nproc_per_node", "2", str(script), str(tmp_path / "work"), kind)
-    proc = subprocess.Popen(
-        cmd, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    out, err = communicate(proc, timeout=90)
-    assert proc.returncode == 0, failure_output(err)
+    out = run_script(tmp_path, EMA_SCRIPT, tmp_path / "work", kind)
     for rank in (0, 1):
         assert f"{rank} refused: hooks.EMAHook holds DTensors (shards of the FSDP2 model)" in out
     assert os.listdir(tmp_path / "work" / "checkpoints") == []
 
 
 SCENARIO_SCRIPT = """
-import errno, os, sys
-import torch
-import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.fsdp import fully_shard
-from trainer import HookBase, Trainer
-from trainer.distributed import init_distributed
-
 work_dir, scenario, kind, epochs = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-rank, world_size = init_distributed()
-torch.manual_seed(0)
 class Model(nn.Module):
     def __init__(self):
         super().__init__()
@@ -486,23 +471,11 @@ try:
           flush=True)
 except Exception as e:
     print(f"{rank} failed: {type(e).__name__}: {e}", flush=True)
-torch.distributed.barrier()
-torch.distributed.destroy_process_group()
-os._exit(0)
 """
 
 
 def scenario(tmp_path, name, kind, epochs):
-    script = tmp_path / "scenario.py"
-    script.write_text(SCENARIO_SCRIPT)
-    args = [str(script), str(tmp_path / "work"), name, kind, str(epochs)]
-    proc = subprocess.Popen(
-        torchrun_command("--nproc_per_node", "2", *args), env=cpu_env(),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    out, err = communicate(proc, timeout=90)
-    assert proc.returncode == 0, failure_output(err)
-    return out
+    return run_script(tmp_path, SCENARIO_SCRIPT, tmp_path / "work", name, kind, epochs)
 
 
 @pytest.mark.parametrize("kind", ["sharded", "full"])
