@@ -184,6 +184,19 @@ def test_a_checkpoint_moved_aside_to_be_replaced_is_put_back_after_a_crash(tmp_p
     assert_bit_equal(read_weights(str(ckpt_dir / "iter_12.pth")), read_weights(str(saved)))
 
 
+def test_either_kind_replaces_a_checkpoint_of_the_other_kind_and_name(tmp_path):
+    trainer = plain_trainer(tmp_path)  # (sharded checkpoints of an unsharded model too)
+    for sharded in (True, False, True):
+        trainer.checkpointer.sharded = sharded
+        trainer.save_checkpoint("best.pth")
+        trainer.checkpointer.wait()
+        assert os.path.isdir(tmp_path / "checkpoints" / "best.pth") == sharded
+        assert sorted(os.listdir(tmp_path / "checkpoints")) == ["best.pth", "latest.txt"]
+        resumed = plain_trainer(tmp_path)
+        resumed.load_checkpoint(str(tmp_path / "checkpoints" / "best.pth"))
+        assert_bit_equal(resumed.model.state_dict(), trainer.model.state_dict())
+
+
 def test_sigterm_to_one_rank_saves_one_sharded_checkpoint_and_reruns_bit_exact(tmp_path, runs):
     work, out = tmp_path / "work", tmp_path / "out.pth"
     proc = start_torchrun(

@@ -134,9 +134,14 @@ class Checkpointer:
             copied["model"], copied["optimizer"] = weights
         mode = 0o666 & ~files.current_umask()  # read here, in the training thread
         folder, name = os.path.split(path)  # a file in a sub-folder gets a latest.txt there
+        aside = os.path.join(folder, f".{name}{files.TEMP_SUFFIX}.old")
+        if os.path.isdir(path) and not os.path.islink(path):  # a sharded checkpoint's name
+            os.replace(path, aside)  # (put back at the next start if the file never comes)
 
         def write() -> None:
             files.atomic_save(copied, path, mode)
+            if os.path.lexists(aside):
+                files.remove_checkpoint(aside)
             files.update_latest_pointer(folder, name, mode)
             logger.debug(f"Saved checkpoint {path}")  # the next log line names it
             if then is not None:
