@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from trainer import Trainer
 from trainer.sharded_checkpoint import STATE_FILE, read_metadata, read_weights
+from trainer.sharded_checkpoint import _main as sharded_main
 
 from conftest import communicate, cpu_env, failure_output, torchrun_command
 from test_resume import (
@@ -140,6 +141,19 @@ def test_weights_alone_load_into_a_plain_model_and_into_one_file(tmp_path, runs)
     plain = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
     plain.load_state_dict({k.removeprefix("net."): v for k, v in load(tmp_path / "w.pth").items()})
     assert_bit_equal(plain.state_dict(), final)
+
+
+def test_the_one_file_command_says_what_is_wrong(tmp_path, runs):
+    folder, file = (runs / kind / "checkpoints" / "epoch_3.pth" for kind in ("sharded", "full"))
+    for args, message in [
+        ([], "usage: python -m trainer.sharded_checkpoint CHECKPOINT_FOLDER OUT.pth"),
+        (["--help", "x"], "usage:"),
+        ([str(tmp_path / "nope"), "x"], "is not a sharded checkpoint (a folder with trainer.pth)"),
+        ([str(file), "x"], "is one checkpoint file already: torch.load(path, weights_only=True)"),
+        ([str(folder), str(tmp_path / "no" / "x")], "cannot be written: its folder does not"),
+    ]:
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            sharded_main(args)
 
 
 def test_a_mismatched_model_is_refused_with_the_keys(tmp_path, runs):
@@ -454,13 +468,15 @@ class Model(nn.Module):
         super().__init__()
         self.linear = nn.Linear(4, 4)
         self.unused = nn.Linear(4, 4)  # no gradient, so no optimizer state
+        self.norm = nn.BatchNorm1d(4)  # its running statistics: each rank's own
     def forward(self, batch):
-        return self.linear(batch).square().mean()
+        return self.norm(self.linear(batch)).square().mean()
 model = fully_shard(Model())
 momentum = 0.0 if scenario == "plain sgd" else 0.9
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=momentum)
-trainer = Trainer(model, optimizer, None, [torch.randn(2, 4)] * 2, max_epochs=epochs,
-                  work_dir=work_dir, preempt_check_period=1)
+data = [torch.randn(2, 4, generator=torch.Generator().manual_seed(rank))] * 2
+trainer = Trainer(model, optimizer, None, data, max_epochs=epochs, work_dir=work_dir,
+                  preempt_check_period=1)
 trainer.checkpointer.sharded = kind == "sharded"
 class FullDisk(dcp.FileSystemWriter):  # rank 1 cannot write the second checkpoint's shards
     def write_data(self, plan, planner):
@@ -482,6 +498,8 @@ try:
     files = sorted(os.listdir(trainer.ckpt_dir))
     print(f"{rank} trained from {trainer.start_iter} to {trainer.cur_iter + 1}: {files}",
           flush=True)
+    unused = [p in optimizer.state for p in model.unused.parameters()]
+    print(f"{rank} unused parameters with optimizer state: {sum(unused)}", flush=True)
 except Exception as e:
     print(f"{rank} failed: {type(e).__name__}: {e}", flush=True)
 """
@@ -498,6 +516,26 @@ def test_state_missing_for_some_parameters_or_all_resumes(tmp_path, name, kind):
     out = scenario(tmp_path, name, kind, epochs=1)
     assert "0 trained from 0 to 2" in out
     out = scenario(tmp_path, name, kind, epochs=2)
+    for rank in (0, 1):
+        assert f"{rank} trained from 2 to 4" in out, out
+        # none made up on loading (torch's helper steps once to make every state)
+        assert f"{rank} unused parameters with optimizer state: 0" in out
+
+
+def test_buffers_that_differ_by_rank_are_named_in_a_warning(tmp_path):
+    scenario(tmp_path, "batchnorm", "sharded", epochs=1)
+    log = (tmp_path / "work" / "log.txt").read_text()
+    assert log.count("The model's buffers norm.running_mean, norm.running_var differ by") == 1
+
+
+def test_after_a_crash_every_rank_resumes_the_checkpoint_put_back(tmp_path):
+    # killed between the renames of a save of epoch_1.pth again, its only checkpoint: rank 0
+    # puts it back before any rank lists the checkpoints
+    scenario(tmp_path, "put back", "sharded", epochs=1)
+    ckpt_dir = tmp_path / "work" / "checkpoints"
+    os.rename(ckpt_dir / "epoch_1.pth", ckpt_dir / ".epoch_1.pth.tmp.old")
+    shutil.copytree(ckpt_dir / ".epoch_1.pth.tmp.old", ckpt_dir / ".epoch_1.pth.tmp")
+    out = scenario(tmp_path, "put back", "sharded", epochs=2)
     for rank in (0, 1):
         assert f"{rank} trained from 2 to 4" in out, out
 

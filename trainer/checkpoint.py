@@ -96,10 +96,10 @@ class Checkpointer:
         # per rank, so that every rank's dropout and data-worker seeds resume exactly
         own_rng = self._data.rng_state(mid_pass=self._progress.position[1] > 0)
         self._refuse_unloadable(file_name, {**state, "rng": [own_rng]})
-        if self._model_sharded:  # what rank 0 alone writes must hold no shard
-            from .sharded_checkpoint import refuse_shards_in_rest
+        if self._model_sharded:  # what one copy keeps for every rank must be the same
+            from .sharded_checkpoint import check_rank_state
 
-            refuse_shards_in_rest(state)
+            check_rank_state(self, state)
         self._progress.mark_saved()
         path = os.path.join(self.ckpt_dir, file_name)
         if self.sharded:  # every rank writes its shards
@@ -198,7 +198,8 @@ class Checkpointer:
         )
 
     def remove_temp_files(self) -> None:
-        """On rank 0, delete what writes interrupted by a crash left behind."""
+        """On rank 0, delete what writes interrupted by a crash left behind (every rank calls
+        it, and waits for it)."""
         if is_main_process():
             pattern = os.path.join(self.ckpt_dir, f".*{files.TEMP_SUFFIX}")
             for stray in glob.glob(pattern) + glob.glob(f"{pattern}.old"):
@@ -209,6 +210,7 @@ class Checkpointer:
                     continue
                 os.remove(stray)
                 logger.info(f"Removed {stray}, left by an interrupted checkpoint write.")
+        all_gather(None, group=self._cpu.group)  # the others list checkpoints once it is done
 
     def parameters(self) -> set[str]:
         """The names of the model's parameters in its ``state_dict`` (a tied weight's every one)."""

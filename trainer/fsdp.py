@@ -65,6 +65,11 @@ def load_full_optimizer_state(model: nn.Module, optimizer: Optimizer, state: dic
     # not strict: a parameter that had no gradient when saved has no state to load
     options = dcp.StateDictOptions(full_state_dict=full, strict=False)
     dcp.set_optimizer_state_dict(model, optimizer, state, options=options)
+    # ... and keeps none: torch's helper steps once with zero gradients to make every state
+    saved = state.get("state", {})
+    for name, parameter in model.named_parameters():
+        if name not in saved:
+            optimizer.state.pop(parameter, None)
 
 
 def _has_dtensors(state: dict[str, Any]) -> bool:

@@ -23,6 +23,7 @@ import os
 import pickle
 import sys
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -129,10 +130,12 @@ def _as_write_error(step: Callable[[], Any], temp: str) -> None:
             raise RuntimeError(f"Could not write the checkpoint folder {temp}: {error!r}") from e
 
 
-def refuse_shards_in_rest(state: dict[str, Any]) -> None:
-    """Refuse DTensors outside the model and optimizer (an EMAHook's average of an FSDP2 model,
-    say): rank 0 writes the state of the hooks and registered objects, and the ranks' shards of
-    it differ, so every rank would resume with rank 0's."""
+def check_rank_state(ckpt: "Checkpointer", state: dict[str, Any]) -> None:
+    """Of an FSDP2 model's checkpoint (either kind), what one copy keeps for every rank must
+    be the same on every rank. DTensors in the state of the hooks and registered objects (an
+    EMAHook's average, say), which rank 0 writes alone, are refused: every rank would resume
+    with rank 0's shard. Model buffers that differ by rank (BatchNorm's running statistics
+    without SyncBatchNorm) are named in a warning, once: one copy of each is kept."""
     rest = {key: value for key, value in state.items() if key not in _SHARDED_KEYS}
     named = files._named_tensors(rest, "")
     parts = sorted({".".join(name.split(".")[:2]) for name, t in named if is_dtensor(t)})
@@ -142,6 +145,26 @@ def refuse_shards_in_rest(state: dict[str, Any]) -> None:
             "cannot keep: rank 0 writes the state of the hooks and registered objects, and the "
             "ranks' shards differ. Keep plain tensors there (a DTensor's full_tensor())."
         )
+    if get_world_size() == 1 or ckpt in _WARNED:
+        return
+    buffers = {
+        name: t for name, t in state["model"].items()
+        if isinstance(t, torch.Tensor) and not is_dtensor(t) and t.is_floating_point()
+    }  # fmt: skip
+    sums = torch.stack([t.double().sum() for t in buffers.values()]).tolist() if buffers else []
+    everyone = all_gather(sums, group=ckpt._cpu.group)
+    differ = [name for i, name in enumerate(buffers) if len({s[i] for s in everyone}) > 1]
+    if differ:
+        _WARNED.add(ckpt)
+        logger.warning(
+            f"The model's buffers {', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''} "
+            "differ by rank (FSDP2 does not synchronize buffers), and a checkpoint keeps one "
+            "copy of each: a resumed run gives it to every rank, so it does not go on exactly "
+            "as this one would. Use SyncBatchNorm to keep them equal."
+        )
+
+
+_WARNED: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()  # said once per checkpointer
 
 
 @contextlib.contextmanager
@@ -270,8 +293,9 @@ def read_metadata(path: str) -> Any:
     try:
         return _SafeReader(path).read_metadata()
     except Exception as e:
+        how = "" if isinstance(e, OSError) else " safely"  # a missing file is not a threat
         raise RuntimeError(
-            f"Checkpoint {path!r} could not be loaded safely: its DCP metadata does not load "
+            f"Checkpoint {path!r} could not be loaded{how}: its DCP metadata does not load "
             f"({type(e).__name__}: {e})."
         ) from e
 
@@ -414,8 +438,30 @@ def consolidate(path: str, out: str) -> None:
     files.atomic_save(read_weights(path), out)
 
 
+def _main(args: list[str]) -> str:
+    """``python -m trainer.sharded_checkpoint FOLDER OUT``: what it did, or raise SystemExit
+    with what is wrong."""
+    if len(args) != 2 or args[0].startswith("-"):
+        raise SystemExit(
+            "usage: python -m trainer.sharded_checkpoint CHECKPOINT_FOLDER OUT.pth\n"
+            "Writes the model weights of a sharded checkpoint as one state_dict file."
+        )
+    folder, out = args
+    if os.path.isfile(folder):
+        raise SystemExit(
+            f"{folder} is one checkpoint file already: "
+            "torch.load(path, weights_only=True)['model'] holds its weights."
+        )
+    if not is_sharded_checkpoint(folder):
+        raise SystemExit(f"{folder} is not a sharded checkpoint (a folder with {STATE_FILE}).")
+    if not os.path.isdir(os.path.dirname(os.path.abspath(out))) or os.path.isdir(out):
+        raise SystemExit(f"{out} cannot be written: its folder does not exist, or it is one.")
+    try:
+        consolidate(folder, out)
+    except (RuntimeError, OSError) as e:
+        raise SystemExit(str(e)) from None
+    return f"Wrote the model weights of {folder} to {out}."
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
-        sys.exit("usage: python -m trainer.sharded_checkpoint CHECKPOINT_FOLDER OUT.pth")
-    consolidate(sys.argv[1], sys.argv[2])
-    print(f"Wrote the model weights of {sys.argv[1]} to {sys.argv[2]}.")
+    print(_main(sys.argv[1:]))
