@@ -210,7 +210,7 @@ class Checkpointer:
                     continue
                 os.remove(stray)
                 logger.info(f"Removed {stray}, left by an interrupted checkpoint write.")
-        all_gather(None, group=self._cpu.group)  # the others list checkpoints once it is done
+        all_gather("cleaned up", group=self._cpu.group)  # the others then list checkpoints
 
     def parameters(self) -> set[str]:
         """The names of the model's parameters in its ``state_dict`` (a tied weight's every one)."""
