@@ -134,7 +134,7 @@ class Checkpointer:
             copied["model"], copied["optimizer"] = weights
         mode = 0o666 & ~files.current_umask()  # read here, in the training thread
         folder, name = os.path.split(path)  # a file in a sub-folder gets a latest.txt there
-        aside = os.path.join(folder, f".{name}{files.TEMP_SUFFIX}.old")
+        aside = files.aside(path)
         if os.path.isdir(path) and not os.path.islink(path):  # a sharded checkpoint's name
             os.replace(path, aside)  # (put back at the next start if the file never comes)
 
@@ -202,8 +202,8 @@ class Checkpointer:
         it, and waits for it)."""
         if is_main_process():
             pattern = os.path.join(self.ckpt_dir, f".*{files.TEMP_SUFFIX}")
-            for stray in glob.glob(pattern) + glob.glob(f"{pattern}.old"):
-                if os.path.isdir(stray) or stray.endswith(".old"):  # a sharded save's
+            for stray in glob.glob(pattern) + glob.glob(pattern + files.ASIDE_SUFFIX):
+                if os.path.isdir(stray) or stray.endswith(files.ASIDE_SUFFIX):  # sharded
                     from .sharded_checkpoint import remove_stray
 
                     remove_stray(stray)  # (it logs what it did)

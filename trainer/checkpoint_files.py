@@ -16,6 +16,7 @@ from .distributed import is_dtensor
 
 LATEST_POINTER = "latest.txt"
 TEMP_SUFFIX = ".tmp"
+ASIDE_SUFFIX = ".old"  # after TEMP_SUFFIX: a checkpoint moved aside (aside())
 
 
 class BackgroundWriter:
@@ -62,6 +63,22 @@ def update_latest_pointer(ckpt_dir: str, file_name: str, mode: Optional[int] = N
     _atomic_write(path, lambda f: f.write(file_name.encode()), mode)
 
 
+def fsync_folder(folder: str) -> None:
+    """Make the renames in ``folder`` durable."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def aside(path: str) -> str:
+    """Where a checkpoint at ``path`` waits while a new one of its name replaces it: put back
+    at the next start if a crash comes first (``sharded_checkpoint.remove_stray``)."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f".{name}{TEMP_SUFFIX}{ASIDE_SUFFIX}")
+
+
 def remove_checkpoint(path: str) -> None:
     """Delete a checkpoint file, a link, or a sharded checkpoint's folder (never what a link
     points to)."""
@@ -100,11 +117,7 @@ def atomic_write(path: str, write: Callable[[Any], Any], mode: Optional[int] = N
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        dir_fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # makes the rename itself durable
-        finally:
-            os.close(dir_fd)
+        fsync_folder(folder)  # makes the rename itself durable
     except BaseException:
         if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)

@@ -58,15 +58,14 @@ def load_full_optimizer_state(model: nn.Module, optimizer: Optimizer, state: dic
     this rank's shards of one from a sharded checkpoint)."""
     from torch.distributed.checkpoint import state_dict as dcp
 
-    tensors = [t for s in state.get("state", {}).values() for t in s.values()]
-    tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    saved = state.get("state", {})
+    tensors = [t for s in saved.values() for t in s.values() if isinstance(t, torch.Tensor)]
     # shards (DTensors) load as they are, and so does a state without tensors (plain SGD's)
     full = bool(tensors) and not any(is_dtensor(t) for t in tensors)
     # not strict: a parameter that had no gradient when saved has no state to load
     options = dcp.StateDictOptions(full_state_dict=full, strict=False)
     dcp.set_optimizer_state_dict(model, optimizer, state, options=options)
     # ... and keeps none: torch's helper steps once with zero gradients to make every state
-    saved = state.get("state", {})
     for name, parameter in model.named_parameters():
         if name not in saved:
             optimizer.state.pop(parameter, None)

@@ -185,17 +185,13 @@ def write_group(ckpt: "Checkpointer") -> Iterator[None]:
 
 def _replace_folder(temp: str, path: str) -> None:
     """Rename the complete folder ``temp`` to ``path``, durably. A checkpoint of that name is
-    moved aside first, as ``temp.old``: a crash between the two renames leaves it there, and
-    :func:`remove_stray` puts it back."""
-    old = f"{temp}.old" if os.path.lexists(path) else None
+    moved aside first (``checkpoint_files.aside``): a crash between the two renames leaves it
+    there, and :func:`remove_stray` puts it back."""
+    old = files.aside(path) if os.path.lexists(path) else None
     if old is not None:
         os.replace(path, old)
     os.replace(temp, path)
-    folder = os.open(os.path.dirname(path), os.O_RDONLY)
-    try:
-        os.fsync(folder)  # makes the renames themselves durable
-    finally:
-        os.close(folder)
+    files.fsync_folder(os.path.dirname(path))
     if old is not None:
         files.remove_checkpoint(old)
 
@@ -204,8 +200,8 @@ def remove_stray(path: str) -> None:
     """At a start, what a sharded save interrupted by a crash left (on rank 0): a folder being
     written is deleted; a checkpoint moved aside to be replaced is put back if its replacement
     never took its name."""
-    base = os.path.basename(path)
-    name = base[1 : -len(f"{files.TEMP_SUFFIX}.old")] if base.endswith(".old") else None
+    base, suffix = os.path.basename(path), files.TEMP_SUFFIX + files.ASIDE_SUFFIX
+    name = base[1 : -len(suffix)] if base.endswith(suffix) else None  # aside()'s inverse
     original = os.path.join(os.path.dirname(path), name) if name else None
     if original is not None and not os.path.lexists(original):
         os.replace(path, original)
