@@ -13,13 +13,12 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-from .checks import NUMBER, check_int, check_type
 from .distributed import get_world_size, is_main_process, is_sharded
 from .hooks import HookBase
 from .logger import is_terminal
 from .lr_scheduler import LRWarmupScheduler
+from .misc import NUMBER, check_int, check_type, unwrapped, wrappers
 from .progress import loader_length
-from .step import unwrapped, wrappers
 
 logger = logging.getLogger(__name__)
 

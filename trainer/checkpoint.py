@@ -11,8 +11,8 @@ from torch.optim import Optimizer
 
 from . import checkpoint_files as files
 from .distributed import CpuGroup, all_gather, gather, get_world_size, is_main_process, is_sharded
+from .misc import unwrapped
 from .progress import DataStream, Progress
-from .step import unwrapped
 
 logger = logging.getLogger(__name__)
 

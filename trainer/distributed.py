@@ -1,15 +1,26 @@
-"""Rank helpers over ``torch.distributed``; every function also works in a single process.
-The torchrun side and the collectives of tensors import when first named (``_LAZY``)."""
+"""Rank helpers over ``torch.distributed``: joining and leaving a torchrun launch, the ranks,
+collectives of objects and tensors, raising on every rank at once, and the trainer's gloo group.
+Every function also works in a single process."""
 
 import contextlib
+import datetime
+import gc
+import logging
+import os
 import sys
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from .lazy import lazy_exports as _lazy_exports
+__all__ = [
+    "CpuGroup", "all_gather", "all_gather_tensor", "destroy_distributed", "gather", "get_rank",
+    "get_world_size", "init_distributed", "is_dtensor", "is_main_process", "is_sharded",
+    "raise_on_every_rank", "reduce_dict",
+]  # fmt: skip
+
+logger = logging.getLogger(__name__)
 
 
 def _is_distributed() -> bool:
@@ -62,6 +73,48 @@ def gather(obj: Any, dst: int = 0, group: Any = None) -> list[Any]:
     return out if out is not None else []
 
 
+def all_gather_tensor(tensor: torch.Tensor, group: Any = None) -> torch.Tensor:
+    """Every rank's ``tensor`` (same shape everywhere), stacked: shape ``(world_size, *shape)``
+    (over ``group``, a group of every rank; None: the default group)."""
+    if get_world_size() == 1:
+        return tensor.unsqueeze(0)
+    out = [torch.empty_like(tensor) for _ in range(get_world_size())]
+    dist.all_gather(out, tensor, group=group)
+    return torch.stack(out)
+
+
+def reduce_dict(tensors: dict[str, torch.Tensor], average: bool = True) -> dict[str, torch.Tensor]:
+    """Sum (or average) a dict of same-shaped tensors over all ranks, in one collective. Every
+    rank gets the result; the keys must be the same on every rank."""
+    if get_world_size() == 1:
+        return dict(tensors)
+    names = sorted(tensors)
+    packed = torch.stack([tensors[n] for n in names])
+    dist.all_reduce(packed)
+    if average:
+        packed = packed / get_world_size()
+    return dict(zip(names, packed))
+
+
+def raise_on_every_rank(
+    error: Optional[Exception], value: Any = None, group: Any = None
+) -> list[Any]:
+    """Every rank's picklable ``value``, on every rank, unless a rank has an ``error``: then every
+    rank raises at once, so that none goes on alone into a collective the others never join. The
+    rank with the error raises it, the others a ``RuntimeError`` with its message that names
+    that rank (``group``: as in :func:`all_gather`)."""
+    values = [value]
+    if get_world_size() > 1:
+        everyone = all_gather((None if error is None else str(error), value), group)
+        failed = next((rank for rank, (message, _) in enumerate(everyone) if message), None)
+        if error is None and failed is not None:
+            raise RuntimeError(f"Rank {failed}: {everyone[failed][0]}")
+        values = [own for _, own in everyone]
+    if error is not None:
+        raise error
+    return values
+
+
 class CpuGroup:
     """A gloo group of every rank for the trainer's own collectives while it trains, released
     when :meth:`open` ends (docs/internals.md: gloo teardown). ``group`` is None outside
@@ -83,18 +136,56 @@ class CpuGroup:
                 dist.destroy_process_group(group)
 
 
-# imported when first named: a default run uses none of them
-_LAZY = {"init_distributed": "process_group", "destroy_distributed": "process_group"}
-_LAZY |= {"all_gather_tensor": "tensor_collectives", "reduce_dict": "tensor_collectives"}
+def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) -> tuple[int, int]:
+    """Join the process group that ``torchrun`` describes in the environment (a no-op without
+    it), binding each process to a GPU by its ``LOCAL_RANK``; returns ``(rank, world_size)``.
 
-if TYPE_CHECKING:
-    from .process_group import destroy_distributed, init_distributed
-    from .tensor_collectives import all_gather_tensor, reduce_dict
-else:  # hidden from type checkers, which would take any name through it
-    __getattr__, __dir__ = _lazy_exports(globals(), _LAZY)
+    Args:
+        backend: ``"nccl"`` or ``"gloo"``; None: nccl if every local process has a GPU of its
+            own, else gloo.
+        timeout_s: How long a collective may wait for the other ranks before it fails (and with
+            it the job): bounds the hang when a rank stalls.
 
-__all__ = [
-    "CpuGroup", "all_gather", "all_gather_tensor", "destroy_distributed", "gather", "get_rank",
-    "get_world_size", "init_distributed", "is_dtensor", "is_main_process", "is_sharded",
-    "reduce_dict",
-]  # fmt: skip
+    Example::
+
+        >>> init_distributed()  # a single process
+        (0, 1)
+    """
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return 0, 1
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if num_gpus:
+        torch.cuda.set_device(local_rank % num_gpus)
+    if backend is None:
+        # nccl cannot put two ranks on one GPU
+        backend = "nccl" if num_gpus >= local_world_size else "gloo"
+    timeout = datetime.timedelta(seconds=timeout_s)
+    # torchrun's store outlives a restart of the workers (--max-restarts): without a prefix of
+    # its own, an attempt can read the previous attempt's addresses and fail to connect.
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"trainer/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
+    logger.info(
+        f"Initialized {backend} rank {dist.get_rank()} of {dist.get_world_size()} "
+        f"({num_gpus} GPUs for {local_world_size} local processes)."
+    )
+    return dist.get_rank(), dist.get_world_size()
+
+
+def destroy_distributed() -> None:
+    """Tear down what :func:`init_distributed` joined: call it at the end of a torchrun script,
+    after ``main()`` has returned. A no-op in one process. Not a barrier of the default group,
+    which could abort the exiting process (docs/internals.md: gloo teardown)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    gc.collect()  # models in reference cycles, freed while every group is alive and idle
+    group = dist.new_group(backend="gloo")
+    dist.barrier(group=group)
+    dist.destroy_process_group(group)
+    del group  # the last reference: its threads end now, while Python is alive
+    dist.destroy_process_group()

@@ -17,7 +17,8 @@ from torch.utils.data import (
     WeightedRandomSampler,
 )
 
-from .distributed import all_gather, get_rank, get_world_size, is_sharded
+from .distributed import get_rank, get_world_size, is_sharded, raise_on_every_rank
+from .metric_storage import reduce_over_ranks
 
 MetricFn = Callable[[nn.Module, Any], dict[str, torch.Tensor]]
 # Samplers that draw their order from the RNG, which differs by rank.
@@ -97,9 +98,19 @@ def evaluate(
             "DistributedSampler shard: return one value per sample, which tells its padding "
             "by position."
         )
-    local = ({name: float(total) for name, total in sums.items()}, count, batches, problem)
-    everyone = [local] if world_size == 1 else all_gather(local, group=group)
-    return _means(everyone, shared=shard is None)
+    error = None if problem is None else ValueError(problem)
+    lengths = raise_on_every_rank(error, batches, group)
+    if shard is None and len(set(lengths)) > 1:
+        raise ValueError(
+            f"The ranks' data_loaders gave {lengths} batches: evaluation shares one loader's "
+            "batches among the ranks, which must all see the same ones. For a shard per rank, "
+            "use a DistributedSampler."
+        )
+    totals = {name: [float(total)] for name, total in sums.items()} if count else None
+    means = reduce_over_ranks(totals, group, count=count, source="metric_fn")
+    if means is None:
+        raise ValueError("data_loader yielded no samples to evaluate.")
+    return {name: values[0] for name, values in means.items()}
 
 
 def _shard(data_loader: Any, rank: int, world_size: int) -> Optional[tuple[int, int]]:
@@ -228,31 +239,3 @@ def _checked(values: Any, names: Optional[Any]) -> dict[str, torch.Tensor]:
             "first: return the same names for every batch."
         )
     return values
-
-
-def _means(
-    everyone: list[tuple[dict[str, float], int, int, Optional[str]]], shared: bool
-) -> dict[str, float]:
-    """Every rank's sums, counts, batches and problem, as one mean per name (or the problem,
-    raised on every rank alike)."""
-    problem = next((p for *_, p in everyone if p), None)
-    if problem:
-        raise ValueError(problem)
-    lengths = [batches for _, _, batches, _ in everyone]
-    if shared and len(set(lengths)) > 1:
-        raise ValueError(
-            f"The ranks' data_loaders gave {lengths} batches: evaluation shares one loader's "
-            "batches among the ranks, which must all see the same ones. For a shard per rank, "
-            "use a DistributedSampler."
-        )
-    names = next((sums.keys() for sums, count, *_ in everyone if count), None)
-    count = sum(count for _, count, *_ in everyone)
-    if names is None or not count:
-        raise ValueError("data_loader yielded no samples to evaluate.")
-    for rank, (sums, n, *_) in enumerate(everyone):
-        if n and sums.keys() != names:
-            raise ValueError(
-                f"metric_fn returned {sorted(sums)} on rank {rank} and {sorted(names)} on "
-                "another: return the same names on every rank."
-            )
-    return {name: sum(s.get(name, 0.0) for s, *_ in everyone) / count for name in names}

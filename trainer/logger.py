@@ -1,13 +1,12 @@
-"""Console and file logging for the ``trainer`` package."""
+"""Console and file logging for the ``trainer`` package, :func:`setup_logger` for your own scripts,
+and the live line a progress bar draws below the log records."""
 
 import contextlib
 import logging
 import os
 import sys
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
-
-from .lazy import lazy_exports as _lazy_exports
+from typing import Any, Optional
 
 _FORMAT = "[%(asctime)s %(name)s %(levelname)s]: %(message)s"
 _DATE_FORMAT = "%m/%d %H:%M:%S"
@@ -107,20 +106,87 @@ def log_to_file(name: str, path: str) -> Iterator[None]:
         handler.close()
 
 
-# where these lived before: imported when first named, by the scripts and the progress bar
-_MOVED = {"setup_logger": "script_logging", "log_file_path": "script_logging"}
-_MOVED |= dict.fromkeys(["LiveLine", "draws_safely_on"], "hooks.progress_bar_hook")
+def setup_logger(
+    name: str = "trainer",
+    output: Optional[str] = None,
+    rank: int = 0,
+    level: int = logging.INFO,
+    *,
+    output_dir: Optional[str] = None,
+    log_level: Optional[int] = None,
+    color: bool = False,
+) -> logging.Logger:
+    """Make logger ``name`` print to the console on rank 0 and, optionally, to a file. Calling
+    it again with the same arguments adds nothing twice.
 
-if TYPE_CHECKING:
-    from .hooks.progress_bar_hook import LiveLine as LiveLine
-    from .hooks.progress_bar_hook import draws_safely_on as draws_safely_on
-    from .script_logging import log_file_path as log_file_path
-    from .script_logging import setup_logger as setup_logger
-else:  # hidden from type checkers, which would take any name through it
-    __getattr__, __dir__ = _lazy_exports(globals(), _MOVED)
+    Args:
+        name: The logger, e.g. ``"trainer"`` for this library or ``__name__`` for a script.
+        output: A log file (``.txt`` or ``.log``) or a folder to hold ``log.txt``; other ranks
+            than 0 write ``log_rank{rank}.txt`` beside it.
+        rank: This process's rank.
+        level: The logging level.
+        output_dir: ``output``, by core-pytorch-utils' name.
+        log_level: ``level``, by core-pytorch-utils' name.
+        color: Accepted for core-pytorch-utils' sake; the output is never colored.
+    """
+    if output is not None and output_dir is not None:
+        raise ValueError(
+            f"Pass output or output_dir (the same thing), not both: got output={output!r}, "
+            f"output_dir={output_dir!r}."
+        )
+    output = output if output is not None else output_dir
+    log = logging.getLogger(name)
+    log.setLevel(level if log_level is None else log_level)
+    log.propagate = False
+    if rank == 0 and not any(isinstance(h, _ConsoleHandler) for h in log.handlers):
+        log.addHandler(_console_handler())
+    if output is not None:
+        path = log_file_path(output, rank)
+        if not any(getattr(h, "baseFilename", None) == path for h in log.handlers):
+            log.addHandler(_FileHandler(path))
+    return log
 
-__all__ = [
-    "LiveLine", "TRACEBACK_FOLLOWS", "draws_safely_on", "ensure_console_logging", "is_terminal",
-    "log_file_path", "log_to_file", "open_fd_no_follow", "open_no_follow", "rank_log_file",
-    "setup_logger",
-]  # fmt: skip
+
+def log_file_path(output: str, rank: int = 0) -> str:
+    """The log file that ``output`` means for ``rank``: ``output`` itself when it names a
+    ``.txt`` or ``.log`` file (not an existing folder), else ``output/log.txt``."""
+    output = os.fspath(output)
+    is_file = output.endswith((".txt", ".log")) and not os.path.isdir(output)
+    return rank_log_file(output if is_file else os.path.join(output, "log.txt"), rank)
+
+
+class LiveLine:
+    """The console's last line, redrawn in place, which the records of this package's console
+    handler clear and draw again below them while it is ``trainer.logger.live_line``."""
+
+    def __init__(self, stream: Any) -> None:
+        self.stream = stream
+        self.text = ""
+
+    def show(self, text: str) -> None:
+        """Draw ``text`` over the line."""
+        self.text = text
+        self.stream.write("\r" + text + "\x1b[K")
+        self.stream.flush()
+
+    def finish(self) -> None:
+        """End the line where it is: the next one starts below it."""
+        if self.text:
+            self.stream.write("\n")
+            self.stream.flush()
+            self.text = ""
+
+    def erase(self) -> None:
+        """Clear the line and forget it: nothing is drawn again until :meth:`show`."""
+        if self.text:
+            self.stream.write("\r\x1b[K")
+        self.text = ""
+
+
+def draws_safely_on(stream: Any) -> bool:
+    """Whether every handler that prints the trainer's records on ``stream`` is this package's
+    console handler, which clears a live line and draws it again below each record."""
+    log = logging.getLogger("trainer")
+    handlers = log.handlers + (logging.getLogger().handlers if log.propagate else [])
+    return all(isinstance(h, _ConsoleHandler) or getattr(h, "stream", None) is not stream
+               for h in handlers)  # fmt: skip

@@ -6,7 +6,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-from .checks import check_int
+from .misc import check_int
 
 _WARMUP_MODES = ("fix", "factor", "auto")
 

@@ -1,87 +1,16 @@
-"""Metrics: :class:`HistoryBuffer`, one metric's series, and :class:`MetricStorage`, the
-buffers by name with the values still waiting on their device for the next log point."""
+"""Metrics: :class:`MetricStorage`, a :class:`~trainer.HistoryBuffer` per name, with the values
+still waiting on their device for the next log point."""
 
-import functools
 import itertools
 import math
-import operator
-from collections import deque
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from typing import Any, NamedTuple, Optional
 
 import torch
 
-from .checks import check_int
-from .distributed import CpuGroup, get_world_size
-
-
-class HistoryBuffer:
-    """Tracks a series of numbers: the latest one, a window mean and global statistics.
-
-    Args:
-        window_size: How many recent values :attr:`avg` averages over.
-    """
-
-    def __init__(self, window_size: int = 20) -> None:
-        check_int("window_size", window_size, minimum=1)
-        self._window: deque = deque(maxlen=window_size)
-        self._count = 0
-        self._sum = 0.0
-
-    def update(self, value: float) -> None:
-        """Append a value; the oldest one leaves the window once it is full."""
-        value = float(value)
-        self._window.append(value)
-        self._count += 1
-        self._sum += value
-
-    def extend(self, values: list[float]) -> None:
-        """Append several values, oldest first (the same result as updating one by one)."""
-        self._window.extend(values)
-        self._count += len(values)
-        # added one by one, in order, so the sum does not depend on how values are batched
-        self._sum = functools.reduce(operator.add, values, self._sum)
-
-    @property
-    def latest(self) -> float:
-        """The most recent value."""
-        return self._window[-1]
-
-    @property
-    def avg(self) -> float:
-        """The mean of the values in the window."""
-        return sum(self._window) / len(self._window)
-
-    @property
-    def global_avg(self) -> float:
-        """The mean of every value ever added."""
-        return self._sum / self._count
-
-    @property
-    def global_sum(self) -> float:
-        """The sum of every value ever added."""
-        return self._sum
-
-    @property
-    def count(self) -> int:
-        """How many values were ever added."""
-        return self._count
-
-    def state_dict(self) -> dict[str, Any]:
-        """The buffer as plain data."""
-        return {
-            "window_size": self._window.maxlen,
-            "window": list(self._window),
-            "count": self._count,
-            "sum": self._sum,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        check_int("window_size", state["window_size"], minimum=1)
-        self._window = deque(state["window"], maxlen=state["window_size"])
-        self._count = state["count"]
-        self._sum = state["sum"]
+from .distributed import CpuGroup, all_gather, get_world_size
+from .history_buffer import HistoryBuffer
+from .misc import check_int
 
 
 class MetricStorage(Mapping):
@@ -183,9 +112,7 @@ class MetricStorage(Mapping):
         for table in (self._buffers, self._latest_iter, self._smooth, self._pending):
             table.clear()
         for name, entry in state["metrics"].items():
-            # checkpoints from before the trainer's times were each period's means smooth them
-            smooth = entry["smooth"] and name not in PERIOD_TIMES
-            self._buffer(name, smooth).load_state_dict(entry["buffer"])  # its own window size
+            self._buffer(name, entry["smooth"]).load_state_dict(entry["buffer"])  # its own window
             self._latest_iter[name] = entry["iter"]
 
     def add(
@@ -232,19 +159,46 @@ class MetricStorage(Mapping):
         if not names:
             return
         pending = {name: self._pending.pop(name) for name in names}
-        if distributed and any(series.reduce for series in pending.values()):
-            from .metric_flush import reduced_numbers
-
-            numbers = reduced_numbers(pending, self._cpu.group)
-        else:  # note: the one CPU-GPU sync of a log period
-            numbers = dict(zip(pending, _to_host([series.values for series in pending.values()])))
+        # note: the one CPU-GPU sync of a log period
+        numbers = dict(zip(pending, _to_host([series.values for series in pending.values()])))
+        reduced = {name: numbers[name] for name, series in pending.items() if series.reduce}
+        if distributed and reduced:  # over the trainer's gloo group while it trains
+            means = reduce_over_ranks(reduced, self._cpu.group, maximum=_MAX_REDUCED)
+            numbers.update(means or {})
         for name, series in pending.items():
             if series.check_finite and not all(map(math.isfinite, numbers[name])):
-                from .metric_flush import keep_until_first_bad
-
-                keep_until_first_bad(self, pending, numbers, self._epoch_len)
+                self._raise_at_first_bad(pending, numbers)
         for name, series in pending.items():
             self.extend(name, series.iters, numbers[name], series.smooth)
+
+    def _raise_at_first_bad(
+        self, pending: dict[str, "_Series"], numbers: dict[str, list[float]]
+    ) -> None:
+        """Add the values from before the first iteration with a non-finite ``check_finite``
+        value, and raise ``FloatingPointError`` naming that iteration."""
+        first_bad = min(
+            it
+            for name, series in pending.items()
+            if series.check_finite
+            for it, value in zip(series.iters, numbers[name])
+            if not math.isfinite(value)
+        )
+        at_first_bad = {}
+        for name, series in pending.items():
+            iters, values = series.iters, numbers[name]
+            if first_bad in iters:
+                at_first_bad[name] = values[iters.index(first_bad)]
+            keep = [i for i, it in enumerate(iters) if it < first_bad]
+            self.extend(name, [iters[i] for i in keep], [values[i] for i in keep], series.smooth)
+        checked = [n for n, s in pending.items() if s.check_finite and n in at_first_bad]
+        bad = [n for n in checked if not math.isfinite(at_first_bad[n])]
+        what = "Loss" if set(bad) - {"grad_norm"} else "The gradient norm (the loss was not)"
+        epoch = f" (epoch {first_bad // self._epoch_len})" if self._epoch_len else ""
+        raise FloatingPointError(
+            f"{what} became NaN or infinite at iteration {first_bad}{epoch}: "
+            f"{at_first_bad}. Lower the LR, enable "
+            "clip_grad_norm, or check the data of that iteration."
+        )
 
 
 class _Series(NamedTuple):  # one metric's values waiting for the next flush
@@ -259,8 +213,46 @@ class _Series(NamedTuple):  # one metric's values waiting for the next flush
 _MAX_REDUCED = frozenset({"data_time", "iter_time", "amp_skipped_steps"})
 #: The metrics the trainer logs itself (the losses a model returns aside).
 TRAINER_METRICS = frozenset({"total_loss", "lr", "grad_norm", *_MAX_REDUCED})
-#: The times the trainer logs as each log period's own mean, never smoothed.
-PERIOD_TIMES = ("data_time", "iter_time")
+
+
+def reduce_over_ranks(
+    totals: Optional[dict[str, list[float]]],
+    group: Any = None,
+    *,
+    count: float = 1,
+    maximum: Collection[str] = (),
+    source: str = "trainer.log(reduce=True)",
+) -> Optional[dict[str, list[float]]]:
+    """Every rank's metrics as one, the same on every rank: the metrics logged over ranks, and
+    an evaluation's results. One gather of host numbers over ``group`` (of every rank; None:
+    the default group).
+
+    Each value is the sum of the ranks' ``totals`` over the sum of their ``count``: with
+    ``count=1``, the mean of the ranks' values; with sums over samples and the samples
+    counted, the exact mean over every sample. Names in ``maximum`` take the ranks' maximum
+    instead (the slowest rank's time). A rank without numbers (``totals`` None, or ``count``
+    0) does not count; None when no rank has any. The ranks that count must give the same
+    names, one value per position of each list, or every rank raises, naming ``source``.
+    """
+    everyone = [(totals, count)] if get_world_size() == 1 else all_gather((totals, count), group)
+    given = {rank: (own, n) for rank, (own, n) in enumerate(everyone) if own is not None and n}
+    if not given:
+        return None
+    names = {rank: sorted(own) for rank, (own, _) in given.items()}
+    first = next(iter(names.values()))
+    if any(ranks_names != first for ranks_names in names.values()):
+        raise ValueError(
+            f"{source} gave different names on different ranks ({names}): give the same names "
+            "on every rank."
+        )
+    weight = math.fsum(n for _, n in given.values())
+    reduced = {}
+    for name in first:
+        columns = zip(*(own[name] for own, _ in given.values()))  # each: every rank's value
+        reduced[name] = [
+            max(column) if name in maximum else math.fsum(column) / weight for column in columns
+        ]
+    return reduced
 
 
 def _has_tensor(values: list[Any]) -> bool:
@@ -271,7 +263,7 @@ def _to_host(series: list[list[Any]]) -> list[list[float]]:
     """Each series of numbers and scalar tensors as floats, the tensors copied in one transfer."""
     with_tensors = [_has_tensor(values) for values in series]
     # each series to float32 first: stacked together, an int series would take a bfloat16's type
-    stacks = [_stacked(values, None, torch.float32) for values, t in zip(series, with_tensors) if t]
+    stacks = [_stacked(values) for values, t in zip(series, with_tensors) if t]
     if len({stack.device for stack in stacks}) > 1:  # tensors on several devices (rare)
         stacks = [stack.cpu() for stack in stacks]
     copied = iter(torch.cat(stacks).tolist() if stacks else ())
@@ -281,14 +273,12 @@ def _to_host(series: list[list[Any]]) -> list[list[float]]:
     ]
 
 
-def _stacked(values: list[Any], device: Optional[torch.device], dtype: torch.dtype) -> torch.Tensor:
-    """Numbers and scalar tensors as one 1-D tensor of ``dtype`` on ``device`` (None: that of
-    the first tensor among them), without a sync."""
-    if not _has_tensor(values):
-        return torch.tensor(list(map(float, values)), dtype=dtype, device=device)
+def _stacked(values: list[Any]) -> torch.Tensor:
+    """Scalar tensors (and numbers among them) as one 1-D float32 tensor on the device of the
+    first tensor, without a sync."""
     try:
         stacked = torch.stack(values)  # the common case: scalar tensors on one device
     except (TypeError, RuntimeError):  # numbers among them, or tensors on several devices
-        device = device or next(v.device for v in values if isinstance(v, torch.Tensor))
-        stacked = torch.stack([torch.as_tensor(v, dtype=dtype).to(device) for v in values])
-    return stacked.to(device or stacked.device, dtype)
+        device = next(v.device for v in values if isinstance(v, torch.Tensor))
+        stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32).to(device) for v in values])
+    return stacked.to(torch.float32)

@@ -9,6 +9,10 @@ import threading
 from collections.abc import Iterator
 from typing import Any, Optional
 
+import numpy as np
+import torch
+import torch.distributed as dist
+
 from .distributed import CpuGroup, get_world_size
 
 logger = logging.getLogger(__name__)
@@ -22,7 +26,9 @@ WRITE_FAILED = 1000
 class Preemption:
     """Catches the preemption signals while training and tells when every rank stops for one:
     in one process, after the iteration the signal arrived in; under torchrun, at one iteration,
-    at most ``2 * check_period`` iterations after the signal (``preemption_agreement.py``).
+    at most ``2 * check_period`` iterations after the signal (an asynchronous all-reduce of a
+    CPU flag over gloo, started at one check and read at the next: it never waits on the device
+    nor stalls the loop).
 
     Args:
         check_period: Iterations between the checks under torchrun.
@@ -33,7 +39,7 @@ class Preemption:
         self.check_period = check_period
         self.caught: Optional[int] = None  # the signal this process caught
         self._cpu = cpu or CpuGroup()
-        self._agreement: Optional[Any] = None  # under torchrun, while catching
+        self._agreement: Optional[_Agreement] = None  # under torchrun, while catching
         self.distributed = False  # under torchrun: agreed_signal is due every iteration
 
     @contextlib.contextmanager
@@ -43,9 +49,7 @@ class Preemption:
         self.caught, self._agreement = None, None
         self.distributed = get_world_size() > 1
         if self.distributed:
-            from .preemption_agreement import Agreement  # torchrun only
-
-            self._agreement = Agreement(self.check_period, self._cpu)
+            self._agreement = _Agreement(self.check_period, self._cpu)
         if threading.current_thread() is not threading.main_thread():
             yield  # Python lets only the main thread handle signals
             return
@@ -88,3 +92,33 @@ class Preemption:
             "same command to resume."
         )
         raise SystemExit(status)
+
+
+class _Agreement:
+    """The ranks' checks: :meth:`check` starts one and returns the previous one's result."""
+
+    def __init__(self, check_period: int, cpu: CpuGroup) -> None:
+        self._check_period = check_period
+        self._cpu = cpu  # open while training: its group is read at each check
+        self._pending: Optional[tuple[Any, np.ndarray]] = None  # the check in flight
+
+    def check(self, iteration: int, local: int) -> int:
+        """After ``iteration``: the ranks' maximum of ``local`` at the previous check, if this
+        is a check, else 0."""
+        if (iteration + 1) % self._check_period:
+            return 0
+        agreed = self.finish()
+        flag = np.array([local], dtype=np.int32)  # numpy-backed: reading it needs no device sync
+        work = dist.all_reduce(
+            torch.from_numpy(flag), op=dist.ReduceOp.MAX, group=self._cpu.group, async_op=True
+        )
+        self._pending = (work, flag)
+        return agreed
+
+    def finish(self) -> int:
+        """Wait for the check in flight; its result, or 0 when there is none."""
+        if self._pending is None:
+            return 0
+        (work, flag), self._pending = self._pending, None
+        work.wait()
+        return int(flag[0])

@@ -21,17 +21,22 @@ from torch.utils.data import DataLoader
 from . import arguments as args
 from . import logger as trainer_logging
 from .checkpoint import Checkpointer
-from .distributed import CpuGroup, get_rank, get_world_size, is_main_process, is_sharded
-from .env import collect_env
+from .distributed import (
+    CpuGroup,
+    get_rank,
+    get_world_size,
+    is_main_process,
+    is_sharded,
+    raise_on_every_rank,
+)
 from .hooks import CheckpointHook, DistributedHook, HookBase, LoggerHook, LRUpdateHook
 from .hooks.registry import HookRegistry
-from .lock import WorkDirLock
 from .logger import TRACEBACK_FOLLOWS, ensure_console_logging, log_to_file, rank_log_file
 from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import MetricStorage
+from .misc import WorkDirLock, collect_env, unwrapped, wrappers
 from .preemption import WRITE_FAILED, Preemption
 from .progress import Progress, data_stream
-from .step import unwrapped, wrappers
 
 logger = logging.getLogger(__name__)
 
@@ -472,14 +477,21 @@ class Trainer:
 
     def _agree_at_start(self) -> None:
         """Refuse, on every rank at once, to train where another run holds ``work_dir`` or the
-        ranks' data loaders differ in length."""
+        ranks' data loaders differ in length (they would hang in mismatched collectives)."""
         problem = self._lock.problem if is_main_process() else None
-        if get_world_size() > 1:
-            from .rank_agreement import agree_at_start
-
-            agree_at_start(problem, self.epoch_len, self.cpu_group)
-        elif problem:
-            raise RuntimeError(problem)
+        lengths = raise_on_every_rank(
+            problem and RuntimeError(problem), self.epoch_len, self._cpu.group
+        )
+        if len(set(lengths)) > 1:
+            each = ", ".join(
+                f"rank {rank} {'a stream' if n is None else f'{n} iterations'}"
+                for rank, n in enumerate(lengths)
+            )
+            raise RuntimeError(
+                f"The ranks' data loaders differ in length per epoch ({each}), so the ranks would "
+                "disagree on when epochs and training end. Give every rank as many batches: a "
+                "DistributedSampler does (drop_last=True on the loader, or an equal split)."
+            )
 
     def _start(self, path: Optional[str], auto_resume: bool, continue_after_stop: bool) -> None:
         self._hooks._start()  # this run's hook times, and which events each hook handles

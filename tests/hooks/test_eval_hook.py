@@ -179,7 +179,7 @@ def test_two_eval_hooks_sharing_a_tensorboard_tag_are_refused(make_trainer):
 
 
 def test_after_a_resume_results_are_told_from_training_metrics(make_trainer, tmp_path):
-    """From checkpoints that hold the names of the results, and from older ones."""
+    """A resumed EvalHook knows its earlier results' names from the checkpoint."""
     first = make_trainer(max_epochs=1)
     first.register_hooks([LogsStat(), EvalHook(1, lambda: {"val_acc": 0.5})])
     first.train()
@@ -187,21 +187,6 @@ def test_after_a_resume_results_are_told_from_training_metrics(make_trainer, tmp
     clash.register_hooks([LogsStat(), EvalHook(1, lambda: {"val_acc": 0.5, "stat": 2.0})])
     with pytest.raises(ValueError, match="'stat', and the trainer logs it in training"):
         clash.train()
-    # A checkpoint as ace5066 wrote it: EvalHook saved no names (its latest values may be
-    # results), and the times were smoothed metrics, now each log period's own mean
-    path = os.path.join(first.ckpt_dir, "epoch_1.pth")
-    data = torch.load(path, weights_only=True)
-    del data["hooks"]["EvalHook"]
-    for name in ("data_time", "iter_time"):
-        data["metric_storage"]["metrics"][name]["smooth"] = True
-    torch.save(data, path)
-    older = make_trainer(max_epochs=2)
-    older.register_hooks([LogsStat(), EvalHook(1, lambda: {"val_acc": 0.75})])
-    older.train()  # log points at iterations 12 and 16
-    assert older.start_iter == 8 and older.metric_storage["val_acc"].latest == 0.75
-    assert older.metric_storage["iter_time"].count == 4 and not older.metric_storage.smoothed(
-        "iter_time"
-    )
 
 
 def test_an_eval_hook_logs_its_own_names_again_after_a_resume(make_trainer):

@@ -5,7 +5,7 @@ import os
 from typing import Any, Optional
 
 from ..checkpoint_files import remove_checkpoint
-from ..checks import check_int
+from ..misc import check_int
 from .hookbase import HookBase, Priority
 
 logger = logging.getLogger(__name__)

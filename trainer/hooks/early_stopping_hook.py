@@ -3,7 +3,7 @@
 import logging
 from typing import Any, Optional
 
-from ..checks import check_int
+from ..misc import check_int
 from .hookbase import HookBase, Priority
 from .metric_watch import MetricWatch
 

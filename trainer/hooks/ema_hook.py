@@ -5,7 +5,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from ..checks import NUMBER, check_int, check_type
+from ..misc import NUMBER, check_int, check_type
 from .hookbase import HookBase, Priority
 
 

@@ -2,14 +2,14 @@
 
 import logging
 import numbers
-import statistics
 from typing import Any, Callable, Optional
 
 import torch
 
-from ..checks import check_int
-from ..distributed import all_gather, get_world_size
-from ..metric_storage import TRAINER_METRICS
+from ..distributed import get_world_size
+from ..evaluation import eval_mode
+from ..metric_storage import TRAINER_METRICS, reduce_over_ranks
+from ..misc import check_int
 from ..writers import tensorboard_tag
 from .hookbase import HookBase, Priority
 
@@ -78,8 +78,6 @@ class EvalHook(HookBase):
         self._eval_func = eval_func
         self._data_loader, self._metric_fn = data_loader, metric_fn
         self._names: set[str] = set()  # the names of its results, in the runs it resumes too
-        self._loaded = False
-        self._names_known = True
 
     def state_dict(self) -> dict[str, Any]:
         """The names of the results so far, so that a resumed run tells them from others."""
@@ -88,13 +86,6 @@ class EvalHook(HookBase):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         self._names = set(state["names"])
-        self._loaded = True
-
-    def before_train(self) -> None:
-        """Know whether the names of this hook's earlier results are known: a checkpoint from
-        before they were saved holds results of its that are not in them."""
-        self._names_known = self._loaded or self.trainer.start_iter == 0
-        self._loaded = False
 
     def after_iter_period(self) -> int:
         """In iteration-based training, every ``period``-th iteration (and the last); in
@@ -131,15 +122,15 @@ class EvalHook(HookBase):
         self.trainer.hooks.call("after_eval", results)
 
     def _call_eval_func(self) -> Optional[dict[str, float]]:
-        from ..evaluation import eval_mode  # imported by a run that evaluates
-
         # dropout off, batch norm on its running statistics; then every module in its mode
         with eval_mode(self.trainer.model):
             results = self._eval_func()
         if results is not None:
             results = _check_results(results)
-        if get_world_size() > 1:
-            results = _mean_over_ranks(results, self.trainer.cpu_group)
+        if get_world_size() > 1:  # over the trainer's gloo group, whose threads end with training
+            totals = None if results is None else {name: [v] for name, v in results.items()}
+            means = reduce_over_ranks(totals, self.trainer.cpu_group, source="eval_func")
+            results = None if means is None else {name: v[0] for name, v in means.items()}
         return results
 
     def _refuse_clashes(self, results: dict[str, float]) -> None:
@@ -157,10 +148,7 @@ class EvalHook(HookBase):
             for name in hook._names
         }
         others = {*TRAINER_METRICS, *evaluated} | {
-            name
-            for name in storage
-            # an older checkpoint does not say which results were this hook's: its latest values
-            if name not in self._names and (self._names_known or storage.smoothed(name))
+            name for name in storage if name not in self._names
         }
         by_tag = {tensorboard_tag(name, name in evaluated): name for name in others}
         for name in sorted(new):
@@ -201,19 +189,3 @@ def _check_results(results: object) -> dict[str, float]:
             )
         checked[str(name)] = float(value)
     return checked
-
-
-def _mean_over_ranks(results: Optional[dict[str, float]], group: Any) -> Optional[dict[str, float]]:
-    """The mean of every rank's results, on every rank; ranks that returned None do not count.
-    Over the trainer's gloo group, whose threads end with training (not the default group's)."""
-    per_rank = all_gather(results, group)  # once per evaluation: a small object
-    given = [r for r in per_rank if r is not None]
-    if not given:
-        return None
-    if any(r.keys() != given[0].keys() for r in given):
-        names = {rank: sorted(r) for rank, r in enumerate(per_rank) if r is not None}
-        raise RuntimeError(
-            f"eval_func returned different names on different ranks: {names}. Return the same "
-            "names on every rank, or None on the ranks that do not evaluate."
-        )
-    return {name: statistics.fmean(r[name] for r in given) for name in given[0]}

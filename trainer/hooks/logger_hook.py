@@ -1,17 +1,26 @@
-"""Sends metrics to the console, TensorBoard, a JSON Lines file and any other writers."""
+"""Sends metrics to the console, TensorBoard, a JSON Lines file and any other writers, and logs
+the end-of-run summary table."""
 
+import datetime
 import json
 import logging
 import os
 import time
 from typing import Any, Optional
 
-from ..checks import check_int
+from tabulate import tabulate
+
 from ..distributed import is_main_process
 from ..logger import open_no_follow
-from ..writers import ConsoleWriter, JSONLinesWriter, MetricWriter, TensorBoardWriter
+from ..misc import check_int
+from ..writers import (
+    ConsoleWriter,
+    JSONLinesWriter,
+    MetricWriter,
+    TensorBoardWriter,
+    format_seconds,
+)
 from .hookbase import HookBase, Priority
-from .summary import summary_table
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +158,7 @@ class LoggerHook(HookBase):
         seconds = time.perf_counter() - self._train_start
         self._train_start = None
         iters = trainer.cur_iter + 1 - trainer.start_iter
-        logger.info("\n" + summary_table(trainer, seconds, iters, self._evals, logs))
+        logger.info("\n" + _summary_table(trainer, seconds, iters, self._evals, logs))
 
     def state_dict(self) -> dict[str, Any]:
         """The evaluated metrics' final and best values (for the summary of a resumed run)."""
@@ -177,3 +186,44 @@ def _markdown_table(config: dict[str, Any]) -> str:
     """``config`` as a two-column Markdown table, which TensorBoard's text tab renders."""
     rows = "\n".join(f"| {key} | {json.dumps(value)} |" for key, value in config.items())
     return f"| setting | value |\n|---|---|\n{rows}"
+
+
+def _summary_table(
+    trainer: Any, seconds: float, iters: int, evals: dict[str, dict[str, Any]], logs: list[str]
+) -> str:
+    """The table logged when training ends: the wall time of this ``train()`` (``seconds``, for
+    ``iters`` iterations) and where it went, the evaluated metrics' final and best values
+    (``evals``), the checkpoints and the ``logs`` written."""
+    wall = format_seconds(seconds)
+    if seconds >= 60:
+        wall = str(datetime.timedelta(seconds=round(seconds)))
+    done = f"iteration {trainer.cur_iter + 1} of {trainer.max_iters}"
+    if iters:
+        speed = f"{wall} for {iters} iterations ({iters / max(seconds, 1e-9):.3g} it/s), {done}"
+        data = _share(trainer.progress.data_seconds, seconds)
+        rows = [["wall time", speed], ["data loading", data]]
+        hooks = sorted(trainer.hooks.seconds_by_class().items(), key=lambda item: -item[1])
+        rows += [[f"hook {name}", _share(s, seconds)] for name, s in hooks]
+    else:
+        rows = [["wall time", f"{wall}, no iteration to train: {done}"]]
+    for name, entry in evals.items():
+        value = f"final {entry['final']:.5g}"
+        if entry["best"] is not None:
+            value += f", best {entry['best']:.5g} (after iteration {entry['best_iter']})"
+        rows.append([name, value])
+    last = trainer.checkpointer.last_path
+    rows.append(["last checkpoint", os.path.abspath(last) if last else "none"])
+    for hook in trainer.hooks:  # a BestCheckpointHook's, on disk or still being written (last)
+        best = getattr(hook, "best_checkpoint", None)
+        if isinstance(best, str) and (os.path.exists(best) or best == last):
+            rows.append(["best checkpoint", os.path.abspath(best)])
+            break
+    folders = {os.path.dirname(path) for path in logs}
+    if len(folders) == 1:  # the usual: all in work_dir
+        logs = [f"{', '.join(map(os.path.basename, logs))} in {folders.pop()}"]
+    rows.append(["logs", ", ".join(logs)])
+    return tabulate(rows, headers=["Run summary", ""], tablefmt="simple")
+
+
+def _share(part: float, whole: float) -> str:
+    return f"{format_seconds(part)} ({100 * part / max(whole, 1e-9):.1f}%)"

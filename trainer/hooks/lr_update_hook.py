@@ -3,7 +3,7 @@
 import logging
 from typing import Any, Optional
 
-from ..checks import check_type
+from ..misc import check_type
 from .hookbase import HookBase, Priority
 
 logger = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ import math
 import re
 from typing import Any, Optional
 
-from ..checks import NUMBER, check_type
+from ..misc import NUMBER, check_type
 
 # Words in a metric's name that tell which way is better.
 _LOWER_IS_BETTER = {"loss", "err", "error", "errors", "mse", "mae", "rmse", "nll", "ppl",

@@ -6,8 +6,8 @@ from typing import Any, Optional
 
 import torch
 
-from ..checks import check_int
 from ..distributed import get_rank
+from ..misc import check_int
 from .hookbase import HookBase, Priority
 
 logger = logging.getLogger(__name__)

@@ -1,54 +1,16 @@
 """A live progress bar on a terminal: a line per epoch, redrawn a few times a second."""
 
-import logging
 import shutil
 import sys
 import time
-from typing import Any, Optional, TextIO
+from typing import Optional, TextIO
 
 from .. import logger as trainer_logging
-from ..checks import NUMBER, check_type
 from ..distributed import is_main_process
-from ..logger import _ConsoleHandler, is_terminal
+from ..logger import LiveLine, draws_safely_on, is_terminal
+from ..misc import NUMBER, check_type
 from ..writers import time_left
 from .hookbase import HookBase, Priority
-
-
-class LiveLine:
-    """The console's last line, redrawn in place, which the records of this package's console
-    handler clear and draw again below them while it is ``trainer.logger.live_line``."""
-
-    def __init__(self, stream: Any) -> None:
-        self.stream = stream
-        self.text = ""
-
-    def show(self, text: str) -> None:
-        """Draw ``text`` over the line."""
-        self.text = text
-        self.stream.write("\r" + text + "\x1b[K")
-        self.stream.flush()
-
-    def finish(self) -> None:
-        """End the line where it is: the next one starts below it."""
-        if self.text:
-            self.stream.write("\n")
-            self.stream.flush()
-            self.text = ""
-
-    def erase(self) -> None:
-        """Clear the line and forget it: nothing is drawn again until :meth:`show`."""
-        if self.text:
-            self.stream.write("\r\x1b[K")
-        self.text = ""
-
-
-def draws_safely_on(stream: Any) -> bool:
-    """Whether every handler that prints the trainer's records on ``stream`` is this package's
-    console handler, which clears a live line and draws it again below each record."""
-    log = logging.getLogger("trainer")
-    handlers = log.handlers + (logging.getLogger().handlers if log.propagate else [])
-    return all(isinstance(h, _ConsoleHandler) or getattr(h, "stream", None) is not stream
-               for h in handlers)  # fmt: skip
 
 
 class ProgressBarHook(HookBase):

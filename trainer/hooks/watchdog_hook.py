@@ -9,8 +9,8 @@ import time
 import traceback
 from typing import Optional
 
-from ..checks import NUMBER, check_int, check_type
 from ..distributed import get_rank
+from ..misc import NUMBER, check_int, check_type
 from .hookbase import HookBase, Priority
 
 logger = logging.getLogger(__name__)
