@@ -1,11 +1,12 @@
 """The Trainer's arguments: their checks (each error names the argument, what was expected,
-what was received and how to fix it), and the run's settings they make."""
+what was received and how to fix it), the warnings about what a run will not do, and the run's
+settings they make."""
 
 import inspect
 import logging
 import os
-import sys
 import tempfile
+from collections.abc import Iterable
 from typing import Any, Optional
 
 import torch
@@ -13,12 +14,10 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-from .distributed import get_world_size, is_main_process, is_sharded
-from .hooks import HookBase
-from .logger import is_terminal
+from .data import loader_length
+from .distributed import get_world_size, is_sharded
 from .lr_scheduler import LRWarmupScheduler
 from .misc import NUMBER, check_int, check_type, unwrapped, wrappers
-from .progress import loader_length
 
 logger = logging.getLogger(__name__)
 
@@ -30,81 +29,69 @@ WARMUP_DEFAULTS = {
     if name in ("by_epoch", "warmup_t", "warmup_by_epoch", "warmup_mode", "warmup_init_lr",
                 "warmup_factor")
 }  # fmt: skip
+# The Trainer's parameters that run_config describes rather than copies.
+_DESCRIBED = ("model", "optimizer", "lr_scheduler", "data_loader", "work_dir", "enable_amp")
 _FLAG = ((bool,), "True or False")
 _NUMBER = (NUMBER, "a number")
 
 
-def check_arguments(  # each is checked here, so Any
-    model: Any, optimizer: Any, lr_scheduler: Any, data_loader: Any, max_epochs: Any,
-    max_iters: Any, *, work_dir: Any, unpack_batch_dict: Any, max_num_checkpoints: Any,
-    checkpoint_period: Any, log_period: Any, clip_grad_norm: Any, enable_amp: Any,
-    accumulation_steps: Any, by_epoch: Any, warmup_t: Any, warmup_by_epoch: Any,
-    warmup_mode: Any, warmup_init_lr: Any, warmup_factor: Any, cuda_graph: Any,
-    preempt_check_period: Any,
-) -> Optional[int]:  # fmt: skip
-    """Check the Trainer's arguments; returns iterations per epoch (None for a stream)."""
-    _check_types(model, optimizer, lr_scheduler, data_loader)
-    check_type("work_dir", work_dir, (str, os.PathLike), "a str or os.PathLike path")
-    for name, value, (types, what) in (
-        ("unpack_batch_dict", unpack_batch_dict, _FLAG),
-        ("clip_grad_norm", clip_grad_norm, _NUMBER),
-        ("enable_amp", enable_amp, ((bool, torch.dtype), "True, False or a torch dtype")),
-        ("by_epoch", by_epoch, _FLAG),
-        ("warmup_by_epoch", warmup_by_epoch, _FLAG),
-        ("warmup_mode", warmup_mode, ((str,), "a str")),
-        ("warmup_init_lr", warmup_init_lr, _NUMBER),
-        ("warmup_factor", warmup_factor, _NUMBER),
-        ("cuda_graph", cuda_graph, _FLAG),
+def check_arguments(settings: dict[str, Any], built_in_step: bool) -> Optional[int]:
+    """Check the Trainer's arguments (``settings``: its parameters by name, as given, and
+    ``built_in_step``: whether it runs its own ``train_one_iter``); returns the iterations per
+    epoch (None for a stream)."""
+    model, optimizer, lr_scheduler = (
+        settings["model"],
+        settings["optimizer"],
+        settings["lr_scheduler"],
+    )
+    _check_types(model, optimizer, lr_scheduler, settings["data_loader"])
+    check_type("work_dir", settings["work_dir"], (str, os.PathLike), "a str or os.PathLike path")
+    for name, (types, what) in (
+        ("unpack_batch_dict", _FLAG),
+        ("clip_grad_norm", _NUMBER),
+        ("enable_amp", ((bool, torch.dtype), "True, False or a torch dtype")),
+        ("by_epoch", _FLAG),
+        ("warmup_by_epoch", _FLAG),
+        ("warmup_mode", ((str,), "a str")),
+        ("warmup_init_lr", _NUMBER),
+        ("warmup_factor", _NUMBER),
+        ("cuda_graph", _FLAG),
     ):
-        check_type(name, value, types, what)
-    check_int("warmup_t", warmup_t, minimum=0, note="0 disables warmup")
+        check_type(name, settings[name], types, what)
+    check_int("warmup_t", settings["warmup_t"], minimum=0, note="0 disables warmup")
     _check_wiring(model, optimizer, lr_scheduler)
-    _check_epochs_or_iters(max_epochs, max_iters)
-    check_int("log_period", log_period, minimum=1)
-    check_int("accumulation_steps", accumulation_steps, minimum=1)
-    check_int("preempt_check_period", preempt_check_period, minimum=1)
-    check_int("checkpoint_period", checkpoint_period, minimum=0, note="0 disables")
-    if max_num_checkpoints is not None:
-        check_int("max_num_checkpoints", max_num_checkpoints, minimum=1)
-    if checkpoint_period == 0 and max_num_checkpoints != 3:
-        from .setup_errors import max_num_checkpoints_ignored
-
-        raise max_num_checkpoints_ignored()
-    if not clip_grad_norm >= 0:
-        raise ValueError(f"clip_grad_norm must be >= 0 (0 disables), got {clip_grad_norm!r}.")
-    if isinstance(enable_amp, torch.dtype) and enable_amp not in _AMP_DTYPES:
-        raise ValueError(
-            f"enable_amp must be True, False, torch.float16 or torch.bfloat16, got {enable_amp!r}."
-        )
-    if cuda_graph and (_compiled(model) or is_sharded(model)):
-        from .setup_errors import cuda_graph_refused
-
-        raise cuda_graph_refused(compiled=_compiled(model))
-    warmup = {
-        "by_epoch": by_epoch, "warmup_t": warmup_t, "warmup_by_epoch": warmup_by_epoch,
-        "warmup_mode": warmup_mode, "warmup_init_lr": warmup_init_lr,
-        "warmup_factor": warmup_factor,
-    }  # fmt: skip
+    _check_epochs_or_iters(settings["max_epochs"], settings["max_iters"])
+    for name in ("log_period", "accumulation_steps", "preempt_check_period"):
+        check_int(name, settings[name], minimum=1)
+    _check_checkpoints(settings["checkpoint_period"], settings["max_num_checkpoints"])
+    _check_step(model, settings["clip_grad_norm"], settings["enable_amp"], settings["cuda_graph"])
+    warmup = {name: settings[name] for name in WARMUP_DEFAULTS}
     if isinstance(lr_scheduler, LRWarmupScheduler) and warmup != WARMUP_DEFAULTS:
-        from .setup_errors import warmup_settings_ignored
-
-        raise warmup_settings_ignored(warmup, WARMUP_DEFAULTS)
-    epoch_len = _check_epoch_len(data_loader, accumulation_steps)
-    if epoch_len is None and max_epochs:
-        from .setup_errors import stream_without_epochs
-
-        raise stream_without_epochs(max_epochs, data_loader)
+        ignored = [f"{k}={v!r}" for k, v in warmup.items() if v != WARMUP_DEFAULTS[k]]
+        raise ValueError(
+            f"lr_scheduler is an LRWarmupScheduler, which already holds its warmup and "
+            f"by_epoch settings, so {', '.join(ignored)} would be ignored. Pass them to "
+            "the LRWarmupScheduler, or pass the torch scheduler it wraps instead."
+        )
+    epoch_len = _check_epoch_len(
+        settings["data_loader"], settings["accumulation_steps"], settings["max_epochs"]
+    )
+    if built_in_step:
+        _check_closure_free(optimizer)
     return epoch_len
 
 
-def run_config(trainer: Any, given_scheduler: Any, settings: dict[str, Any]) -> dict[str, Any]:
-    """The run's settings as JSON-ready data: ``settings``, the warmup's, what the trainer's
-    objects are, and the batch size, world size, AMP dtype, seed and torch version."""
+def run_config(
+    trainer: Any, settings: dict[str, Any], amp_dtype: Optional[torch.dtype]
+) -> dict[str, Any]:
+    """The run's settings as JSON-ready data: the Trainer's ``settings`` that are plain data,
+    the warmup's, what the trainer's objects are, and the batch size, world size, AMP dtype,
+    seed and torch version."""
     optimizer, loader, scheduler = trainer.optimizer, trainer.data_loader, trainer.lr_scheduler
-    warmup = {name: getattr(scheduler, name) for name in WARMUP_DEFAULTS}
+    given = {k: v for k, v in settings.items() if k not in (*_DESCRIBED, *WARMUP_DEFAULTS)}
     return {
-        **settings,
-        **warmup,
+        **given,
+        **{name: getattr(scheduler, name) for name in WARMUP_DEFAULTS},
         "work_dir": trainer.work_dir,
         "model": type(unwrapped(trainer.model)).__name__,
         "compiled": _compiled(trainer.model),
@@ -114,12 +101,12 @@ def run_config(trainer: Any, given_scheduler: Any, settings: dict[str, Any]) -> 
             float(group.get("initial_lr", base))
             for group, base in zip(optimizer.param_groups, scheduler.base_lrs)
         ],
-        "lr_scheduler": type(given_scheduler).__name__,
+        "lr_scheduler": type(settings["lr_scheduler"]).__name__,
         "data_loader": type(loader).__name__,
         "batch_size": getattr(loader, "batch_size", None),
         "iters_per_epoch": trainer.epoch_len,
         "world_size": get_world_size(),
-        "amp_dtype": str(trainer._amp_dtype).replace("torch.", "") if trainer._amp_dtype else None,
+        "amp_dtype": str(amp_dtype).replace("torch.", "") if amp_dtype else None,
         "seed": torch.initial_seed(),  # set_random_seed's or torch.manual_seed's, to repeat the run
         "torch": torch.__version__,
     }
@@ -127,15 +114,6 @@ def run_config(trainer: Any, given_scheduler: Any, settings: dict[str, Any]) -> 
 
 def _compiled(model: nn.Module) -> bool:
     return any(type(m).__name__ == "OptimizedModule" for m in wrappers(model))
-
-
-def progress_bar() -> list[HookBase]:
-    """A progress bar where it would draw (rank 0, on a terminal); elsewhere not imported."""
-    if not (is_main_process() and is_terminal(sys.stderr)):
-        return []
-    from .hooks.progress_bar_hook import ProgressBarHook
-
-    return [ProgressBarHook()]
 
 
 def _check_types(model: Any, optimizer: Any, lr_scheduler: Any, data_loader: Any) -> None:
@@ -156,43 +134,54 @@ def _check_types(model: Any, optimizer: Any, lr_scheduler: Any, data_loader: Any
 
 
 def _check_wiring(model: nn.Module, optimizer: Optimizer, lr_scheduler: Any) -> None:
+    name = type(optimizer).__name__
     if not any(group["params"] for group in optimizer.param_groups):
-        from .setup_errors import empty_optimizer
-
-        raise empty_optimizer(optimizer)
+        raise ValueError(
+            f"optimizer holds no parameters: {name} would step nothing. "
+            f"Build it on the model's parameters: torch.optim.{name}(model.parameters(), ...)."
+        )
     own = {id(p) for p in model.parameters()}
     foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in own]
     if foreign:
-        from .setup_errors import foreign_parameters
-
-        raise foreign_parameters(optimizer, foreign)
+        shapes = ", ".join(str(tuple(p.shape)) for p in foreign[:3])
+        raise ValueError(
+            f"optimizer holds {len(foreign)} parameters that are not the model's (shapes "
+            f"{shapes}{', ...' if len(foreign) > 3 else ''}): stepping it would never change "
+            "the model. Build it on this model's parameters, e.g. "
+            f"torch.optim.{name}(model.parameters(), ...), after moving the "
+            "model to its device and wrapping or sharding it."
+        )
     scheduler = lr_scheduler
     if isinstance(scheduler, LRWarmupScheduler):
         scheduler = scheduler.torch_scheduler or scheduler
     scheduled = getattr(scheduler, "optimizer", optimizer)
     if scheduled is not optimizer:
-        from .setup_errors import other_optimizer
+        raise ValueError(
+            f"lr_scheduler schedules another optimizer ({type(scheduled).__name__} object at "
+            f"{id(scheduled):#x}), not the trainer's optimizer ({name} at "
+            f"{id(optimizer):#x}), so the trainer's LR would never change. Build it on the "
+            f"optimizer you pass: {type(lr_scheduler).__name__}(optimizer, ...)."
+        )
 
-        raise other_optimizer(lr_scheduler, scheduled, optimizer)
 
-
-def check_closure_free(optimizer: Optimizer) -> None:
+def _check_closure_free(optimizer: Optimizer) -> None:
     """Refuse an optimizer whose ``step`` needs a closure (LBFGS) for the built-in step."""
     closure = inspect.signature(optimizer.step).parameters.get("closure")
     if closure is not None and closure.default is inspect.Parameter.empty:
-        from .setup_errors import closure_needed
-
-        raise closure_needed(optimizer)
-
-
-def warn_unoptimized(model: nn.Module, optimizers: list[Optimizer]) -> None:
-    """Warn about trainable parameters of ``model`` that no optimizer holds."""
-    held = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
-    left = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
-    if left:
-        from .setup_errors import unoptimized_warning
-
-        logger.warning(unoptimized_warning(left))
+        raise TypeError(
+            f"optimizer is a {type(optimizer).__name__}, whose step() needs a closure that "
+            "re-evaluates the loss, and the built-in step calls step() once without one. Subclass "
+            "Trainer and override train_one_iter:\n"
+            "    def train_one_iter(self):\n"
+            "        batch = self.next_batch()\n"
+            "        def closure():\n"
+            "            self.optimizer.zero_grad()\n"
+            "            loss, self.losses = self.compute_losses(batch)\n"
+            "            self.backward(loss)\n"
+            "            return loss\n"
+            "        self.optimizer.step(closure)\n"
+            "        self.log_losses(**self.losses)"
+        )
 
 
 def _check_epochs_or_iters(max_epochs: Any, max_iters: Any) -> None:
@@ -205,8 +194,47 @@ def _check_epochs_or_iters(max_epochs: Any, max_iters: Any) -> None:
         )
 
 
-def _check_epoch_len(data_loader: Any, accumulation_steps: int) -> Optional[int]:
+def _check_checkpoints(checkpoint_period: Any, max_num_checkpoints: Any) -> None:
+    check_int("checkpoint_period", checkpoint_period, minimum=0, note="0 disables")
+    if max_num_checkpoints is not None:
+        check_int("max_num_checkpoints", max_num_checkpoints, minimum=1)
+    if checkpoint_period == 0 and max_num_checkpoints != 3:
+        raise ValueError(
+            "checkpoint_period=0 turns periodic checkpoints off, so max_num_checkpoints would be "
+            "ignored; remove it, or pass a checkpoint_period >= 1."
+        )
+
+
+def _check_step(model: nn.Module, clip_grad_norm: Any, enable_amp: Any, cuda_graph: bool) -> None:
+    if not clip_grad_norm >= 0:
+        raise ValueError(f"clip_grad_norm must be >= 0 (0 disables), got {clip_grad_norm!r}.")
+    if isinstance(enable_amp, torch.dtype) and enable_amp not in _AMP_DTYPES:
+        raise ValueError(
+            f"enable_amp must be True, False, torch.float16 or torch.bfloat16, got {enable_amp!r}."
+        )
+    if cuda_graph and _compiled(model):
+        raise ValueError(
+            "A torch.compile-d model and cuda_graph=True do not combine here; for CUDA graphs "
+            'under torch.compile, pass cuda_graph=False and compile with mode="reduce-overhead".'
+        )
+    if cuda_graph and is_sharded(model):
+        raise ValueError(
+            "cuda_graph=True does not support models sharded with fully_shard (FSDP2): "
+            "its collectives cannot be captured here. Pass cuda_graph=False."
+        )
+
+
+def _check_epoch_len(data_loader: Any, accumulation_steps: int, max_epochs: int) -> Optional[int]:
     num_batches = loader_length(data_loader)
+    if num_batches is None and max_epochs:
+        what = type(data_loader).__name__
+        if getattr(data_loader, "dataset", None) is not None:
+            what += f" over {type(data_loader.dataset).__name__}"
+        raise ValueError(
+            f"max_epochs={max_epochs} needs a data_loader with a length, and this one "
+            f"(a {what}) has none: it is a stream. Pass max_iters=N instead; an epoch is then "
+            "one pass until the stream ends."
+        )
     if num_batches is None:
         return None  # a stream: its epochs end with its passes
     if num_batches == 0:
@@ -234,6 +262,37 @@ def make_writable_dir(path: str) -> None:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:
-        from .setup_errors import not_writable
+        raise PermissionError(
+            f"{path!r} (the checkpoint folder in work_dir) is not writable ({e.strerror or e}); "
+            "pass a writable work_dir."
+        ) from e
 
-        raise not_writable(path, e) from e
+
+def warn_unoptimized(model: nn.Module, optimizers: list[Optimizer]) -> None:
+    """Warn about trainable parameters of ``model`` that no optimizer holds."""
+    held = {id(p) for opt in optimizers for group in opt.param_groups for p in group["params"]}
+    left = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if left:
+        logger.warning(
+            f"{len(left)} trainable parameters of the model are in no optimizer and will not "
+            f"change: {', '.join(left[:5])}{', ...' if len(left) > 5 else ''}. If that is "
+            "meant, freeze them with requires_grad_(False); otherwise add them to the optimizer "
+            "(or register a second one with trainer.checkpointer.register)."
+        )
+
+
+def warn_stream_epochs(scheduler: LRWarmupScheduler, hooks: Iterable[Any]) -> None:
+    """For a data loader without a length: say what counts in epochs, which end only with its
+    passes."""
+    by_epoch = []
+    if scheduler.by_epoch and scheduler.torch_scheduler is not None:
+        by_epoch.append("by_epoch=True steps lr_scheduler")
+    if any(getattr(hook, "saves_by_epoch", False) for hook in hooks):  # a CheckpointHook's
+        by_epoch.append("the CheckpointHook saves checkpoints")
+    if by_epoch:
+        logger.warning(
+            "data_loader has no length, so an epoch is one pass until its stream ends (never, for "
+            f"an endless one), and {' and '.join(by_epoch)} only at such ends and at the end of "
+            "training. To count iterations instead, pass by_epoch=False and checkpoint_period=0, "
+            "and register CheckpointHook(period, by_epoch=False)."
+        )

@@ -33,9 +33,9 @@ def evaluate(
 
     Under torchrun every rank calls it. A ``DistributedSampler`` gives each rank its shard, and
     the samples it repeats to make the shards equal are not counted; any other loader is shared:
-    rank r evaluates batches r, r + world_size, ... . The sums and counts stay on the device
-    until one gather over ``group`` (None: the default group) at the end, and every rank gets
-    the same numbers.
+    rank r evaluates batches r, r + world_size, ... . The sums stay on the device until the end,
+    when the ranks agree over ``group`` (None: the default group) and every rank gets the same
+    numbers.
 
     Args:
         model: What ``metric_fn`` is given: the model to evaluate, unwrapped from DDP (whose
@@ -62,35 +62,8 @@ def evaluate(
     rank, world_size = get_rank(), get_world_size()
     # this rank's samples of a DistributedSampler, (real, with padding), or None: shared
     shard = _shard(data_loader, rank, world_size)
-    sums: dict[str, torch.Tensor] = {}
-    count = 0  # the samples counted, known on the host from the values' shapes: no sync
-    seen = 0  # the values met so far, one per sample of this rank's shard, padding included
-    batches, forwards, spare = 0, 0, None
     with torch.no_grad(), eval_mode(model):
-        for batch in data_loader:
-            mine = shard is not None or batches % world_size == rank
-            batches += 1
-            if not mine:
-                spare = batch  # another rank's
-                continue
-            values = _checked(metric_fn(model, batch), sums.keys() or None)
-            forwards += 1
-            n = next(iter(values.values())).shape[0]
-            keep = n if shard is None else max(0, min(n, shard[0] - seen))
-            seen += n
-            for name, value in values.items():
-                total = value[:keep].sum(dtype=torch.float64)  # a DistributedSampler's padding
-                sums[name] = sums[name] + total if name in sums else total
-            count += keep
-            spare = batch
-        if is_sharded(model) and world_size > 1 and shard is None:
-            # FSDP2 gathers weights in every forward, a collective: each rank runs as many,
-            # known without asking the others (which wait in their forwards); a
-            # DistributedSampler gives every rank as many batches
-            most = math.ceil(batches / world_size)
-            for _ in range(most - forwards):
-                if spare is not None:
-                    metric_fn(model, spare)  # not counted
+        sums, count, seen, batches = _sums(model, data_loader, metric_fn, shard)
     problem = None
     if shard is not None and seen != shard[1]:
         problem = (
@@ -106,11 +79,49 @@ def evaluate(
             "batches among the ranks, which must all see the same ones. For a shard per rank, "
             "use a DistributedSampler."
         )
-    totals = {name: [float(total)] for name, total in sums.items()} if count else None
+    # note: the evaluation's one CPU-GPU sync
+    numbers = torch.stack(list(sums.values())).tolist() if sums else []
+    totals = {name: [total] for name, total in zip(sums, numbers)} if count else None
     means = reduce_over_ranks(totals, group, count=count, source="metric_fn")
     if means is None:
         raise ValueError("data_loader yielded no samples to evaluate.")
     return {name: values[0] for name, values in means.items()}
+
+
+def _sums(
+    model: nn.Module, data_loader: Any, metric_fn: MetricFn, shard: Optional[tuple[int, int]]
+) -> tuple[dict[str, torch.Tensor], int, int, int]:
+    """This rank's sums of ``metric_fn``'s values, on the device, with the samples they count,
+    the values met (a shard's padding included) and the batches the loader gave."""
+    rank, world_size = get_rank(), get_world_size()
+    sums: dict[str, torch.Tensor] = {}
+    count = 0  # the samples counted, known on the host from the values' shapes: no sync
+    seen = 0  # the values met so far, one per sample of this rank's shard, padding included
+    batches, forwards, spare = 0, 0, None
+    for batch in data_loader:
+        mine = shard is not None or batches % world_size == rank
+        batches += 1
+        if not mine:
+            spare = batch  # another rank's
+            continue
+        values = _checked(metric_fn(model, batch), sums.keys() or None)
+        forwards += 1
+        n = next(iter(values.values())).shape[0]
+        keep = n if shard is None else max(0, min(n, shard[0] - seen))
+        seen += n
+        for name, value in values.items():
+            total = value[:keep].sum(dtype=torch.float64)  # a DistributedSampler's padding
+            sums[name] = sums[name] + total if name in sums else total
+        count += keep
+        spare = batch
+    if is_sharded(model) and world_size > 1 and shard is None:
+        # FSDP2 gathers weights in every forward, a collective: each rank runs as many,
+        # known without asking the others (which wait in their forwards); a
+        # DistributedSampler gives every rank as many batches
+        for _ in range(math.ceil(batches / world_size) - forwards):
+            if spare is not None:
+                metric_fn(model, spare)  # not counted
+    return sums, count, seen, batches
 
 
 def _shard(data_loader: Any, rank: int, world_size: int) -> Optional[tuple[int, int]]:

@@ -1,5 +1,6 @@
 """Warmup on top of any ``torch.optim.lr_scheduler`` scheduler."""
 
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -81,9 +82,7 @@ class LRWarmupScheduler:
         # "auto" mode's target: the regular LRs at the end of warmup
         self.warmup_end_lrs: Optional[list[float]] = None
         if warmup_mode == "auto":
-            from .lr_warmup_auto import regular_lrs_at_warmup_end
-
-            self.warmup_end_lrs = regular_lrs_at_warmup_end(self)
+            self.warmup_end_lrs = self._regular_lrs_at_warmup_end()
         self._apply()
 
     @property
@@ -177,3 +176,21 @@ class LRWarmupScheduler:
                 for b, end in zip(self.base_lrs, self.warmup_end_lrs)
             ]
         self._set_lrs(lrs)
+
+    def _regular_lrs_at_warmup_end(self) -> list[float]:
+        """Run the regular schedule to the end of warmup, and rewind it."""
+        torch_scheduler = self.torch_scheduler
+        if torch_scheduler is None or self.is_plateau:
+            return list(self.base_lrs)
+        per_epoch = self.by_epoch and not self.warmup_by_epoch
+        steps = self.warmup_t // (self.epoch_len or 1) if per_epoch else self.warmup_t
+        saved = torch_scheduler.state_dict()
+        # A look-ahead, not training: torch's "step() before optimizer.step()" warning is moot.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "Detected call of `lr_scheduler.step", UserWarning)
+            for _ in range(steps):
+                torch_scheduler.step()
+        end_lrs = self._get_lrs()
+        torch_scheduler.load_state_dict(saved)
+        self._set_lrs(self.base_lrs)
+        return end_lrs

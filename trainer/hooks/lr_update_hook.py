@@ -38,9 +38,11 @@ class LRUpdateHook(HookBase):
         """Refuse a ``plateau_metric`` that no ReduceLROnPlateau judges: it would be ignored."""
         scheduler = self.trainer.lr_scheduler
         if self._metric_named and not scheduler.is_plateau:
-            from ..setup_errors import plateau_metric_ignored
-
-            raise plateau_metric_ignored(self._plateau_metric, scheduler)
+            raise ValueError(
+                f"LRUpdateHook(plateau_metric={self._plateau_metric!r}) is only used with "
+                f"ReduceLROnPlateau, and the trainer's lr_scheduler is "
+                f"{type(scheduler.torch_scheduler or scheduler).__name__}; remove plateau_metric."
+            )
 
     def after_iter_period(self) -> int:
         """Every iteration; never for an epoch schedule without a warmup in iterations."""
@@ -59,9 +61,15 @@ class LRUpdateHook(HookBase):
         if scheduler.is_plateau:
             buffer = self.trainer.metric_storage.get(self._plateau_metric)
             if buffer is None and not self._metric_named:
-                from ..setup_errors import no_plateau_metric
-
-                raise no_plateau_metric(DEFAULT_PLATEAU_METRIC, self.trainer.cur_epoch)
+                default = DEFAULT_PLATEAU_METRIC
+                raise RuntimeError(
+                    "ReduceLROnPlateau needs a metric to judge, and no plateau_metric was given, "
+                    f"so it judges {default!r}, which nothing logged by the end of "
+                    f"epoch {self.trainer.cur_epoch + 1}. Either replace the default hook with "
+                    "LRUpdateHook(plateau_metric='<name>') (trainer.unregister_hook(LRUpdateHook) "
+                    "first), with a name your EvalHook returns (e.g. 'val_loss'), or return "
+                    f"{{{default!r}: value}} from an EvalHook(1, eval_func)."
+                )
             if buffer is not None and buffer.count > self._metric_count:
                 metric = buffer.latest
                 self._metric_count = buffer.count
@@ -71,10 +79,11 @@ class LRUpdateHook(HookBase):
         """Warn when a named plateau metric never came: a typo leaves the LR unchanged."""
         trainer, unused = self.trainer, self._metric_named and not self._metric_count
         if unused and trainer.lr_scheduler.is_plateau and trainer.progress.finished:
-            from ..setup_errors import plateau_metric_never_came
-
-            logged = sorted(trainer.metric_storage)
-            logger.warning(plateau_metric_never_came(self._plateau_metric, logged))
+            logger.warning(
+                f"LRUpdateHook(plateau_metric={self._plateau_metric!r}): no value of it was "
+                "logged in training, so ReduceLROnPlateau never stepped. Logged: "
+                f"{', '.join(sorted(trainer.metric_storage))}."
+            )
 
     def state_dict(self) -> dict[str, Any]:
         """How many plateau metric values were used."""

@@ -28,7 +28,7 @@ class HookRegistry:
         self._owner = weakref.proxy(owner)
         self._one_of_each = one_of_each or {}
         self._hooks: list[HookBase] = []
-        self._start()
+        self.start()
 
     def __iter__(self) -> Iterator[HookBase]:
         return iter(list(self._hooks))
@@ -39,26 +39,35 @@ class HookRegistry:
     def __getitem__(self, index: int) -> HookBase:
         return self._hooks[index]
 
-    def _register(self, hook: HookBase) -> None:
+    def register(self, hook: HookBase) -> None:
         """Add ``hook`` in priority order."""
         if not isinstance(hook, HookBase):
             raise TypeError(f"hook must be a HookBase instance, got {type(hook).__name__}.")
         here = any(h is hook for h in self._hooks)
-        if here or _alive(hook.trainer):  # here, or on another trainer
-            from ..setup_errors import hook_registered_already
-
-            raise hook_registered_already(hook, here)
+        if here:
+            raise ValueError(
+                f"This {hook.class_name} is registered already: it would run twice per event. "
+                "Register another instance if you want two."
+            )
+        if _alive(hook.trainer):
+            raise ValueError(
+                f"This {hook.class_name} is registered on another trainer: a hook serves one "
+                "trainer (self.trainer). Create another instance for this one, or unregister it "
+                "from the other trainer first."
+            )
         for cls, twice in self._one_of_each.items():
             if isinstance(hook, cls) and any(isinstance(h, cls) for h in self._hooks):
-                from ..setup_errors import second_hook_of_a_kind
-
-                raise second_hook_of_a_kind(cls, hook, twice)
+                raise ValueError(
+                    f"A {cls.__name__} is registered already, and a second one would {twice}. "
+                    f"To configure it, replace it: trainer.unregister_hook({cls.__name__}), then "
+                    f"trainer.register_hook({type(hook).__name__}(...))."
+                )
         hook.trainer = self._owner
         position = sum(1 for h in self._hooks if h.priority <= hook.priority)
         self._hooks.insert(position, hook)
-        self._start()
+        self.start()
 
-    def _unregister(self, hook: Union[HookBase, type]) -> list[HookBase]:
+    def unregister(self, hook: Union[HookBase, type]) -> list[HookBase]:
         """Remove ``hook``, or every hook of that class; returns what was removed."""
         removed = [
             h for h in self._hooks if h is hook or (isinstance(hook, type) and isinstance(h, hook))
@@ -66,10 +75,10 @@ class HookRegistry:
         self._hooks = [h for h in self._hooks if all(h is not r for r in removed)]
         for h in removed:
             h.trainer = None
-        self._start()
+        self.start()
         return removed
 
-    def _start(self) -> None:
+    def start(self) -> None:
         """List each event's handlers (skipping HookBase's no-ops and the ``after_iter`` of
         period 0) and zero the times: at each change, and when a run starts, since a hook's
         :meth:`~HookBase.after_iter_period` may have changed since it was registered."""
@@ -84,21 +93,21 @@ class HookRegistry:
         }
         self._periods = [periods[i] for i, _ in self._handlers["after_iter"]]
         self._seconds = [0.0] * len(self._hooks)
-        self._any_before_iter = bool(self._handlers["before_iter"])
+        self.any_before_iter = bool(self._handlers["before_iter"])
         # the next iteration after which an after_iter handler is due
-        self._after_iter_due = 0 if self._periods else sys.maxsize
+        self.after_iter_due = 0 if self._periods else sys.maxsize
 
-    def _call_after_iter(self, it: int, max_iters: int) -> None:
+    def call_after_iter(self, it: int, max_iters: int) -> None:
         """After iteration ``it``: run the ``after_iter`` handlers due (by their period, and all
-        after the last iteration), and set ``_after_iter_due``, which the loop checks."""
+        after the last iteration), and set ``after_iter_due``, which the loop checks."""
         handlers, periods, done = self._handlers["after_iter"], self._periods, it + 1
         if max(periods, default=1) == 1:
-            self._after_iter_due = done
+            self.after_iter_due = done
         else:
             if done != max_iters:
                 handlers = [h for h, p in zip(handlers, periods) if done % p == 0]
             due = [(done // p + 1) * p - 1 for p in periods] + [max_iters - 1]
-            self._after_iter_due = min(i for i in due if i > it)
+            self.after_iter_due = min(i for i in due if i > it)
         self._run(handlers, ())
 
     def call(self, event: str, *args: Any, every_handler: bool = False) -> None:
@@ -141,7 +150,7 @@ class HookRegistry:
             totals[hook.class_name] = totals.get(hook.class_name, 0.0) + seconds
         return totals
 
-    def _checkpointable(self) -> dict[str, HookBase]:
+    def checkpointable(self) -> dict[str, HookBase]:
         """The hooks with state, keyed by class name (``Name_1``, ... for repeats)."""
         keys: dict[str, HookBase] = {}
         for h in self._hooks:
