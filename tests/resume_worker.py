@@ -53,7 +53,7 @@ def main():
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler, IterableDataset, TensorDataset
 
-    import trainer.checkpoint_files as checkpoint_module
+    import trainer.checkpoint as checkpoint_module
     from trainer import CheckpointHook, HookBase, Trainer, set_random_seed
     from trainer.distributed import init_distributed
 

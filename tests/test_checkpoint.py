@@ -11,7 +11,7 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainer import HookBase, Trainer
-from trainer.checkpoint_load import read_latest_pointer
+from trainer.checkpoint import read_latest_pointer
 
 from conftest import RecordLR, TinyModel, build, load, tiny_loader
 

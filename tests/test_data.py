@@ -7,7 +7,7 @@ import numpy as np
 import torch
 
 from trainer import set_random_seed
-from trainer.rng_state import get_rng_state, set_rng_state
+from trainer.data import get_rng_state, set_rng_state
 
 
 def draw():

@@ -102,7 +102,7 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from trainer import HookBase, Trainer
 from trainer.distributed import init_distributed
-from trainer.hooks import BestCheckpointHook, EarlyStoppingHook, EvalHook
+from trainer.hooks import BestCheckpointHook, EarlyStoppingHook, EvalHook, eval_hook
 
 rank, world = init_distributed(timeout_s=float(os.environ.get("PG_TIMEOUT", 60)))
 nan_at = int(os.environ.get("NAN_AT", -1))
@@ -187,11 +187,16 @@ def main():
                 collectives.append(name)
                 if group is None or group is torch.distributed.group.WORLD:
                     on_default_group.append(name)
-                if name == "all_gather_object" and (isinstance(args[1], dict) or args[1] is None):
-                    eval_groups.append(group is not None and group is trainer.cpu_group)
             return real(*args, group=group, **kwargs)
         return call
 
+    real_reduce = eval_hook.reduce_over_ranks
+
+    def reduce_results(totals, group=None, **kwargs):  # EvalHook's gather of its results
+        eval_groups.append(group is not None and group is trainer.cpu_group)
+        return real_reduce(totals, group, **kwargs)
+
+    eval_hook.reduce_over_ranks = reduce_results
     for name in ("all_reduce", "all_gather", "all_gather_object", "gather_object", "gather",
                  "broadcast", "broadcast_object_list", "barrier", "reduce", "scatter"):
         setattr(torch.distributed, name, recorded(name, getattr(torch.distributed, name)))

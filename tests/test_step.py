@@ -378,16 +378,3 @@ def test_an_override_steps_one_optimizer_twice_with_float16(make_trainer):
     trainer.train()
     # one scale update per step, none left for the trainer to make twice
     assert trainer.grad_scaler.state_dict()["_growth_tracker"] == 6
-
-
-def test_moved_names_say_where_they_went(make_trainer):
-    trainer = make_trainer()
-    with pytest.raises(AttributeError, match=r"call_hooks is gone .*trainer\.hooks\.call"):
-        trainer.call_hooks("after_eval", {})
-    with pytest.raises(AttributeError, match="'Trainer' object has no attribute 'no_such_name'"):
-        _ = trainer.no_such_name
-    with pytest.raises(TypeError, match=r"Custom defines forward_backward_step, .*train_one_iter"):
-
-        class Custom(Trainer):
-            def forward_backward_step(self, batches):
-                pass

@@ -1,14 +1,13 @@
-"""Where training is: :class:`Progress`, and :class:`DataStream`, the data passes that a
-mid-epoch resume continues exactly."""
+"""Where training is: :class:`Progress`, and where a checkpoint's position goes on when the
+number of processes or the batch size changed."""
 
 import dataclasses
-import time
+import logging
 from typing import Any, Optional
 
-import torch
+from .distributed import get_world_size
 
-from .distributed import CpuGroup, get_world_size
-from .rng_state import get_rng_state
+logger = logging.getLogger(__name__)
 
 Position = tuple[int, int]  # (epoch, iterations done in it): where training goes on from
 
@@ -92,121 +91,60 @@ class Progress:
         }
 
 
-class DataStream:
-    """Passes over a data loader (any iterable), one per epoch, that a mid-epoch resume continues
-    exactly (``data_resume.py``); :func:`data_stream` makes one. ``cpu``: the trainer's gloo group.
-    """
-
-    sized = True  # False for an UnsizedDataStream, whose has_next() ends its passes
-    pass_ended = False  # an UnsizedDataStream's pass ended (has_next said so)
-
-    def __init__(self, data_loader: Any, cpu: Optional[CpuGroup] = None) -> None:
-        self.data_loader = data_loader
-        self.data_time = 0.0  # seconds spent waiting for batches, since the caller reset it
-        self._cpu = cpu or CpuGroup()
-        self._iter: Optional[Any] = None
-        self._pass_rng: Optional[dict[str, Any]] = None  # the RNG state the pass started with
-        self._to_skip = 0
-        self._restored = False  # the loader was given its state from a checkpoint
-        # torchdata's StatefulDataLoader, say: checkpointed through its own state, not replayed
-        self._stateful = all(
-            callable(getattr(data_loader, name, None)) for name in ("state_dict", "load_state_dict")
+def map_position(
+    saved: dict[str, Any],
+    path: str,
+    epoch_len: Optional[int],
+    batch_size: Optional[int],
+    accumulation: int,
+) -> Position:
+    """Where to go on from a checkpoint's ``progress``: (epoch, iterations done in it). When the
+    number of processes or the batch size changed, the iterations done are mapped by the samples
+    they consumed (a stream's position is not mapped: its iterations are counted as they were)."""
+    epoch, inner, saved_len = saved["epoch"], saved["inner_iter"], saved["epoch_len"]
+    if (saved_len is None) != (epoch_len is None):
+        lengths = [
+            f"{n} iterations per epoch" if n else "no length" for n in (saved_len, epoch_len)
+        ]
+        raise ValueError(
+            f"Checkpoint {path!r} was saved with a data loader of {lengths[0]}, this trainer's "
+            f"has {lengths[1]}; resume with the same kind of data loader."
         )
-        # the generators of the loader, its samplers and the samplers these wrap, each once
-        found = [getattr(owner, "generator", None) for owner in _samplers(data_loader)]
-        self.generators = tuple(dict.fromkeys(g for g in found if isinstance(g, torch.Generator)))
-        # A loader with persistent workers makes its iterator once, drawing the workers' base
-        # seed then; its later passes draw only what the sampler draws.
-        persistent = getattr(data_loader, "persistent_workers", False)
-        self._persistent_to_make = bool(persistent) and getattr(data_loader, "num_workers", 0) > 0
-
-    def next_batch(self) -> Any:
-        """The next batch of the current pass (a new pass starts when there is none)."""
-        start = time.perf_counter()
-        if self._iter is None:
-            self._iter = self._start_pass()
-        try:
-            batch = next(self._iter)
-        except StopIteration:
-            raise RuntimeError(self._ended_early()) from None
-        self.data_time += time.perf_counter() - start
-        return batch
-
-    def _ended_early(self) -> str:
-        return (
-            f"data_loader ended after fewer batches than its len() of {len(self.data_loader)}; "
-            "make __len__ of the dataset or sampler match what it yields."
+    if epoch_len is None:
+        return epoch, inner
+    before = (saved["world_size"], saved["batch_size"])
+    now = (get_world_size(), batch_size)
+    if before == now:
+        if saved_len != epoch_len:
+            raise ValueError(
+                f"Checkpoint {path!r} was saved with {saved_len} iterations per epoch, this "
+                f"trainer has {epoch_len}; resume with the same data loader."
+            )
+        return epoch, inner
+    how = f"{before[0]} processes x batches of {before[1]} to {now[0]} x {now[1]}"
+    if inner in (0, saved_len):  # between epochs: nothing to map
+        logger.warning(
+            f"Resuming {path} with {how}, at the {'start' if inner == 0 else 'end'} of "
+            f"epoch {epoch}: the data position needs no mapping."
         )
-
-    def has_next(self, n: int) -> bool:
-        """Whether the pass has another iteration's ``n`` batches: always, with a length."""
-        return True
-
-    def release(self) -> None:
-        """After a failure, drop the pass and shut its worker processes down now (unless
-        persistent)."""
-        data_iter, self._iter = self._iter, None
-        if not getattr(data_iter, "_persistent_workers", False):
-            # what the iterator's __del__ does, which a traceback holding it would delay
-            shutdown = getattr(data_iter, "_shutdown_workers", None)
-            if callable(shutdown):
-                shutdown()
-
-    def end_pass(self) -> None:
-        """Forget the current pass: the next batch starts a new one."""
-        self._iter = None
-
-    def _start_pass(self) -> Any:
-        if self._persistent_to_make:
-            from .data_resume import make_persistent_iterator
-
-            make_persistent_iterator(self)
-        if self._to_skip or self._restored:
-            from .data_resume import replay_pass
-
-            return replay_pass(self)
-        # A pass over a sequence draws no random numbers: nothing to replay (and capturing the
-        # state costs 50 to 200 us, a noticeable share of a short epoch of small batches).
-        sequence = isinstance(self.data_loader, (list, tuple))
-        self._pass_rng = None if sequence else get_rng_state(self.generators)
-        return iter(self.data_loader)
-
-    def rng_state(self, mid_pass: bool) -> dict[str, Any]:
-        """Every RNG's state now and, ``mid_pass``, the pass's at its start and the state of a
-        loader that keeps its own (``state_dict()``)."""
-        state: dict[str, Any] = {"now": get_rng_state(self.generators)}
-        state["epoch_start"] = self._pass_rng if mid_pass else None
-        if self._stateful:
-            state["loader"] = self.data_loader.state_dict() if mid_pass else None
-        return state
-
-
-def _samplers(data_loader: Any) -> list[Any]:
-    """``data_loader``, its ``sampler`` and ``batch_sampler``, theirs, ..., breadth first."""
-    found: list[Any] = []
-    queue = [data_loader]
-    while queue:
-        owner = queue.pop(0)
-        if owner is not None and all(owner is not seen for seen in found):
-            found.append(owner)
-            queue += [getattr(owner, name, None) for name in ("sampler", "batch_sampler")]
-    return found
-
-
-def loader_length(data_loader: Any) -> Optional[int]:
-    """``len(data_loader)``, or None when it has none (a DataLoader over an IterableDataset
-    without ``__len__`` has the method, which raises)."""
-    try:
-        return len(data_loader)
-    except TypeError:
-        return None
-
-
-def data_stream(data_loader: Any, cpu: Optional[CpuGroup], *, sized: bool) -> DataStream:
-    """The passes over ``data_loader``: an ``UnsizedDataStream`` unless ``sized`` (the loader has
-    a length, as :func:`loader_length` tells)."""
-    if not sized:
-        from .unsized_stream import UnsizedDataStream
-
-        return UnsizedDataStream(data_loader, cpu)
-    return DataStream(data_loader, cpu)
+        return epoch, 0 if inner == 0 else epoch_len
+    samples = [w * b * accumulation if b else None for w, b in (before, now)]
+    consumed = inner * samples[0] if samples[0] else None
+    if consumed is None or samples[1] is None or consumed % samples[1]:
+        raise RuntimeError(
+            f"Checkpoint {path!r} stopped in the middle of epoch {epoch} ({inner} of "
+            f"{saved_len} iterations, {consumed or 'an unknown number of'} samples), and "
+            f"this run changes from {how}: {samples[1] or 'an unknown number of'} samples "
+            "per iteration cannot continue at that sample. Resume with the same number of "
+            "processes and batch size, pick a batch size whose iterations divide the "
+            "samples consumed, or resume from a checkpoint saved at an epoch's end."
+        )
+    new_inner = min(consumed // samples[1], epoch_len)
+    logger.warning(
+        f"Resuming {path} with {how}: epoch {epoch} stopped after {inner} iterations = "
+        f"{consumed} samples, so this run goes on from iteration {new_inner} of "
+        f"{epoch_len} of that epoch. With a DistributedSampler (its order depends "
+        "on seed and epoch only) these are exactly the samples not yet seen; the LR "
+        "schedule goes on from its saved step."
+    )
+    return epoch, new_inner

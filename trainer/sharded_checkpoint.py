@@ -18,38 +18,42 @@ writes its model weights as one ``state_dict`` file, for inference.
 
 import contextlib
 import io
-import logging
 import os
 import pickle
 import sys
 import warnings
-import weakref
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from collections.abc import Collection, Iterator
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+from torch.optim import Optimizer
 
-from . import checkpoint_files as files
-from .distributed import all_gather, gather, get_rank, get_world_size, is_dtensor, is_main_process
-
-if TYPE_CHECKING:
-    from .checkpoint import Checkpointer
-
-logger = logging.getLogger("trainer.checkpoint")
+from .checkpoint_io import (
+    BackgroundWriter,
+    atomic_save,
+    bad_tensors,
+    current_umask,
+    load_checkpoint_file,
+    load_model_state,
+    named_tensors,
+    raise_write_failure,
+    refuse_non_finite,
+)
+from .distributed import all_gather, get_rank, get_world_size, raise_on_every_rank
 
 # DCP warns whenever one process saves or loads alone, even when asked to (no_dist=True).
 warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
 
 STATE_FILE = "trainer.pth"  # rank 0's part: everything but the model's and optimizer's shards
-_SHARDED_KEYS = ("model", "optimizer")
 
 
 def is_sharded_checkpoint(path: str) -> bool:
@@ -61,57 +65,53 @@ def is_sharded_checkpoint(path: str) -> bool:
 
 
 def save(
-    ckpt: "Checkpointer",
-    state: dict[str, Any],
-    own_rng: dict[str, Any],
-    path: str,
-    then: Optional[Callable[[], None]],
+    module: nn.Module,
+    optimizer: Optimizer,
+    rest: Optional[dict[str, Any]],
+    folder: str,
+    *,
+    group: Any,
+    writer: BackgroundWriter,
+    publish: Callable[[], None],
 ) -> None:
-    """:meth:`Checkpointer.save` of a sharded checkpoint at ``path``. Every rank calls it. While
-    ``train()`` runs (:func:`write_group`) the write goes on in the background; outside, it is
-    done when this returns."""
-    model_state = get_model_state_dict(ckpt._module)  # this rank's shards, as DTensors
-    optimizer_state = get_optimizer_state_dict(ckpt._module, ckpt._optimizer)  # keyed by name
-    rest = {key: value for key, value in state.items() if key not in _SHARDED_KEYS}
-    rng = gather(own_rng, group=ckpt._cpu.group)
-    folder, name = os.path.split(path)
-    temp = os.path.join(folder, f".{name}{files.TEMP_SUFFIX}")
-    ckpt.writer.wait()  # the last save's files are complete; raises if its write failed
-    mode = 0o666 & ~files.current_umask()  # read here, in the training thread
-    copied = files.copy_to_cpu({**rest, "rng": rng}) if is_main_process() else None
+    """Save ``module``'s and ``optimizer``'s shards (every rank its own) and, on rank 0, ``rest``
+    (the rest of the training state, copied; None on the other ranks) as ``folder``, then call
+    ``publish()`` on rank 0 once every rank's files are complete. Every rank calls it. With
+    ``group`` (the :func:`write_group` of a running ``train()``), or in one process, the shards
+    are copied now and ``writer`` writes them in the background; otherwise they are written when
+    this returns."""
+    model_state = get_model_state_dict(module)  # this rank's shards, as DTensors
+    optimizer_state = get_optimizer_state_dict(module, optimizer)  # keyed by name
+    mode = 0o666 & ~current_umask()  # read here, in the training thread
     shards = {"model": model_state, "optimizer": optimizer_state}
-    writer, group = dcp.FileSystemWriter(temp), ckpt._write_group
+    storage = dcp.FileSystemWriter(folder)
     if group is None and dist.is_initialized():  # outside train(): over the default group
         future: Any = None
-        _as_write_error(lambda: dcp.save(shards, storage_writer=writer), temp)
+        _as_write_error(lambda: dcp.save(shards, storage_writer=storage), folder)
     else:  # training waits while the shards are copied (staged); a thread writes them
         future = dcp.async_save(
-            shards, storage_writer=writer, process_group=group, async_stager=_Stager(),
+            shards, storage_writer=storage, process_group=group, async_stager=_Stager(),
             no_dist=group is None,
         )  # fmt: skip
 
     def write() -> None:
         if future is not None:  # raises on every rank alike: DCP shares a rank's error
-            _as_write_error(future.result, temp)
+            _as_write_error(future.result, folder)
         try:  # DCP writes its metadata last, on rank 0: every rank's files are complete
-            if copied is not None:
-                files.atomic_save(copied, os.path.join(temp, STATE_FILE), mode)
-                _replace_folder(temp, path)
-                files.update_latest_pointer(folder, name, mode)
-                logger.debug(f"Saved checkpoint {path}")  # the next log line names it
+            if rest is not None:
+                atomic_save(rest, os.path.join(folder, STATE_FILE), mode)
+                publish()
         finally:
             if dist.is_initialized():  # every rank's wait() returns once the folder is in place
                 dist.barrier(group=group)
-        if copied is not None and then is not None:
-            then()
 
     if future is None:
         write()
     else:
-        ckpt.writer.submit(write)
+        writer.submit(write)
 
 
-def _as_write_error(step: Callable[[], Any], temp: str) -> None:
+def _as_write_error(step: Callable[[], Any], folder: str) -> None:
     """Run ``step``; a failure of DCP's (a ``CheckpointException``, a ``BaseException`` that
     ``except Exception`` misses) is raised as this rank's error, or the first failed rank's:
     an ``OSError`` naming the folder where it is one (a full disk, say)."""
@@ -120,95 +120,28 @@ def _as_write_error(step: Callable[[], Any], temp: str) -> None:
     except dcp.CheckpointException as e:
         failures = e.failures
         error = (failures.get(get_rank()) or next(iter(failures.values())))[0]
-        from .checkpoint_errors import raise_write_failure
-
         try:
-            raise_write_failure(temp, error)
+            raise_write_failure(folder, error)
         except OSError:
             raise
         except BaseException:
-            raise RuntimeError(f"Could not write the checkpoint folder {temp}: {error!r}") from e
-
-
-def check_rank_state(ckpt: "Checkpointer", state: dict[str, Any]) -> None:
-    """Of an FSDP2 model's checkpoint (either kind), what one copy keeps for every rank must
-    be the same on every rank. DTensors in the state of the hooks and registered objects (an
-    EMAHook's average, say), which rank 0 writes alone, are refused: every rank would resume
-    with rank 0's shard. Model buffers that differ by rank (BatchNorm's running statistics
-    without SyncBatchNorm) are named in a warning, once: one copy of each is kept."""
-    rest = {key: value for key, value in state.items() if key not in _SHARDED_KEYS}
-    named = files._named_tensors(rest, "")
-    parts = sorted({".".join(name.split(".")[:2]) for name, t in named if is_dtensor(t)})
-    if parts:
-        raise ValueError(
-            f"{', '.join(parts)} holds DTensors (shards of the FSDP2 model), which a checkpoint "
-            "cannot keep: rank 0 writes the state of the hooks and registered objects, and the "
-            "ranks' shards differ. Keep plain tensors there (a DTensor's full_tensor())."
-        )
-    if get_world_size() == 1 or ckpt in _WARNED:
-        return
-    buffers = {
-        name: t for name, t in state["model"].items()
-        if isinstance(t, torch.Tensor) and not is_dtensor(t) and t.is_floating_point()
-    }  # fmt: skip
-    sums = torch.stack([t.double().sum() for t in buffers.values()]).tolist() if buffers else []
-    everyone = all_gather(sums, group=ckpt._cpu.group)
-    differ = [name for i, name in enumerate(buffers) if len({s[i] for s in everyone}) > 1]
-    if differ:
-        _WARNED.add(ckpt)
-        logger.warning(
-            f"The model's buffers {', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''} "
-            "differ by rank (FSDP2 does not synchronize buffers), and a checkpoint keeps one "
-            "copy of each: a resumed run gives it to every rank, so it does not go on exactly "
-            "as this one would. Use SyncBatchNorm to keep them equal."
-        )
-
-
-_WARNED: "weakref.WeakSet[Checkpointer]" = weakref.WeakSet()  # said once per checkpointer
+            raise RuntimeError(f"Could not write the checkpoint folder {folder}: {error!r}") from e
 
 
 @contextlib.contextmanager
-def write_group(ckpt: "Checkpointer") -> Iterator[None]:
+def write_group() -> Iterator[Any]:
     """While ``train()`` runs: a gloo group of every rank for the background writes of sharded
     saves (they talk from a thread while training talks too, and async_save needs a CPU
-    backend beside NCCL), released with its threads when training ends."""
+    backend beside NCCL), released with its threads when training ends; None in one process."""
     if not dist.is_initialized():
-        yield
+        yield None
         return
-    ckpt._write_group = dist.new_group(backend="gloo")
+    group = dist.new_group(backend="gloo")
     try:
-        yield
+        yield group
     finally:
-        group, ckpt._write_group = ckpt._write_group, None
-        dist.destroy_process_group(group)  # the last reference: its threads are joined
-
-
-def _replace_folder(temp: str, path: str) -> None:
-    """Rename the complete folder ``temp`` to ``path``, durably. A checkpoint of that name is
-    moved aside first (``checkpoint_files.aside``): a crash between the two renames leaves it
-    there, and :func:`remove_stray` puts it back."""
-    old = files.aside(path) if os.path.lexists(path) else None
-    if old is not None:
-        os.replace(path, old)
-    os.replace(temp, path)
-    files.fsync_folder(os.path.dirname(path))
-    if old is not None:
-        files.remove_checkpoint(old)
-
-
-def remove_stray(path: str) -> None:
-    """At a start, what a sharded save interrupted by a crash left (on rank 0): a folder being
-    written is deleted; a checkpoint moved aside to be replaced is put back if its replacement
-    never took its name."""
-    base, suffix = os.path.basename(path), files.TEMP_SUFFIX + files.ASIDE_SUFFIX
-    name = base[1 : -len(suffix)] if base.endswith(suffix) else None  # aside()'s inverse
-    original = os.path.join(os.path.dirname(path), name) if name else None
-    if original is not None and not os.path.lexists(original):
-        os.replace(path, original)
-        logger.info(f"Restored {original}, moved aside by an interrupted checkpoint write.")
-        return
-    files.remove_checkpoint(path)
-    logger.info(f"Removed {path}, left by an interrupted checkpoint write.")
+        dist.destroy_process_group(group)
+        del group  # the last reference: its threads are joined
 
 
 # Loading, without running code from the files
@@ -344,15 +277,15 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
     return {key[len("model.") :]: value for key, value in template.items()}
 
 
-def read_resumable(path: str, ckpt: "Checkpointer") -> dict[str, Any]:
-    """The sharded checkpoint at ``path`` as :func:`~trainer.checkpoint_load.load_resumable`
-    sees a file: rank 0's ``trainer.pth``, and this process's part of the model and optimizer
-    (its shards for a sharded model, the whole for another) read into fresh tensors. A
-    collective under torchrun: the ranks agree on every refusal, so they skip the same
+def read_resumable(
+    path: str, module: nn.Module, optimizer: Optimizer, group: Any, parameters: Collection[str]
+) -> dict[str, Any]:
+    """The sharded checkpoint at ``path`` as a checkpoint file is read to resume a run: rank 0's
+    ``trainer.pth``, and this process's part of ``module``'s and ``optimizer``'s state (its shards
+    for a sharded model, the whole for another) read into fresh tensors and checked finite
+    (``parameters``: the model's parameter names). A collective of ``group`` under torchrun
+    (None: the default group): the ranks agree on every refusal, so they skip the same
     checkpoints."""
-    from .checkpoint_load import load_checkpoint_file, load_model_state
-
-    group = ckpt._cpu.group  # None outside train(): the default group, under torchrun
     problem: Optional[Exception] = None
     try:
         if not is_sharded_checkpoint(path):
@@ -361,50 +294,33 @@ def read_resumable(path: str, ckpt: "Checkpointer") -> dict[str, Any]:
                 f"holds no {STATE_FILE})."
             )
         data = load_checkpoint_file(os.path.join(path, STATE_FILE))
-        if any(key in data for key in _SHARDED_KEYS):
+        if any(key in data for key in ("model", "optimizer")):
             raise RuntimeError(f"Checkpoint {path!r} is damaged: {STATE_FILE} holds model state.")
         metadata = read_metadata(path)
     except (RuntimeError, OSError) as e:
         problem = e
-    _raise_on_every_rank(problem, group)
+    raise_on_every_rank(problem, group=group)
     saved = _saved_keys(metadata, "model.")
     shapes = {key: tuple(getattr(entry, "size", ())) for key, entry in saved.items()}
-    if {k: tuple(v.shape) for k, v in ckpt._module.state_dict().items()} != shapes:
+    if {k: tuple(v.shape) for k, v in module.state_dict().items()} != shapes:
         # raises, naming the keys and shapes that differ (the weights are not read)
         meta = {key: torch.empty(shape, device="meta") for key, shape in shapes.items()}
-        load_model_state(ckpt._module, meta, path, strict=True, sharded=False)
-    model = _mapped(get_model_state_dict(ckpt._module), torch.empty_like)  # DTensor shards
-    optimizer = _mapped(get_optimizer_state_dict(ckpt._module, ckpt._optimizer), torch.empty_like)
+        load_model_state(module, meta, path, strict=True, sharded=False)
+    model = _mapped(get_model_state_dict(module), torch.empty_like)  # DTensor shards
+    optimizer_state = _mapped(get_optimizer_state_dict(module, optimizer), torch.empty_like)
     # the state of parameters that had none when saved (no gradient yet) stays out
     in_file = _saved_keys(metadata, "optimizer.state.")
-    optimizer["state"] = {
+    optimizer_state["state"] = {
         name: kept
-        for name, entry in optimizer["state"].items()
+        for name, entry in optimizer_state["state"].items()
         if (kept := {key: v for key, v in entry.items() if f"{name}.{key}" in in_file})
     }
-    _dcp_load({"model": model, "optimizer": optimizer}, path, group)
-    bad = files.bad_tensors({"model": model, "optimizer": optimizer}, ckpt.parameters())
+    _dcp_load({"model": model, "optimizer": optimizer_state}, path, group)
+    bad = bad_tensors({"model": model, "optimizer": optimizer_state}, parameters)
     if get_world_size() > 1:  # each rank checked its own shards: the ranks agree
         bad = sorted({name for names in all_gather(bad, group=group) for name in names})
-    if bad:
-        raise RuntimeError(
-            f"Checkpoint {path!r} holds NaN or infinite values in {len(bad)} tensors "
-            f"({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}): resuming it would fail "
-            "at once. Resume from an older checkpoint."
-        )
-    return {**data, "model": model, "optimizer": optimizer}
-
-
-def _raise_on_every_rank(error: Optional[Exception], group: Any) -> None:
-    """Raise ``error``; under torchrun, every rank raises when one has an error (the others a
-    RuntimeError with its message), so that no rank goes on alone into a collective."""
-    if get_world_size() > 1:
-        messages = all_gather(None if error is None else str(error), group=group)
-        first = next((message for message in messages if message), None)
-        if error is None and first is not None:
-            raise RuntimeError(first)
-    if error is not None:
-        raise error
+    refuse_non_finite(bad, path, weights_only=False)
+    return {**data, "model": model, "optimizer": optimizer_state}
 
 
 def _mapped(state: Any, tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -423,7 +339,7 @@ class _Stager(BlockingAsyncStager):
     DCP's own deep-copies every tensor, then copies it again into that copy."""
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        if any(t.device.type != "cpu" for _, t in files._named_tensors(state_dict, "")):
+        if any(t.device.type != "cpu" for _, t in named_tensors(state_dict, "")):
             return super().stage(state_dict)
         return _mapped(state_dict, lambda t: t.detach().clone())
 
@@ -431,7 +347,7 @@ class _Stager(BlockingAsyncStager):
 def consolidate(path: str, out: str) -> None:
     """Write the model weights of the sharded checkpoint at ``path`` to ``out`` as one
     ``state_dict`` file that ``torch.load(out, weights_only=True)`` loads."""
-    files.atomic_save(read_weights(path), out)
+    atomic_save(read_weights(path), out)
 
 
 def _main(args: list[str]) -> str:

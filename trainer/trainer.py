@@ -9,7 +9,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -21,6 +21,8 @@ from torch.utils.data import DataLoader
 from . import arguments as args
 from . import logger as trainer_logging
 from .checkpoint import Checkpointer
+from .cuda_graph import GraphedStep, check_graphable
+from .data import data_stream
 from .distributed import (
     CpuGroup,
     get_rank,
@@ -29,14 +31,23 @@ from .distributed import (
     is_sharded,
     raise_on_every_rank,
 )
-from .hooks import CheckpointHook, DistributedHook, HookBase, LoggerHook, LRUpdateHook
+from .evaluation import evaluate, rank_0_buffers
+from .fsdp import local_value, no_gradient_sync
+from .hooks import (
+    CheckpointHook,
+    DistributedHook,
+    HookBase,
+    LoggerHook,
+    LRUpdateHook,
+    ProgressBarHook,
+)
 from .hooks.registry import HookRegistry
 from .logger import TRACEBACK_FOLLOWS, ensure_console_logging, log_to_file, rank_log_file
 from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import MetricStorage
 from .misc import WorkDirLock, collect_env, unwrapped, wrappers
 from .preemption import WRITE_FAILED, Preemption
-from .progress import Progress, data_stream
+from .progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -132,94 +143,26 @@ class Trainer:
         cuda_graph: bool = False,
         preempt_check_period: int = 10,
     ) -> None:
-        self.epoch_len = args.check_arguments(
-            model, optimizer, lr_scheduler, data_loader, max_epochs, max_iters,
-            work_dir=work_dir, unpack_batch_dict=unpack_batch_dict,
-            max_num_checkpoints=max_num_checkpoints, checkpoint_period=checkpoint_period,
-            log_period=log_period, clip_grad_norm=clip_grad_norm, enable_amp=enable_amp,
-            accumulation_steps=accumulation_steps, by_epoch=by_epoch, warmup_t=warmup_t,
-            warmup_by_epoch=warmup_by_epoch, warmup_mode=warmup_mode,
-            warmup_init_lr=warmup_init_lr, warmup_factor=warmup_factor, cuda_graph=cuda_graph,
-            preempt_check_period=preempt_check_period,
-        )  # fmt: skip
-        if type(self).train_one_iter is Trainer.train_one_iter:  # the built-in step
-            args.check_closure_free(optimizer)
-        self.data_loader = data_loader
+        settings = {name: value for name, value in locals().items() if name != "self"}  # as given
+        built_in_step = type(self).train_one_iter is Trainer.train_one_iter
+        self.epoch_len = args.check_arguments(settings, built_in_step)
+        self.model, self.optimizer, self.data_loader = model, optimizer, data_loader
         # absolute now: a chdir before train() must not split the outputs across two folders
         self.work_dir = os.path.abspath(work_dir)
-        self.accumulation_steps = accumulation_steps
-        self.log_period = log_period
+        self.accumulation_steps, self.log_period = accumulation_steps, log_period
         self.train_by_epoch = max_epochs > 0
         # None: a data loader without a length has passes of unknown length
         self.max_epochs = max_epochs or (self.epoch_len and math.ceil(max_iters / self.epoch_len))
         self.max_iters = max_iters or max_epochs * self.epoch_len
-        if isinstance(lr_scheduler, LRWarmupScheduler):
-            self.lr_scheduler = lr_scheduler
-        else:
-            self.lr_scheduler = LRWarmupScheduler(
-                lr_scheduler, by_epoch, self.epoch_len, warmup_t, warmup_by_epoch, warmup_mode,
-                warmup_init_lr, warmup_factor, optimizer=optimizer,
-            )  # fmt: skip
-        self._device = args.model_device(model)
-        self._amp_dtype: Optional[torch.dtype] = None  # autocast's dtype
-        if isinstance(enable_amp, torch.dtype):
-            self._amp_dtype = enable_amp
-        elif enable_amp:  # float16 needs a GradScaler, and is the fast one on GPUs
-            self._amp_dtype = torch.float16 if self._device.type == "cuda" else torch.bfloat16
-        self.progress = Progress(self.epoch_len, self.max_iters)
-        self.model = model
-        self._unpack_batch_dict = unpack_batch_dict
-        self.optimizer = optimizer
-        self._clip_grad_norm = clip_grad_norm
-        # DDP (also under torch.compile) skips its gradient all-reduce with no_sync()
-        self._ddp = next(
-            (m for m in wrappers(model) if isinstance(m, DistributedDataParallel)), None
-        )
-        self._sharded_model = model if is_sharded(model) else None  # by FSDP2's fully_shard
-        self._autocast = None
-        if self._amp_dtype is not None:
-            self._autocast = functools.partial(
-                torch.autocast, self._device.type, self._amp_dtype, cache_enabled=not cuda_graph
-            )
-        # bfloat16 has float32's range: only float16 needs loss scaling
-        self.grad_scaler = torch.amp.GradScaler(
-            self._device.type, enabled=self._amp_dtype == torch.float16
-        )
-        self._scaling = self.grad_scaler.is_enabled()
-        # Whether the GradScaler skipped the last step: a device tensor with fused optimizers
-        self._skipped: Union[bool, torch.Tensor] = False
-        self._update_due = False  # the scaler stepped an optimizer since its last update
-        self._graphed_step: Optional[Callable[[list[Any]], Any]] = None
-        if cuda_graph:
-            from .cuda_graph import GraphedStep, check_graphable
-
-            check_graphable(model, optimizer, self._device, self._scaling)
-            self._graphed_step = GraphedStep(self._forward_backward_step, optimizer, self._device)
-        self._cpu = CpuGroup()  # under torchrun, a gloo group of the trainer's while it trains
-        self._lock = WorkDirLock(self.work_dir)  # rank 0's, while it trains
-        self._data = data_stream(data_loader, self._cpu, sized=self.epoch_len is not None)
-        self._hooks = HookRegistry(self, _ONE_OF_EACH)
-        self._storage = MetricStorage(epoch_len=self.epoch_len, cpu=self._cpu)
-        self._preemption = Preemption(preempt_check_period, self._cpu)
-        amp = str(self._amp_dtype).replace("torch.", "") if self._amp_dtype else "off"
-        self._checkpointer = Checkpointer(
-            self.ckpt_dir, self.model, optimizer, self.progress, self._data,
-            parts={"lr_scheduler": self.lr_scheduler, "grad_scaler": self.grad_scaler,
-                   "metric_storage": self._storage},
-            hooks=self._hooks._checkpointable,
-            config={"amp": amp, "accumulation_steps": accumulation_steps},
-            batch_size=getattr(data_loader, "batch_size", None),  # per process
-            cpu=self._cpu, by_epoch=self.train_by_epoch,
+        self.lr_scheduler = lr_scheduler if isinstance(lr_scheduler, LRWarmupScheduler) else (
+            LRWarmupScheduler(lr_scheduler, by_epoch, self.epoch_len, warmup_t, warmup_by_epoch,
+                              warmup_mode, warmup_init_lr, warmup_factor, optimizer=optimizer)
         )  # fmt: skip
-        self._period_start = (0.0, -1)  # (time, iteration before it) of the log period running
+        self._unpack_batch_dict, self._clip_grad_norm = unpack_batch_dict, clip_grad_norm
+        amp_dtype = self._set_up_step(enable_amp, cuda_graph)
+        self._set_up_parts(preempt_check_period, amp_dtype)
         #: The run's settings as plain data (``work_dir/run.json``, TensorBoard).
-        self.run_config = args.run_config(self, lr_scheduler, {
-            "max_epochs": max_epochs, "max_iters": max_iters, "log_period": log_period,
-            "checkpoint_period": checkpoint_period, "max_num_checkpoints": max_num_checkpoints,
-            "clip_grad_norm": clip_grad_norm, "accumulation_steps": accumulation_steps,
-            "unpack_batch_dict": unpack_batch_dict, "cuda_graph": cuda_graph,
-            "preempt_check_period": preempt_check_period,
-        })  # fmt: skip
+        self.run_config = args.run_config(self, settings, amp_dtype)
         args.make_writable_dir(self.ckpt_dir)
         # the default hooks; replace one to configure it (see docs/arguments.md)
         self.register_hooks([
@@ -227,21 +170,59 @@ class Trainer:
             LRUpdateHook(),
             CheckpointHook(checkpoint_period, max_num_checkpoints) if checkpoint_period else None,
             LoggerHook(log_period),
-            *args.progress_bar(),
+            ProgressBarHook() if ProgressBarHook.wanted() else None,
         ])  # fmt: skip
 
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        from .moved import refuse_moved_overrides
+    def _set_up_parts(self, preempt_check_period: int, amp_dtype: Optional[torch.dtype]) -> None:
+        """Build what the trainer holds: where training is, the data passes, the hooks, the
+        metrics, the preemption signals, the checkpoints and rank 0's lock on ``work_dir``."""
+        self.progress = Progress(self.epoch_len, self.max_iters)
+        self._cpu = CpuGroup()  # under torchrun, a gloo group of the trainer's while it trains
+        self._lock = WorkDirLock(self.work_dir)  # rank 0's, while it trains
+        self._data = data_stream(self.data_loader, self._cpu, sized=self.epoch_len is not None)
+        self._hooks = HookRegistry(self, _ONE_OF_EACH)
+        self._storage = MetricStorage(epoch_len=self.epoch_len, cpu=self._cpu)
+        self._preemption = Preemption(preempt_check_period, self._cpu)
+        amp = str(amp_dtype).replace("torch.", "") if amp_dtype else "off"
+        self._checkpointer = Checkpointer(
+            self.work_dir, self.model, self.optimizer, self.progress, self._data, self._cpu,
+            parts={"lr_scheduler": self.lr_scheduler, "grad_scaler": self.grad_scaler,
+                   "metric_storage": self._storage},
+            hooks=self._hooks.checkpointable, by_epoch=self.train_by_epoch,
+            config={"amp": amp, "accumulation_steps": self.accumulation_steps},
+        )  # fmt: skip
+        self._period_start = (0.0, -1)  # (time, iteration before it) of the log period running
 
-        refuse_moved_overrides(cls)
-
-    if not TYPE_CHECKING:  # (type checkers would take any name through it)
-
-        def __getattr__(self, name: str) -> Any:  # called only for a name not found
-            from .moved import missing_attribute
-
-            raise AttributeError(missing_attribute(type(self), name))
+    def _set_up_step(
+        self, enable_amp: Union[bool, torch.dtype], cuda_graph: bool
+    ) -> Optional[torch.dtype]:
+        """Set up what the step's building blocks use: autocast and the GradScaler (returns the
+        AMP dtype, None without AMP), the DDP or FSDP2 wrapper, and a CUDA graph."""
+        device = args.model_device(self.model)
+        amp_dtype = enable_amp if isinstance(enable_amp, torch.dtype) else None
+        if enable_amp is True:  # float16 needs a GradScaler, and is the fast one on GPUs
+            amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+        self._autocast = None
+        if amp_dtype is not None:
+            self._autocast = functools.partial(
+                torch.autocast, device.type, amp_dtype, cache_enabled=not cuda_graph
+            )
+        # bfloat16 has float32's range: only float16 needs loss scaling
+        self.grad_scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+        self._scaling = self.grad_scaler.is_enabled()
+        # Whether the GradScaler skipped the last step: a device tensor with fused optimizers
+        self._skipped: Union[bool, torch.Tensor] = False
+        self._update_due = False  # the scaler stepped an optimizer since its last update
+        # DDP (also under torch.compile) skips its gradient all-reduce with no_sync()
+        self._ddp = next(
+            (m for m in wrappers(self.model) if isinstance(m, DistributedDataParallel)), None
+        )
+        self._sharded_model = self.model if is_sharded(self.model) else None  # FSDP2's
+        self._graphed_step: Optional[Callable[[list[Any]], Any]] = None
+        if cuda_graph:
+            check_graphable(self.model, self.optimizer, device, self._scaling)
+            self._graphed_step = GraphedStep(self._forward_backward_step, self.optimizer, device)
+        return amp_dtype
 
     # Where training is
 
@@ -278,7 +259,7 @@ class Trainer:
     @property
     def ckpt_dir(self) -> str:
         """``work_dir/checkpoints``."""
-        return os.path.join(self.work_dir, "checkpoints")
+        return self._checkpointer.ckpt_dir
 
     @property
     def tb_log_dir(self) -> str:
@@ -301,7 +282,7 @@ class Trainer:
     def register_hook(self, hook: HookBase) -> None:
         """Add a hook; hooks run by ascending ``priority``, ties in registration order. A second
         hook of a default hook's class is refused: replace the default one instead."""
-        self._hooks._register(hook)
+        self._hooks.register(hook)
 
     def register_hooks(self, hooks: Sequence[Optional[HookBase]]) -> None:
         """Add several hooks; None entries are skipped."""
@@ -311,7 +292,7 @@ class Trainer:
 
     def unregister_hook(self, hook: Union[HookBase, type]) -> list[HookBase]:
         """Remove ``hook``, or every hook of that class; returns what was removed."""
-        return self._hooks._unregister(hook)
+        return self._hooks.unregister(hook)
 
     @property
     def hooks(self) -> HookRegistry:
@@ -424,7 +405,7 @@ class Trainer:
                 break
             it = progress.epoch_start + inner_iter
             progress.inner_iter, progress.iter = inner_iter, it
-            if hooks._any_before_iter:  # most runs have none: not even a call
+            if hooks.any_before_iter:  # most runs have none: not even a call
                 hooks.call("before_iter")
             self.train_one_iter()
             progress.position = (progress.epoch, inner_iter + 1)  # a checkpoint goes on here
@@ -432,8 +413,8 @@ class Trainer:
                 self.update_scaler()
             if (it + 1) % self.log_period == 0 or it == self.max_iters - 1:
                 self._log_point(it)
-            if it >= hooks._after_iter_due:  # periodic hooks wait for their iteration
-                hooks._call_after_iter(it, self.max_iters)
+            if it >= hooks.after_iter_due:  # periodic hooks wait for their iteration
+                hooks.call_after_iter(it, self.max_iters)
             if progress.stopped:
                 break
             # two flags in one process; under torchrun the ranks' periodic agreement
@@ -468,10 +449,7 @@ class Trainer:
                 stack.enter_context(self._lock.held())
             stack.enter_context(log_to_file("trainer", self.log_file))
             stack.enter_context(self._cpu.open())
-            if self._checkpointer.sharded:  # the background writes' own gloo group
-                from .sharded_checkpoint import write_group
-
-                stack.enter_context(write_group(self._checkpointer))
+            stack.enter_context(self._checkpointer.writing())
             stack.enter_context(self._preemption.catching())
             yield
 
@@ -494,17 +472,13 @@ class Trainer:
             )
 
     def _start(self, path: Optional[str], auto_resume: bool, continue_after_stop: bool) -> None:
-        self._hooks._start()  # this run's hook times, and which events each hook handles
+        self._hooks.start()  # this run's hook times, and which events each hook handles
         self.progress.data_seconds = 0.0
         logger.info(f"Environment:\n{collect_env()}")
         logger.info(f"Hooks: {self._hooks.info()}")
         args.warn_unoptimized(self.model_or_module, self._checkpointer.optimizers)
         if self.epoch_len is None:  # a stream: say what counts in epochs, which end with it
-            from .unsized_stream import stream_notice
-
-            notice = stream_notice(self.lr_scheduler, self.hooks)
-            if notice:
-                logger.warning(notice)
+            args.warn_stream_epochs(self.lr_scheduler, self.hooks)
         self._checkpointer.remove_temp_files()
         # Trained by an earlier train() since built or resumed, or to the end: the model and
         # optimizer hold that state, which only a checkpoint can replace.
@@ -512,9 +486,23 @@ class Trainer:
         if (path is not None or auto_resume) and self.load_checkpoint(path, auto_resume):
             trained = False
         if trained:
-            from .setup_errors import restart_refused
-
-            raise restart_refused(self.cur_iter, self.max_iters, self.ckpt_dir, auto_resume)
+            done = f"iteration {self.cur_iter + 1} of {self.max_iters}"
+            why = "so train(auto_resume=False) cannot start afresh"
+            if auto_resume:
+                why = f"and {self.ckpt_dir} holds no checkpoint to resume from"
+            if self.cur_iter + 1 >= self.max_iters:
+                raise RuntimeError(
+                    f"This Trainer has trained to the end already ({done}): its model and "
+                    f"optimizer hold that state, {why}, and there is nothing left to train. To "
+                    "train again from scratch, build a new model, optimizer and Trainer; to train "
+                    "longer, build the Trainer with a larger max_epochs or max_iters."
+                )
+            go_on = "" if auto_resume else "To go on from the last checkpoint, call train(). "
+            raise RuntimeError(
+                f"This Trainer has trained up to {done} in an earlier train(): its model and "
+                f"optimizer hold that state, {why}. {go_on}To train again from scratch, build a "
+                "new model, optimizer and Trainer."
+            )
         if self.progress.stay_stopped(continue_after_stop):  # (LoggerHook tells other starts)
             logger.info(
                 f"The run was ended by stop() at iteration {self.start_iter}: not training "
@@ -552,8 +540,6 @@ class Trainer:
         without autograd. Under torchrun every rank gets the numbers one process would;
         docs/evaluation.md has an example.
         """
-        from .evaluation import evaluate, rank_0_buffers  # imported by a run that evaluates
-
         model = self.model_or_module if self._ddp is not None else self.model
         with contextlib.ExitStack() as stack:
             if self._cpu.group is None:  # outside train(): a group for this evaluation
@@ -622,8 +608,6 @@ class Trainer:
         if skip and self._ddp is not None:
             return self._ddp.no_sync()
         if skip and self._sharded_model is not None:
-            from .fsdp import no_gradient_sync
-
             return no_gradient_sync(self._sharded_model)
         return _NO_OP
 
@@ -642,8 +626,6 @@ class Trainer:
             params = [p for group in optimizer.param_groups for p in group["params"]]
             norm = nn.utils.clip_grad_norm_(params, self._clip_grad_norm).detach()
             if self._sharded_model is not None:
-                from .fsdp import local_value
-
                 norm = local_value(norm)  # FSDP2: a replicated DTensor
         if not self._scaling:
             optimizer.step()
@@ -673,9 +655,7 @@ class Trainer:
                 out = model(**batch) if unpack else model(batch)
         if isinstance(out, torch.Tensor) and out.dim() == 0:  # the common case, kept short
             return out, {"total_loss": out.detach()}
-        from .losses import total_loss  # a dict of losses (or an error)
-
-        return total_loss(out)
+        return _total_loss(out)  # a dict of losses (or an error)
 
     def _forward_backward_step(
         self, batches: list[Any], set_to_none: bool = True
@@ -729,3 +709,29 @@ class Trainer:
         # it hands the inf flag as `found_inf`
         found_inf = getattr(optimizer, "found_inf", None)
         self._skipped = False if found_inf is None else found_inf
+
+
+def _total_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss to back-propagate and the detached values to log, from a scalar loss or a dict
+    of them; in a dict, values without a gradient beside ones with are metrics, not losses."""
+    losses = {"total_loss": out} if isinstance(out, torch.Tensor) else out
+    if not isinstance(losses, dict) or not losses:
+        raise TypeError(
+            "model must return a scalar loss tensor or a non-empty dict of scalar loss tensors, "
+            f"got {type(out).__name__}."
+        )
+    for name, value in losses.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"Loss {name!r} must be a tensor, got {type(value).__name__}.")
+        if value.dim() != 0:
+            raise ValueError(
+                f"Loss {name!r} must be a scalar tensor, got shape {tuple(value.shape)}; "
+                "reduce it in the model (e.g. .mean())."
+            )
+    logged = {name: value.detach() for name, value in losses.items()}
+    if any(value.requires_grad for value in losses.values()):
+        losses = {name: value for name, value in losses.items() if value.requires_grad}
+    first, *rest = losses.values()
+    total = sum(rest, first)  # not sum(values): 0 + loss would cost an extra op
+    logged["total_loss"] = total.detach()
+    return total, logged

@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 import torch
 
-from .checkpoint_files import atomic_write
+from .checkpoint_io import atomic_write
 from .logger import open_no_follow
 
 logger = logging.getLogger("trainer.hooks.logger_hook")

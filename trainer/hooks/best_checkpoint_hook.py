@@ -1,7 +1,6 @@
 """Keeps a checkpoint of the best evaluation result."""
 
 import logging
-import os
 from typing import Any, Optional
 
 from .hookbase import HookBase, Priority
@@ -63,7 +62,7 @@ class BestCheckpointHook(HookBase):
     @property
     def best_checkpoint(self) -> str:
         """The path of the best checkpoint (written once a best was found)."""
-        return os.path.join(self.trainer.ckpt_dir, self._file_name)
+        return self.trainer.checkpointer.path(self._file_name)
 
     def _save(self) -> None:
         self._due = False

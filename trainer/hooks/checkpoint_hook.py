@@ -4,7 +4,7 @@ import logging
 import os
 from typing import Any, Optional
 
-from ..checkpoint_files import remove_checkpoint
+from ..checkpoint_io import remove_checkpoint
 from ..misc import check_int
 from .hookbase import HookBase, Priority
 
@@ -44,9 +44,8 @@ class CheckpointHook(HookBase):
     def before_train(self) -> None:
         """Count a checkpoint that this run resumed from and the trainer saved outside this hook
         (a preemption's) among this hook's, so that preemptions do not pile up checkpoints."""
-        name = self.trainer.checkpointer.name()
-        path = os.path.join(self.trainer.ckpt_dir, name)
-        if self.trainer.start_iter > 0 and name not in self._saved and os.path.exists(path):
+        name, resumed = self.trainer.checkpointer.name(), self.trainer.start_iter > 0
+        if resumed and name not in self._saved and os.path.exists(self._path(name)):
             self._add(name, save=False)
 
     def after_iter_period(self) -> int:
@@ -69,15 +68,18 @@ class CheckpointHook(HookBase):
         """Save ``file_name`` (or adopt it, durable already), then delete all but the newest
         ``max_to_keep``."""
         self._saved = [name for name in self._saved if name != file_name] + [file_name]
-        ckpt_dir = self.trainer.ckpt_dir
         old = self._saved[: -self._max_to_keep] if self._max_to_keep else []
+        paths = [self._path(name) for name in old]
         # The checkpoint still lists the old files: a run killed before they are deleted deletes
         # them after resuming. They go in the background, once the new one is durable.
         if save:
-            self.trainer.save_checkpoint(file_name, then=lambda: _delete(ckpt_dir, old))
+            self.trainer.save_checkpoint(file_name, then=lambda: _delete(paths))
         else:
-            _delete(ckpt_dir, old)
+            _delete(paths)
         self._saved = self._saved[len(old) :]
+
+    def _path(self, file_name: str) -> str:
+        return self.trainer.checkpointer.path(file_name)
 
     def state_dict(self) -> dict[str, Any]:
         """The checkpoints this hook wrote, oldest first."""
@@ -86,14 +88,12 @@ class CheckpointHook(HookBase):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned, plain file names only (never deleting
         outside ``ckpt_dir``)."""
-        from ..checkpoint_load import file_names
-
-        self._saved = file_names(state["saved"])
+        self._saved = _file_names(state["saved"])
 
 
-def _delete(ckpt_dir: str, names: list[str]) -> None:
+def _delete(paths: list[str]) -> None:
     """Delete old checkpoints; one that cannot be deleted is a warning (training is fine)."""
-    for path in (os.path.join(ckpt_dir, name) for name in names):
+    for path in paths:
         try:
             if os.path.lexists(path):
                 remove_checkpoint(path)
@@ -101,3 +101,25 @@ def _delete(ckpt_dir: str, names: list[str]) -> None:
         except OSError as e:
             logger.warning(f"Could not delete the old checkpoint {path} ({e.strerror or e}); "
                            "it stays, and training goes on.")  # fmt: skip
+
+
+def _file_names(names: list[Any]) -> list[str]:
+    """The plain file names (no folder, no ``..``) among a loaded CheckpointHook's ``names``;
+    the others are ignored with a warning."""
+    kept = [name for name in names if _is_file_name(name)]
+    for name in names:
+        if not _is_file_name(name):
+            logger.warning(
+                f"Ignoring {name!r} among the checkpoints the loaded state lists: not a file "
+                "name in the checkpoint folder, so it is never deleted."
+            )
+    return kept
+
+
+def _is_file_name(name: Any) -> bool:
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and os.path.basename(name) == name
+        and not any(sep in name for sep in (os.sep, os.altsep, "\0") if sep)
+    )

@@ -21,6 +21,7 @@ from ..writers import (
     format_seconds,
 )
 from .hookbase import HookBase, Priority
+from .metric_watch import record_results
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +136,6 @@ class LoggerHook(HookBase):
     def after_eval(self, results: dict[str, float]) -> None:
         """Write an evaluation's results, in a row of their own (not the console line: the
         ``EvalHook`` logs its own), and keep their final and best values for the summary."""
-        from .metric_watch import record_results  # imported by a run that evaluates
-
         record_results(self._evals, results, self.trainer.cur_iter + 1)
         self._write(log_point=False, names=set(results))
 

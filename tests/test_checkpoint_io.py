@@ -1,15 +1,17 @@
+"""Checkpoint bytes on disk (trainer/checkpoint_io.py): atomic and background writes, the
+latest.txt pointer, safe reads."""
+
 import os
 import pickle
 import stat
-import sys
 import threading
 import time
 
 import pytest
 import torch
 
-from trainer.checkpoint_files import BackgroundWriter, atomic_save, update_latest_pointer
-from trainer.checkpoint_load import load_checkpoint_file, read_latest_pointer
+from trainer.checkpoint import read_latest_pointer, update_latest_pointer
+from trainer.checkpoint_io import BackgroundWriter, atomic_save, load_checkpoint_file
 from trainer.hooks import CheckpointHook
 
 
@@ -35,32 +37,6 @@ def test_a_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert load_checkpoint_file(path) == {"v": 1}
     assert os.listdir(tmp_path) == ["a.pth"]  # the temporary file is gone
-
-
-class _NoFilesFinder:  # importing a module that is not loaded yet fails as it would at EMFILE
-    def find_spec(self, name, path=None, target=None):
-        if name == "trainer.checkpoint_errors":
-            raise OSError(24, "Too many open files", "checkpoint_errors.py")
-
-
-@pytest.mark.parametrize("import_fails_with", ["ImportError", "OSError"])
-def test_a_write_that_fails_for_want_of_files_raises_its_own_error(
-    tmp_path, monkeypatch, import_fails_with
-):
-    # out of file descriptors, the module with the longer message cannot be imported either
-    def broken_save(obj, f):
-        raise OSError(24, "Too many open files")
-
-    monkeypatch.setattr(torch, "save", broken_save)
-    if import_fails_with == "ImportError":
-        monkeypatch.setitem(sys.modules, "trainer.checkpoint_errors", None)
-    else:
-        monkeypatch.delitem(sys.modules, "trainer.checkpoint_errors", raising=False)
-        monkeypatch.setattr(sys, "meta_path", [_NoFilesFinder(), *sys.meta_path])
-    with pytest.raises(OSError, match="Too many open files") as raised:
-        atomic_save({"v": 2}, str(tmp_path / "a.pth"))
-    assert raised.value.__cause__ is None and raised.value.__suppress_context__
-    assert os.listdir(tmp_path) == []
 
 
 def test_no_pointer_means_no_checkpoint(tmp_path):

@@ -1,0 +1,90 @@
+"""The package's layout: its layers (``lint-imports``, the contract in pyproject.toml), no lazy
+plumbing, and what a default run leaves unimported."""
+
+import ast
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from conftest import cpu_env
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "trainer")
+# The imports of the package's own modules that may stand inside a function: heavy optional
+# parts only (DCP takes most of a second to import), each with a comment saying so.
+IMPORTED_WHEN_USED = {("trainer/checkpoint.py", "sharded_checkpoint")}
+
+DEFAULT_RUN = """
+import json, sys, tempfile
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from trainer import Trainer
+
+class Regressor(nn.Linear):
+    def forward(self, batch):
+        return nn.functional.mse_loss(super().forward(batch[0]), batch[1])
+
+model = Regressor(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+data = DataLoader(TensorDataset(torch.randn(16, 4), torch.randn(16, 1)), batch_size=4)
+trainer = Trainer(model, optimizer, None, data, max_epochs=1, work_dir=tempfile.mkdtemp())
+trainer.train()
+trainer.train()  # resumes from its checkpoint: finished, nothing more to train
+print(json.dumps(sorted(sys.modules)))
+"""
+
+
+def modules():
+    for path in sorted(glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True)):
+        yield os.path.relpath(path, ROOT), ast.parse(open(path).read())
+
+
+@pytest.mark.slow  # starts lint-imports, which reads the whole package
+def test_every_module_imports_only_the_layers_below_it():
+    lint = shutil.which("lint-imports")
+    assert lint is not None, 'lint-imports is missing: pip install -e ".[dev]"'
+    proc = subprocess.run([lint], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "1 kept, 0 broken" in proc.stdout
+
+
+def test_no_lazy_plumbing():
+    """No module ``__getattr__`` (lazy exports); the package's own modules are imported at the
+    top, but for the heavy optional parts named above; no ``_private`` name crosses modules."""
+    problems = []
+    for path, tree in modules():
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+                problems.append(f"{path}: a module __getattr__")
+        for function in (n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)):
+            for node in ast.walk(function):
+                if isinstance(node, ast.ImportFrom) and node.level:
+                    names = tuple(a.name for a in node.names)
+                    if not any((path, name) in IMPORTED_WHEN_USED for name in names):
+                        problems.append(f"{path}:{node.lineno}: imports {names} in a function")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                if private and not all(name.startswith("__") for name in private):
+                    problems.append(f"{path}:{node.lineno}: imports private {private}")
+    assert problems == []
+
+
+@pytest.mark.slow  # a fresh interpreter
+def test_a_default_run_leaves_distributed_checkpoint_unimported(tmp_path):
+    script = tmp_path / "default_run.py"
+    script.write_text(textwrap.dedent(DEFAULT_RUN))
+    proc = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, env=cpu_env(), timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    loaded = set(json.loads(proc.stdout.strip().splitlines()[-1]))
+    assert "trainer.trainer" in loaded and "trainer.checkpoint" in loaded
+    assert {"torch.distributed.checkpoint", "trainer.sharded_checkpoint"} & loaded == set()
