@@ -40,6 +40,8 @@ setup(
             "pytest-timeout",
             "ruff",
             "mypy",
+            # lint-imports: the layers contract in pyproject.toml (tests/test_layout.py)
+            "import-linter>=2.1",
             "setuptools>=70.1",
             "torchdata>=0.8",
         ],
