@@ -4,7 +4,9 @@
 
 Each run starts a fresh interpreter that imports torch, then times ``import trainer`` alone
 (torch's own import, which dominates, is left out). Reported: the median and the range of the
-runs, in milliseconds, and whether a default run's import left torch.distributed.checkpoint out.
+runs, in milliseconds, whether Python read compiled bytecode (an installed package has it;
+``PYTHONDONTWRITEBYTECODE=1`` in a source checkout makes every run compile the modules, about
+three times slower), and whether the import left torch.distributed.checkpoint out.
 """
 
 import argparse
@@ -19,7 +21,8 @@ import torch
 start = time.perf_counter()
 import trainer
 seconds = time.perf_counter() - start
-print(json.dumps({"seconds": seconds, "dcp": "torch.distributed.checkpoint" in sys.modules}))
+dcp = "torch.distributed.checkpoint" in sys.modules
+print(json.dumps({"seconds": seconds, "dcp": dcp, "bytecode": not sys.dont_write_bytecode}))
 """
 
 
@@ -35,9 +38,10 @@ def main() -> None:
         results.append(json.loads(out.stdout.strip().splitlines()[-1]))
     ms = sorted(1000 * r["seconds"] for r in results)
     dcp = any(r["dcp"] for r in results)
+    bytecode = "compiled bytecode" if results[-1]["bytecode"] else "no bytecode written"
     print(
         f"import trainer after import torch: median {statistics.median(ms):.0f} ms "
-        f"({ms[0]:.0f}-{ms[-1]:.0f} ms, {len(ms)} fresh interpreters); "
+        f"({ms[0]:.0f}-{ms[-1]:.0f} ms, {len(ms)} fresh interpreters, {bytecode}); "
         f"torch.distributed.checkpoint {'imported' if dcp else 'not imported'}"
     )
 

@@ -65,3 +65,9 @@ def test_resume_cost_reports_the_samples_loaded_before_the_first_resumed_step():
     out = run(os.path.join(BENCHMARKS, "resume_cost.py"), "--repeats", "1", "--workers", "0")
     # skipped by index: the first step's batch of 4 alone, resumed and from scratch
     assert re.search(r"\| 0 \| [\d.]+ s \| 4 \| [\d.]+ s \| 4 \|", out)
+
+
+def test_import_time_reports_the_cost_and_leaves_dcp_unimported():
+    out = run(os.path.join(BENCHMARKS, "import_time.py"), "--runs", "1")
+    assert re.search(r"import trainer after import torch: median \d+ ms \(\d+-\d+ ms, 1 fresh", out)
+    assert out.rstrip().endswith("torch.distributed.checkpoint not imported")

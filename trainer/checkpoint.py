@@ -21,7 +21,6 @@ from .checkpoint_io import (
     BackgroundWriter,
     UnloadableState,
     atomic_save,
-    atomic_write,
     bad_tensors,
     check_finite,
     check_plain,
@@ -34,9 +33,9 @@ from .checkpoint_io import (
     load_model_state,
     load_optimizer_state,
     model_weights,
-    raise_write_failure,
     remove_checkpoint,
     revised,
+    write_checkpoint_file,
 )
 from .data import DataStream
 from .distributed import CpuGroup, all_gather, gather, get_world_size, is_main_process, is_sharded
@@ -87,7 +86,7 @@ class Checkpointer:
 
     def __init__(
         self,
-        work_dir: str,
+        ckpt_dir: str,
         model: nn.Module,
         optimizer: Optimizer,
         progress: Progress,
@@ -99,8 +98,7 @@ class Checkpointer:
         config: dict[str, Any],
         by_epoch: bool = True,
     ) -> None:
-        #: ``work_dir/checkpoints``, where the checkpoints and ``latest.txt`` are.
-        self.ckpt_dir = os.path.join(work_dir, "checkpoints")
+        self.ckpt_dir = ckpt_dir  # where the checkpoints and latest.txt are
         self._model = model
         self._module = unwrapped(model)  # whose weights checkpoints hold
         self._optimizer = optimizer
@@ -234,12 +232,10 @@ class Checkpointer:
             _replace_folder(temp, path)
             update_latest_pointer(folder, name, mode)
             logger.debug(f"Saved checkpoint {path}")  # the next log line names it
-            if then is not None:
-                then()
 
         _dcp().save(
             self._module, self._optimizer, rest, temp,
-            group=self._write_group, writer=self.writer, publish=publish,
+            group=self._write_group, writer=self.writer, publish=publish, then=then,
         )  # fmt: skip
 
     def _live_state(self) -> dict[str, Any]:
@@ -259,11 +255,31 @@ class Checkpointer:
         every rerun alike), or values ``weights_only`` loads cannot rebuild. Ranks agree."""
         optimizer = state["optimizer"]["state"]
         bad = bad_tensors({**state, "optimizer": optimizer}, self.parameters())
-        unloadable = None
+        unloadable = None  # the message, which the ranks share
         try:
             check_plain(state)
         except UnloadableState as e:
-            unloadable = _unloadable_message(file_name, e.path, e.value)
+            top, *rest = e.path or ("?",)
+            if top in ("hooks", "extra") and rest:
+                kind = "hook" if top == "hooks" else "checkpointable"
+                owner, rest = f"{kind} {rest[0]!r}", rest[1:]
+            elif top == "rng" and rest[1:2] == ["loader"]:  # a stateful data loader's own state
+                owner, rest = "the data loader", rest[2:]
+            else:
+                owner = _OWNERS.get(top, f"the trainer's {top!r}")
+            value = type(e.value)
+            module = "" if value.__module__ == "builtins" else value.__module__.split(".")[0] + "."
+            where = "".join(f"[{key!r}]" for key in rest) or "the top"
+            unloadable = (
+                f"Not saving {file_name}: the state_dict() of {owner} holds a {module}"
+                f"{value.__qualname__} at state_dict(){where}, which torch.load(weights_only=True) "
+                "cannot rebuild, so no run could resume from this checkpoint. Return plain data "
+                "from state_dict() (dicts, lists, tuples, str, numbers, None, tensors) and rebuild "
+                "the object in load_state_dict(): e.g. dict(x) for a defaultdict, tuple(x) or "
+                "x._asdict() for a namedtuple, x.tolist() or torch.from_numpy(x) for a NumPy "
+                "array, float(x) for a NumPy float32, x.as_subclass(torch.Tensor) for a tensor "
+                "subclass."
+            )
         if get_world_size() > 1:  # sharded state differs by rank: every rank must agree
             everyone = all_gather((bad, unloadable, self.writer.failed), group=self._cpu.group)
             if any(failed for *_, failed in everyone):
@@ -483,10 +499,7 @@ def update_latest_pointer(ckpt_dir: str, file_name: str, mode: Optional[int] = N
     path = os.path.join(ckpt_dir, LATEST_POINTER)
     if os.path.isdir(path) and not os.path.islink(path):
         os.rmdir(path)  # damage in its place (an empty folder); a full one raises, named
-    try:
-        atomic_write(path, lambda f: f.write(file_name.encode()), mode)
-    except BaseException as e:
-        raise_write_failure(path, e)
+    write_checkpoint_file(path, lambda f: f.write(file_name.encode()), mode)
 
 
 def read_latest_pointer(ckpt_dir: str) -> Optional[str]:
@@ -558,31 +571,6 @@ def _replace_folder(temp: str, path: str) -> None:
 # What a loaded checkpoint must be
 
 
-def _unloadable_message(file_name: str, path: tuple, value: Any) -> str:
-    """Why a state cannot be saved (``value`` at ``path`` would not load): whose
-    ``state_dict()`` holds what, where, and the fix."""
-    top, *rest = path or ("?",)
-    if top in ("hooks", "extra") and rest:
-        kind = "hook" if top == "hooks" else "checkpointable"
-        owner, rest = f"{kind} {rest[0]!r}", rest[1:]
-    elif top == "rng" and rest[1:2] == ["loader"]:  # a stateful data loader's own state
-        owner, rest = "the data loader", rest[2:]
-    else:
-        owner = _OWNERS.get(top, f"the trainer's {top!r}")
-    kind = type(value)
-    module = "" if kind.__module__ == "builtins" else kind.__module__.split(".")[0] + "."
-    where = "".join(f"[{key!r}]" for key in rest) or "the top"
-    return (
-        f"Not saving {file_name}: the state_dict() of {owner} holds a {module}"
-        f"{kind.__qualname__} at state_dict(){where}, which torch.load(weights_only=True) "
-        "cannot rebuild, so no run could resume from this checkpoint. Return plain data from "
-        "state_dict() (dicts, lists, tuples, str, numbers, None, tensors) and rebuild the "
-        "object in load_state_dict(): e.g. dict(x) for a defaultdict, tuple(x) or x._asdict() "
-        "for a namedtuple, x.tolist() or torch.from_numpy(x) for a NumPy array, float(x) for a "
-        "NumPy float32, x.as_subclass(torch.Tensor) for a tensor subclass."
-    )
-
-
 def _check_keys(data: dict[str, Any], path: str, keys: tuple[str, ...]) -> None:
     """Raise a RuntimeError naming ``path`` when ``data`` lacks any of ``keys``."""
     missing = [k for k in keys if k not in data]
@@ -608,6 +596,10 @@ def _check_structure(data: dict[str, Any], path: str, keys: tuple[str, ...]) -> 
         for name in required:
             if name not in value:
                 raise damaged(f"{key!r} lacks {name!r}")
+    if "config" in keys and not isinstance(data["config"]["classes"], dict):
+        raise damaged(
+            f"'config' holds 'classes' of type {type(data['config']['classes']).__name__}"
+        )
     if "model" in keys:
         wrong = [k for k, v in data["model"].items() if not isinstance(v, torch.Tensor)]
         if wrong:

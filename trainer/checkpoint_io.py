@@ -1,7 +1,8 @@
 """Checkpoint bytes on disk: writes in the background, atomic writes, ``weights_only`` reads,
 what a save refuses (state that ``torch.load(weights_only=True)`` cannot rebuild, tensors not
 finite) and putting loaded weights into a model (matching keys and shapes, ``revise_keys``).
-What a checkpoint holds and how its files are named is ``checkpoint.py``'s."""
+What a checkpoint holds and how its files are named is ``checkpoint.py``'s; the temporary file
+of an atomic write ends in :data:`TEMP_SUFFIX`, which a start looks for."""
 
 import collections
 import logging

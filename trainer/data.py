@@ -75,15 +75,19 @@ class DataStream:
         try:
             batch = next(self._iter)
         except StopIteration:
-            raise RuntimeError(self._ended_early()) from None
+            if self.sized:
+                raise RuntimeError(
+                    "data_loader ended after fewer batches than its len() of "
+                    f"{len(self.data_loader)}; make __len__ of the dataset or sampler match what "
+                    "it yields."
+                ) from None
+            raise RuntimeError(
+                "data_loader's pass ended inside an iteration: train_one_iter asked for more "
+                "batches than accumulation_steps, which is what an iteration fetches ahead "
+                "from a data loader without a length. Pass that many accumulation_steps."
+            ) from None
         self.data_time += time.perf_counter() - start
         return batch
-
-    def _ended_early(self) -> str:
-        return (
-            f"data_loader ended after fewer batches than its len() of {len(self.data_loader)}; "
-            "make __len__ of the dataset or sampler match what it yields."
-        )
 
     def has_next(self, n: int) -> bool:
         """Whether the pass has another iteration's ``n`` batches: always, with a length."""
@@ -251,13 +255,6 @@ class UnsizedDataStream(DataStream):
         if self._ahead:
             return self._ahead.popleft()
         return super().next_batch()
-
-    def _ended_early(self) -> str:
-        return (
-            "data_loader's pass ended inside an iteration: train_one_iter asked for more "
-            "batches than accumulation_steps, which is what an iteration fetches ahead "
-            "from a data loader without a length. Pass that many accumulation_steps."
-        )
 
     def has_next(self, n: int) -> bool:
         """Whether the current pass has the ``n`` batches of another iteration, fetched now

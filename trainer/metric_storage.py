@@ -243,7 +243,13 @@ def reduce_over_ranks(
     if any(ranks_names != first for ranks_names in names.values()):
         raise ValueError(
             f"{source} gave different names on different ranks ({names}): give the same names "
-            "on every rank."
+            "on every rank, or none on a rank that has nothing to give (None from an eval_func)."
+        )
+    lengths = {rank: [len(own[name]) for name in first] for rank, (own, _) in given.items()}
+    if len({tuple(n) for n in lengths.values()}) > 1:
+        raise ValueError(
+            f"{source} gave different numbers of values of {first} on different ranks "
+            f"({lengths}): every rank must log each of them as often."
         )
     weight = math.fsum(n for _, n in given.values())
     reduced = {}

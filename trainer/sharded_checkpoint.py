@@ -73,10 +73,12 @@ def save(
     group: Any,
     writer: BackgroundWriter,
     publish: Callable[[], None],
+    then: Optional[Callable[[], None]] = None,
 ) -> None:
     """Save ``module``'s and ``optimizer``'s shards (every rank its own) and, on rank 0, ``rest``
     (the rest of the training state, copied; None on the other ranks) as ``folder``, then call
-    ``publish()`` on rank 0 once every rank's files are complete. Every rank calls it. With
+    ``publish()`` on rank 0 once every rank's files are complete, and ``then()`` once every
+    rank knows it. Every rank calls it. With
     ``group`` (the :func:`write_group` of a running ``train()``), or in one process, the shards
     are copied now and ``writer`` writes them in the background; otherwise they are written when
     this returns."""
@@ -104,6 +106,8 @@ def save(
         finally:
             if dist.is_initialized():  # every rank's wait() returns once the folder is in place
                 dist.barrier(group=group)
+        if rest is not None and then is not None:
+            then()
 
     if future is None:
         write()

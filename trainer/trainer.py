@@ -185,7 +185,7 @@ class Trainer:
         self._preemption = Preemption(preempt_check_period, self._cpu)
         amp = str(amp_dtype).replace("torch.", "") if amp_dtype else "off"
         self._checkpointer = Checkpointer(
-            self.work_dir, self.model, self.optimizer, self.progress, self._data, self._cpu,
+            self.ckpt_dir, self.model, self.optimizer, self.progress, self._data, self._cpu,
             parts={"lr_scheduler": self.lr_scheduler, "grad_scaler": self.grad_scaler,
                    "metric_storage": self._storage},
             hooks=self._hooks.checkpointable, by_epoch=self.train_by_epoch,
@@ -259,7 +259,7 @@ class Trainer:
     @property
     def ckpt_dir(self) -> str:
         """``work_dir/checkpoints``."""
-        return self._checkpointer.ckpt_dir
+        return os.path.join(self.work_dir, "checkpoints")
 
     @property
     def tb_log_dir(self) -> str:
@@ -385,11 +385,10 @@ class Trainer:
         if trainer_logging.live_line is not None:  # a progress bar is drawing
             trainer_logging.live_line.erase()
         self._data.release()
-        # A NaN loss among them is kept up to it, unless its module cannot be imported: either
-        # way the error in flight says the rest.
+        # A NaN loss among them is kept up to it: the error in flight says the rest.
         try:
             self._storage.flush()
-        except (FloatingPointError, ImportError, OSError):
+        except FloatingPointError:
             pass
 
     def _train_epoch(self) -> bool:
