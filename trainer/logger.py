@@ -65,13 +65,19 @@ def open_fd_no_follow(path: str, flags: int) -> int:
     make the trainer write outside it."""
     try:
         return os.open(path, flags | getattr(os, "O_NOFOLLOW", 0), 0o666)
-    except OSError as e:
-        if not os.path.islink(path):
-            raise
+    except OSError:
+        refuse_link(path)  # why, if it is one
+        raise
+
+
+def refuse_link(path: str) -> None:
+    """Raise a ``RuntimeError`` if ``path`` is a symbolic link: one planted in ``work_dir`` must
+    not make the trainer write outside it."""
+    if os.path.islink(path):
         raise RuntimeError(
             f"{path} is a symbolic link (to {os.readlink(path)}), and the trainer does not write "
             "through links: remove it, or pick another work_dir."
-        ) from e
+        )
 
 
 def ensure_console_logging(name: str, rank: int) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Callable
 import torch
 
 from .checkpoint_io import atomic_write
-from .logger import open_no_follow
+from .logger import open_no_follow, refuse_link
 
 logger = logging.getLogger("trainer.hooks.logger_hook")
 
@@ -121,11 +121,7 @@ class TensorBoardWriter(MetricWriter):
         from torch.utils.tensorboard import SummaryWriter
 
         self._summary = Summary
-        if os.path.islink(log_dir):  # a rerun rewrites the event files it holds
-            raise RuntimeError(
-                f"{log_dir} is a symbolic link (to {os.readlink(log_dir)}), and the trainer does "
-                "not write through links: remove it, or pick another work_dir."
-            )
+        refuse_link(log_dir)  # a rerun rewrites the event files it holds
         new_writer = functools.partial(
             SummaryWriter, log_dir=log_dir, max_queue=1000, filename_suffix=_SUFFIX
         )
