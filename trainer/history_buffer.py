@@ -7,6 +7,8 @@ from typing import Any
 
 from .misc import check_int
 
+__all__ = ["HistoryBuffer"]
+
 
 class HistoryBuffer:
     """Tracks a series of numbers: the latest one, a window mean and global statistics.

@@ -8,6 +8,12 @@ import sys
 from collections.abc import Iterator
 from typing import Any, Optional
 
+__all__ = [
+    "LiveLine", "TRACEBACK_FOLLOWS", "draws_safely_on", "ensure_console_logging", "is_terminal",
+    "log_file_path", "log_to_file", "open_fd_no_follow", "open_no_follow", "rank_log_file",
+    "refuse_link", "setup_logger",
+]  # fmt: skip
+
 _FORMAT = "[%(asctime)s %(name)s %(levelname)s]: %(message)s"
 _DATE_FORMAT = "%m/%d %H:%M:%S"
 

@@ -22,6 +22,8 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 from .distributed import get_rank
 from .logger import ensure_console_logging, open_fd_no_follow
 
+__all__ = ["collect_env", "set_random_seed"]  # core-pytorch-utils' cpu.misc; the rest by name
+
 try:
     import fcntl
 except ImportError:  # Windows: no flock, no lock
