@@ -234,7 +234,7 @@ class Checkpointer:
             logger.debug(f"Saved checkpoint {path}")  # the next log line names it
 
         _dcp().save(
-            self._module, self._optimizer, rest, temp,
+            self._module, self._optimizer, rest, temp, mode=mode,
             group=self._write_group, writer=self.writer, publish=publish, then=then,
         )  # fmt: skip
 

@@ -41,7 +41,6 @@ from .checkpoint_io import (
     BackgroundWriter,
     atomic_save,
     bad_tensors,
-    current_umask,
     load_checkpoint_file,
     load_model_state,
     named_tensors,
@@ -70,6 +69,7 @@ def save(
     rest: Optional[dict[str, Any]],
     folder: str,
     *,
+    mode: int,
     group: Any,
     writer: BackgroundWriter,
     publish: Callable[[], None],
@@ -78,13 +78,12 @@ def save(
     """Save ``module``'s and ``optimizer``'s shards (every rank its own) and, on rank 0, ``rest``
     (the rest of the training state, copied; None on the other ranks) as ``folder``, then call
     ``publish()`` on rank 0 once every rank's files are complete, and ``then()`` once every
-    rank knows it. Every rank calls it. With
+    rank knows it; ``rest``'s file gets permissions ``mode``. Every rank calls it. With
     ``group`` (the :func:`write_group` of a running ``train()``), or in one process, the shards
     are copied now and ``writer`` writes them in the background; otherwise they are written when
     this returns."""
     model_state = get_model_state_dict(module)  # this rank's shards, as DTensors
     optimizer_state = get_optimizer_state_dict(module, optimizer)  # keyed by name
-    mode = 0o666 & ~current_umask()  # read here, in the training thread
     shards = {"model": model_state, "optimizer": optimizer_state}
     storage = dcp.FileSystemWriter(folder)
     if group is None and dist.is_initialized():  # outside train(): over the default group
