@@ -40,7 +40,7 @@ from .checkpoint_io import (
 from .data import DataStream
 from .distributed import CpuGroup, all_gather, gather, get_world_size, is_main_process, is_sharded
 from .fsdp import full_state_dicts
-from .misc import unwrapped
+from .misc import plain_names, plain_state_dict, unwrapped
 from .progress import Progress, map_position
 
 logger = logging.getLogger(__name__)
@@ -243,7 +243,7 @@ class Checkpointer:
         return {
             "progress": self._progress.state_dict(self._batch_size),
             "config": self.config(),
-            "model": self._module.state_dict(),
+            "model": plain_state_dict(self._module),
             "optimizer": self._optimizer.state_dict(),
             **{key: part.state_dict() for key, part in self._parts.items()},
             "hooks": {key: hook.state_dict() for key, hook in self._hooks().items()},
@@ -342,8 +342,9 @@ class Checkpointer:
         all_gather("cleaned up", group=self._cpu.group)  # the others then list checkpoints
 
     def parameters(self) -> set[str]:
-        """The names of the model's parameters in its ``state_dict`` (a tied weight's every one)."""
-        return {name for name, _ in self._module.named_parameters(remove_duplicate=False)}
+        """The names of the model's parameters in a checkpoint (a tied weight's every one)."""
+        names = plain_names(self._module)
+        return {names[name] for name, _ in self._module.named_parameters(remove_duplicate=False)}
 
     def config(self) -> dict[str, Any]:
         """The ``config`` a checkpoint holds, with the optimizers' classes (a state does not
@@ -399,8 +400,6 @@ class Checkpointer:
             weights = data["model"]
         else:
             weights = model_weights(self._read_weights(path), path)
-        # weights saved from a torch.compile-d model by other means carry its prefix
-        weights = {k.replace("_orig_mod.", ""): v for k, v in weights.items()}
         weights = revised(weights, revise_keys or (), path)
         if not resume and not auto_picked:  # _load_newest checked the one it picked
             check_finite({"model": weights}, path, self.parameters())

@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 
 from .distributed import all_gather, get_world_size, is_dtensor
 from .fsdp import keyed_by_name, load_full_model_state, load_full_optimizer_state
+from .misc import plain_names
 
 logger = logging.getLogger(__name__)
 
@@ -331,8 +332,11 @@ def load_model_state(
     module: nn.Module, state: dict[str, Any], path: str, strict: bool, sharded: bool
 ) -> None:
     """Load checkpointed weights into ``module`` (the unwrapped model), listing the keys and
-    shapes that differ; ``strict=False`` loads those that match."""
-    own = module.state_dict()
+    shapes that differ; ``strict=False`` loads those that match. Keys match by the names of the
+    uncompiled model, whichever of its modules torch.compile wrapped when saved or now."""
+    names = plain_names(module)
+    own = {names[key]: value for key, value in module.state_dict().items()}
+    state = _by_plain_name(state, own)
     shape = {k: _shape(v) for k, v in own.items()}
     wrong_shape = [k for k in own if k in state and _shape(state[k]) != shape[k]]
     problems = "".join(
@@ -367,10 +371,23 @@ def load_model_state(
             f"entries and skipped:{problems}"
         )
         state = {k: state[k] for k in matching}
-    if sharded:
+    if sharded:  # torch's helper names the weights as the uncompiled model does
         load_full_model_state(module, state, strict)
     else:
-        module.load_state_dict(state, strict=strict)
+        key = {name: key for key, name in names.items()}
+        module.load_state_dict({key[name]: value for name, value in state.items()}, strict=strict)
+
+
+def _by_plain_name(state: dict[str, Any], own: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with a key the model lacks renamed to the model's uncompiled name, if it is
+    that name with torch.compile's ``_orig_mod.`` inside (from a model compiled elsewhere) and
+    no other key of ``state`` has that name (a clash leaves the key as it is, not loaded)."""
+    renamed = {}
+    for key, value in state.items():
+        plain = ".".join(part for part in key.split(".") if part != "_orig_mod")
+        fits = key not in own and plain in own and plain not in state and plain not in renamed
+        renamed[plain if fits else key] = value
+    return renamed
 
 
 def model_weights(data: dict[str, Any], path: str) -> dict[str, Any]:

@@ -63,16 +63,44 @@ def unwrapped(model: nn.Module) -> nn.Module:
 
 def wrappers(model: nn.Module) -> Iterator[nn.Module]:
     """``model`` and the modules torch.compile / DDP / DataParallel wrap, outermost first."""
-    # torch._dynamo is slow to import; a compiled model has imported it
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
     while True:
         yield model
-        if eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+        if _compiled(model):
             model = model._orig_mod
         elif isinstance(model, (DistributedDataParallel, DataParallel)):
             model = model.module
         else:
             return
+
+
+def plain_names(module: nn.Module) -> dict[str, str]:
+    """Each key of ``module.state_dict()`` to its name in the uncompiled model: a submodule
+    compiled on its own (``model.l1 = torch.compile(model.l1)``) holds ``l1._orig_mod.weight``,
+    which is ``l1.weight`` there. Only the ``_orig_mod`` of a compiled module is dropped."""
+    compiled = {name for name, m in module.named_modules(remove_duplicate=False) if _compiled(m)}
+    names = {}
+    for key in module.state_dict(keep_vars=True):
+        kept, path = [], ""
+        for part in key.split("."):
+            if not (part == "_orig_mod" and path in compiled):
+                kept.append(part)
+            path = f"{path}.{part}" if path else part
+        names[key] = ".".join(kept)
+    return names
+
+
+def plain_state_dict(module: nn.Module) -> dict[str, Any]:
+    """``module.state_dict()`` under the uncompiled model's names (see :func:`plain_names`)."""
+    state, names = module.state_dict(), plain_names(module)
+    if all(key == name for key, name in names.items()):
+        return state
+    return {names[key]: value for key, value in state.items()}
+
+
+def _compiled(module: nn.Module) -> bool:
+    # torch._dynamo is slow to import; a compiled model has imported it
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(module, eval_frame.OptimizedModule)
 
 
 # Reproducing a run

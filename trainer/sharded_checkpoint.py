@@ -48,6 +48,7 @@ from .checkpoint_io import (
     refuse_non_finite,
 )
 from .distributed import all_gather, get_rank, get_world_size, raise_on_every_rank
+from .misc import plain_state_dict
 
 # DCP warns whenever one process saves or loads alone, even when asked to (no_dist=True).
 warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
@@ -305,7 +306,7 @@ def read_resumable(
     raise_on_every_rank(problem, group=group)
     saved = _saved_keys(metadata, "model.")
     shapes = {key: tuple(getattr(entry, "size", ())) for key, entry in saved.items()}
-    if {k: tuple(v.shape) for k, v in module.state_dict().items()} != shapes:
+    if {k: tuple(v.shape) for k, v in plain_state_dict(module).items()} != shapes:
         # raises, naming the keys and shapes that differ (the weights are not read)
         meta = {key: torch.empty(shape, device="meta") for key, shape in shapes.items()}
         load_model_state(module, meta, path, strict=True, sharded=False)
