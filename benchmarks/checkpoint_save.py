@@ -8,6 +8,11 @@ layer) and SGD with momentum, so the checkpoint holds weights plus one buffer pe
 time until the background write has the file and latest.txt on disk. Each save starts after the
 previous write ended, so the two do not overlap.
 
+    python benchmarks/checkpoint_save.py --load [--state-gb 1.0] [--loads 7]
+
+times resuming a checkpoint file of --state-gb GB (load_checkpoint: reading it, its checksum
+and its checks), beside torch.load of the same file.
+
     python benchmarks/checkpoint_save.py --fsdp [--saves 3] [--state-gb 1.0]
 
 times a model sharded by FSDP2 (fully_shard) on 2 gloo ranks (it launches them with torchrun;
@@ -69,6 +74,33 @@ def single_process(args):
         median, low, high = (1e3 * f(times) for f in (statistics.median, min, max))
         print(f"{params:.1f}M parameters on {args.device}: save_checkpoint {name} {median:.0f} ms "
               f"(median of {args.saves}; min {low:.0f}, max {high:.0f})")  # fmt: skip
+
+
+# Loading
+
+
+def loading(args):
+    """How long ``load_checkpoint`` takes to resume a ``--state-gb`` GB checkpoint file (the
+    weights and AdamW's two buffers), interleaved with ``torch.load`` of the same file (the
+    floor: reading it, without the trainer's checks). The file is in the page cache, as when a
+    run resumes the checkpoint it just wrote: a slow disk would hide the checks' cost."""
+    model = LinearStack(args.state_gb)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with tempfile.TemporaryDirectory() as work_dir:
+        trainer = Trainer(model, optimizer, None, [None] * 4, max_iters=1, work_dir=work_dir)
+        trainer.train()  # one step, so that AdamW's buffers exist
+        path = trainer.checkpointer.last_path
+        size = os.path.getsize(path)
+        resume, floor = [], []
+        for _ in range(args.loads):
+            start = time.perf_counter()
+            trainer.load_checkpoint(path)
+            resume.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            torch.load(path, map_location="cpu", weights_only=True)
+            floor.append(time.perf_counter() - start)
+    print(f"a {size / 1e9:.2f} GB checkpoint file: load_checkpoint {spread(resume)}, "
+          f"torch.load {spread(floor)} (median (min-max) of {args.loads})")  # fmt: skip
 
 
 # The sharded case: FSDP2 on gloo ranks
@@ -225,13 +257,17 @@ def main():
     parser.add_argument("--saves", type=int, default=None, help="5; 3 with --fsdp")
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 on gloo ranks, CPU")
-    parser.add_argument("--state-gb", type=float, default=1.0, help="with --fsdp")
+    parser.add_argument("--state-gb", type=float, default=1.0, help="with --fsdp or --load")
+    parser.add_argument("--load", action="store_true", help="time resuming a --state-gb file")
+    parser.add_argument("--loads", type=int, default=7, help="with --load")
     args = parser.parse_args()
     if args.fsdp and args.device != "cpu":
         parser.error("--fsdp runs on CPU (gloo ranks); drop --device.")
     args.saves = args.saves or (3 if args.fsdp else 5)
     logging.getLogger("trainer").setLevel(logging.WARNING)
-    if not args.fsdp:
+    if args.load:
+        loading(args)
+    elif not args.fsdp:
         single_process(args)
     elif "RANK" not in os.environ:
         launch_ranks()

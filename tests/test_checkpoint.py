@@ -13,7 +13,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from trainer import HookBase, Trainer
 from trainer.checkpoint import read_latest_pointer
 
-from conftest import RecordLR, TinyModel, build, load, tiny_loader
+from conftest import RecordLR, TinyModel, build, load, save_checkpoint_file, tiny_loader
 
 
 class NaNGradientAt(TinyModel):
@@ -133,8 +133,8 @@ def test_auto_resume_skips_a_checkpoint_with_non_finite_weights(make_trainer, ca
     newest = os.path.join(trainer.ckpt_dir, "epoch_2.pth")
     data = load(newest)
     data["model"]["linear.bias"][0] = float("nan")
-    torch.save(data, newest)  # as a run from before saves refused NaN weights could leave it
-    torch.save(data, tmp_path / "bad.pth")
+    save_checkpoint_file(data, newest)  # as a run from before saves refused NaN could leave it
+    save_checkpoint_file(data, tmp_path / "bad.pth")
     rerun = make_trainer(max_epochs=2)
     rerun.train()
     assert rerun.start_iter == 8  # from epoch_1.pth
@@ -160,15 +160,15 @@ def damage(ckpt_dir, how):
     """Damage the newest of two epoch checkpoints (epoch_2.pth) or the pointer, as ``how`` says."""
     newest = ckpt_dir / "epoch_2.pth"
     if how == "wrong types":
-        torch.save({key: 5 for key in load(newest)}, newest)
+        save_checkpoint_file({key: 5 for key in load(newest)}, newest)
     elif how == "a weight that is not a tensor":
         data = load(newest)
         data["model"]["linear.weight"] = 5
-        torch.save(data, newest)
+        save_checkpoint_file(data, newest)
     elif how == "progress without epoch":
         data = load(newest)
         del data["progress"]["epoch"]
-        torch.save(data, newest)
+        save_checkpoint_file(data, newest)
     elif how == "non-UTF-8 pointer":
         (ckpt_dir / "latest.txt").write_bytes(b"\xff\xfe\x00epoch")
     elif how == "pointer is a directory":
@@ -377,8 +377,8 @@ def test_progress_out_of_range_is_refused_as_damage(make_trainer, tmp_path, capl
     newest = tmp_path / "work/checkpoints/epoch_2.pth"
     data = load(newest)
     data["progress"].update(progress)
-    torch.save(data, newest)
-    torch.save(data, tmp_path / "bad.pth")
+    save_checkpoint_file(data, newest)
+    save_checkpoint_file(data, tmp_path / "bad.pth")
     rerun = make_trainer(max_epochs=3)
     rerun.train()
     assert rerun.start_iter == 8  # epoch_1.pth, the newest that loads

@@ -4,8 +4,10 @@ latest.txt pointer, safe reads."""
 import os
 import pickle
 import stat
+import struct
 import threading
 import time
+import zipfile
 
 import pytest
 import torch
@@ -13,6 +15,8 @@ import torch
 from trainer.checkpoint import read_latest_pointer, update_latest_pointer
 from trainer.checkpoint_io import BackgroundWriter, atomic_save, load_checkpoint_file
 from trainer.hooks import CheckpointHook
+
+from conftest import save_checkpoint_file
 
 
 def test_atomic_save_round_trip_and_pointer(tmp_path):
@@ -51,14 +55,39 @@ def test_missing_file_raises_file_not_found(tmp_path):
 def test_garbage_and_truncated_files_name_the_path(tmp_path):
     garbage = tmp_path / "garbage.pth"
     garbage.write_bytes(b"not a checkpoint")
-    with pytest.raises(RuntimeError, match="garbage.pth' could not be loaded safely"):
+    with pytest.raises(RuntimeError, match="garbage.pth' is damaged: it carries no checksum"):
         load_checkpoint_file(str(garbage))
+    with pytest.raises(RuntimeError, match="garbage.pth' could not be loaded safely"):
+        load_checkpoint_file(str(garbage), need_checksum=False)  # weights from elsewhere
     good = tmp_path / "good.pth"
-    torch.save({"w": torch.ones(100)}, good)
+    save_checkpoint_file({"w": torch.ones(100)}, good)
     truncated = tmp_path / "truncated.pth"
     truncated.write_bytes(good.read_bytes()[:200])
-    with pytest.raises(RuntimeError, match="truncated.pth"):
-        load_checkpoint_file(str(truncated))
+    for need_checksum in (True, False):
+        with pytest.raises(RuntimeError, match="truncated.pth"):
+            load_checkpoint_file(str(truncated), need_checksum)
+
+
+def test_a_checkpoint_file_carries_the_checksum_of_its_bytes(tmp_path):
+    path = tmp_path / "state.pth"
+    state = {"w": torch.arange(1000.0), "note": "plain data"}
+    atomic_save(state, str(path))
+    loaded = torch.load(path, weights_only=True)  # still a file torch.load reads alone
+    assert torch.equal(loaded["w"], state["w"]) and loaded["note"] == "plain data"
+    assert zipfile.ZipFile(path).comment.startswith(b"trainer-crc32:")
+    assert torch.equal(load_checkpoint_file(str(path))["w"], state["w"])
+    data = path.read_bytes()
+    at = data.index(struct.pack("<f", 500.0))  # a byte of a weight, flipped
+    path.write_bytes(data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :])
+    assert torch.load(path, weights_only=True)["w"][500] != 500.0  # torch alone reads it wrong
+    for need_checksum in (True, False):  # checked wherever there is a checksum
+        with pytest.raises(RuntimeError, match="state.pth' is damaged: its bytes changed"):
+            load_checkpoint_file(str(path), need_checksum)
+    # a file from elsewhere, without a checksum, loads as weights only
+    torch.save(state, path)
+    assert torch.equal(load_checkpoint_file(str(path), need_checksum=False)["w"], state["w"])
+    with pytest.raises(RuntimeError, match="state.pth' is damaged: it carries no checksum"):
+        load_checkpoint_file(str(path))
 
 
 class Payload:

@@ -17,7 +17,15 @@ from torch import nn
 from trainer import HookBase
 from trainer.sharded_checkpoint import STATE_FILE
 
-from conftest import TinyModel, build, communicate, cpu_env, failure_output, torchrun_command
+from conftest import (
+    TinyModel,
+    build,
+    communicate,
+    cpu_env,
+    failure_output,
+    save_checkpoint_file,
+    torchrun_command,
+)
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "resume_worker.py")
 
@@ -237,7 +245,9 @@ def test_fsdp2_trains_as_ddp_does_and_its_checkpoint_loads_into_a_plain_model(tm
     # trainer.pth; one command turns it into one file of the full weights
     ckpt_dir = fsdp_run / "work" / "checkpoints"
     folder = ckpt_dir / (ckpt_dir / "latest.txt").read_text().strip()
-    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp", STATE_FILE]
+    assert sorted(os.listdir(folder)) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "checksums.json", STATE_FILE
+    ]  # fmt: skip
     command = [sys.executable, "-m", "trainer.sharded_checkpoint", str(folder), str(tmp_path / "m")]
     subprocess.run(command, env=cpu_env(), check=True, capture_output=True)
     plain = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
@@ -403,17 +413,23 @@ def uninterrupted(tmp_path, **kwargs):
 
 def corrupt(path, how):
     data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2] if how == "truncate" else b"\x00garbage" * 100)
+    if how == "flip":  # 100 bytes inside, as a disk or a network might change them
+        middle = len(data) // 2
+        changed = bytes(b ^ 0xFF for b in data[middle : middle + 100])
+        path.write_bytes(data[:middle] + changed + data[middle + 100 :])
+    else:
+        path.write_bytes(data[: len(data) // 2] if how == "truncate" else b"\x00garbage" * 100)
 
 
-@pytest.mark.parametrize("how", ["truncate", "garbage"])
+@pytest.mark.parametrize("how", ["truncate", "garbage", "flip"])
 def test_auto_resume_falls_back_to_the_newest_checkpoint_that_loads(tmp_path, caplog, how):
     build(tmp_path, max_epochs=3).train()
     corrupt(tmp_path / "checkpoints" / "epoch_3.pth", how)
     trainer = build(tmp_path, max_epochs=4)
     trainer.train()
     assert trainer.start_iter == 16  # from epoch_2.pth
-    assert "epoch_3.pth' could not be loaded safely" in caplog.text
+    reason = "its bytes changed" if how == "flip" else "it carries no checksum"
+    assert f"epoch_3.pth' is damaged: {reason}" in caplog.text
     assert "Resuming from" in caplog.text and "the newest checkpoint that loads" in caplog.text
     assert_bit_equal(trainer.model.state_dict(), uninterrupted(tmp_path, max_epochs=4))
 
@@ -432,15 +448,12 @@ class Payload:
 
 
 def test_a_checkpoint_carrying_code_is_skipped_and_never_runs(tmp_path, caplog):
-    import pickle
-
     marker = "/tmp/trainer-payload-ran"
     if os.path.exists(marker):
         os.remove(marker)
     build(tmp_path, max_epochs=1).train()
     evil = tmp_path / "checkpoints" / "epoch_9.pth"
-    with open(evil, "wb") as f:
-        torch.save({"model": Payload()}, f, pickle_module=pickle)
+    save_checkpoint_file({"model": Payload()}, evil)  # its checksum holds: the code is caught
     (tmp_path / "checkpoints" / "latest.txt").write_text("epoch_9.pth")
     trainer = build(tmp_path, max_epochs=2)
     trainer.train()

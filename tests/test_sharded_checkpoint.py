@@ -2,6 +2,7 @@
 shards in the background, a checkpoint is whole or absent, it loads on another number of
 processes, and loading it runs no code from its files."""
 
+import json
 import os
 import pickle
 import re
@@ -10,17 +11,18 @@ import signal
 import subprocess
 import sys
 import time
+import zlib
 
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainer import Trainer
+from trainer import Trainer, checksum
 from trainer.sharded_checkpoint import STATE_FILE, read_metadata, read_weights
 from trainer.sharded_checkpoint import _main as sharded_main
 
-from conftest import communicate, cpu_env, failure_output, torchrun_command
+from conftest import communicate, cpu_env, failure_output, save_checkpoint_file, torchrun_command
 from test_resume import (
     assert_bit_equal,
     load,
@@ -52,7 +54,13 @@ def latest(work):
 
 def test_every_rank_writes_its_own_shards_and_rank_0_the_rest(runs):
     folder = runs / "sharded" / "checkpoints" / "iter_12.pth"
-    assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp", STATE_FILE]
+    assert sorted(os.listdir(folder)) == [
+        ".metadata", "__0_0.distcp", "__1_0.distcp", checksum.MANIFEST, STATE_FILE
+    ]  # fmt: skip
+    manifest = json.loads((folder / checksum.MANIFEST).read_text())
+    for name in (".metadata", "__0_0.distcp", "__1_0.distcp", STATE_FILE):
+        data = (folder / name).read_bytes()
+        assert manifest[name] == [len(data), zlib.crc32(data)], name
     metadata = read_metadata(str(folder))
     for name in (
         "model.net.0.weight",
@@ -314,7 +322,15 @@ def craft(folder, part, marker):
     else:
         state = load(folder / STATE_FILE)
         state["config"]["amp"] = RunsCode(marker)
-        torch.save(state, folder / STATE_FILE)
+        save_checkpoint_file(state, folder / STATE_FILE)
+    reseal(folder)  # as whoever crafts it can: what gets past the checksums is still refused
+
+
+def reseal(folder):
+    """Write the checksums of a sharded checkpoint's folder anew, for the files it holds now."""
+    names = [name for name in os.listdir(folder) if name != checksum.MANIFEST]
+    manifest = json.dumps(checksum.sums(str(folder), names))
+    (folder / checksum.MANIFEST).write_text(manifest)
 
 
 @pytest.mark.parametrize(
@@ -333,6 +349,57 @@ def test_a_sharded_checkpoint_carrying_code_is_skipped_and_never_runs(tmp_path, 
     assert "Skipping a checkpoint that does not load" in caplog.text
     assert trainer.checkpointer.last_path.endswith("iter_12.pth")
     assert not marker.exists()
+
+
+def flip(path, at):
+    data = path.read_bytes()
+    path.write_bytes(data[:at] + bytes(b ^ 0xFF for b in data[at : at + 100]) + data[at + 100 :])
+
+
+@pytest.mark.parametrize(
+    "damage, reason",
+    [
+        ("flipped", r"the bytes of __1_0\.distcp changed after it was written"),
+        ("link to an older shard", r"it holds a link, __1_0\.distcp"),
+        ("link outside", r"it holds a link, __1_0\.distcp"),
+        ("no checksums", r"it carries no checksums \(checksums\.json is missing\)"),
+        ("cut short", r"__1_0\.distcp has 100 bytes, not the \d+ written"),
+        ("extra file", r"it holds x\.distcp, which its checksums\.json does not list"),
+    ],
+)
+def test_a_damaged_sharded_checkpoint_is_refused_and_auto_resume_falls_back(
+    tmp_path, runs, caplog, damage, reason
+):
+    work = tmp_path / "work"
+    shutil.copytree(runs / "sharded", work)
+    newest, older = latest(work), work / "checkpoints" / "iter_12.pth"
+    shard = newest / "__1_0.distcp"
+    outside = tmp_path / "outside.distcp"
+    outside.write_bytes(b"")  # opening it would read nothing: an EOFError, before
+    if damage == "flipped":
+        flip(shard, shard.stat().st_size // 2)
+    elif damage.startswith("link"):
+        shard.unlink()
+        shard.symlink_to(older / "__1_0.distcp" if damage == "link to an older shard" else outside)
+    elif damage == "no checksums":
+        (newest / checksum.MANIFEST).unlink()
+    elif damage == "cut short":
+        shard.write_bytes(shard.read_bytes()[:100])
+    else:
+        (newest / "x.distcp").write_bytes(b"x")
+    trainer = plain_trainer(tmp_path / "other")
+    with pytest.raises(RuntimeError, match=rf"epoch_3\.pth' is damaged: {reason}"):
+        trainer.load_checkpoint(str(newest))
+    with pytest.raises(RuntimeError, match=rf"epoch_3\.pth' is damaged: {reason}"):
+        trainer.load_checkpoint(str(newest), resume=False)  # nor as weights
+    with pytest.raises(SystemExit, match=rf"epoch_3\.pth' is damaged: {reason}"):
+        sharded_main([str(newest), str(tmp_path / "w.pth")])
+    trainer = plain_trainer(work)
+    assert trainer.load_checkpoint(auto_resume=True)  # the newest that loads
+    assert "Skipping a checkpoint that does not load" in caplog.text
+    assert trainer.checkpointer.last_path.endswith("iter_12.pth")
+    full = load(runs / "full" / "checkpoints" / "iter_12.pth")
+    assert_bit_equal(trainer.model.state_dict(), full["model"])
 
 
 # The scripts below run on 2 gloo ranks (run_script), between these two parts.

@@ -449,7 +449,7 @@ class Checkpointer:
         weights alone (``{"model": ...}``)."""
         if os.path.isdir(path) and _dcp().is_sharded_checkpoint(path):
             return {"model": _dcp().read_weights(path)}
-        return load_checkpoint_file(path)
+        return load_checkpoint_file(path, need_checksum=False)  # weights from anywhere
 
     def _read_resumable(self, path: str) -> dict[str, Any]:
         """The checkpoint at ``path``, if it can resume a run: every part there, of the types

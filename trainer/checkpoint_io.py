@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from . import checksum
 from .distributed import all_gather, get_world_size, is_dtensor
 from .fsdp import keyed_by_name, load_full_model_state, load_full_optimizer_state
 from .misc import plain_names
@@ -63,9 +64,10 @@ class BackgroundWriter:
 
 
 def atomic_save(obj: Any, path: str, mode: Optional[int] = None) -> None:
-    """``torch.save`` that leaves ``path`` untouched or complete (see :func:`atomic_write`); a
-    failure says that the previous checkpoint is kept."""
-    write_checkpoint_file(path, lambda f: torch.save(obj, f), mode)
+    """``torch.save`` that leaves ``path`` untouched or complete (see :func:`atomic_write`),
+    ending with the checksum of its bytes (:func:`checksum.save`); a failure says that the
+    previous checkpoint is kept."""
+    write_checkpoint_file(path, lambda f: checksum.save(obj, f), mode)
 
 
 def write_checkpoint_file(path: str, write: Callable[[Any], Any], mode: Optional[int]) -> None:
@@ -290,22 +292,34 @@ def check_rank_state(state: dict[str, Any], group: Any, check_buffers: bool) -> 
 # Reading
 
 
-def load_checkpoint_file(path: str) -> dict[str, Any]:
-    """Load a checkpoint file with ``weights_only=True``: tensors and plain data only, never
-    code."""
+def load_checkpoint_file(path: str, need_checksum: bool = True) -> dict[str, Any]:
+    """Load a checkpoint file with ``weights_only=True`` (tensors and plain data only, never
+    code), checking its checksum while it loads. A file without one is refused as damaged, or
+    without ``need_checksum`` (weights from elsewhere) loaded as it is."""
     if os.path.isdir(path):
         raise IsADirectoryError(f"Checkpoint {path!r} is a directory, not a file.")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"Checkpoint {path!r} does not exist.")
+    damage = checksum.checking(lambda: checksum.file_damage(path, need_checksum))
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
+        refuse_damaged(path, damage())
         raise RuntimeError(
             f"Checkpoint {path!r} could not be loaded safely (weights_only=True): {e}"
         ) from e
+    refuse_damaged(path, damage())
     if not isinstance(data, dict):
         raise RuntimeError(f"Checkpoint {path!r} holds a {type(data).__name__}, expected a dict.")
     return data
+
+
+def refuse_damaged(path: str, damage: Optional[str]) -> None:
+    """Raise a RuntimeError naming ``path`` if ``damage`` says why it is damaged."""
+    if damage is not None:
+        raise RuntimeError(
+            f"Checkpoint {path!r} is damaged: {damage}. Use an older checkpoint, or another copy."
+        )
 
 
 def check_finite(data: dict[str, Any], path: str, parameters: Collection[str]) -> None:

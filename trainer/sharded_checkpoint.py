@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.optim import Optimizer
 
+from . import checksum
 from .checkpoint_io import (
     BackgroundWriter,
     atomic_save,
@@ -45,7 +46,9 @@ from .checkpoint_io import (
     load_model_state,
     named_tensors,
     raise_write_failure,
+    refuse_damaged,
     refuse_non_finite,
+    write_checkpoint_file,
 )
 from .distributed import all_gather, get_rank, get_world_size, raise_on_every_rank
 from .misc import plain_state_dict
@@ -100,8 +103,13 @@ def save(
         if future is not None:  # raises on every rank alike: DCP shares a rank's error
             _as_write_error(future.result, folder)
         try:  # DCP writes its metadata last, on rank 0: every rank's files are complete
+            files = _checksums(folder, group)
             if rest is not None:
                 atomic_save(rest, os.path.join(folder, STATE_FILE), mode)
+                files.update(checksum.sums(folder, [STATE_FILE]))
+                checksum.write_manifest(
+                    folder, files, lambda path, to: write_checkpoint_file(path, to, mode)
+                )
                 publish()
         finally:
             if dist.is_initialized():  # every rank's wait() returns once the folder is in place
@@ -113,6 +121,19 @@ def save(
         write()
     else:
         writer.submit(write)
+
+
+def _checksums(folder: str, group: Any) -> dict[str, list[int]]:
+    """``{name: [size, CRC-32]}`` of the files in ``folder``, on every rank; each rank reads a
+    share of them. A collective of ``group`` under torchrun."""
+    names, rank, world = sorted(os.listdir(folder)), get_rank(), get_world_size()
+    error, own = None, {}
+    try:
+        own = checksum.sums(folder, names[rank::world])
+    except OSError as e:
+        error = e
+    shares = raise_on_every_rank(error, own, group=group)
+    return {name: value for share in shares for name, value in share.items()}
 
 
 def _as_write_error(step: Callable[[], Any], folder: str) -> None:
@@ -266,6 +287,7 @@ def _saved_keys(metadata: Any, prefix: str) -> dict[str, Any]:
 def read_weights(path: str) -> dict[str, torch.Tensor]:
     """The model's full weights in the sharded checkpoint at ``path``, as CPU tensors; each
     process reads them alone (no collective)."""
+    files = _checked_names(path)
     entries = _saved_keys(read_metadata(path), "model.")
     try:
         template = {
@@ -277,7 +299,7 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
         raise RuntimeError(f"Checkpoint {path!r} is damaged: its metadata says {e}") from e
     if not template:
         raise RuntimeError(f"Checkpoint {path!r} holds no model weights.")
-    _dcp_load(template, path, alone=True)
+    _load_checked(template, path, files, alone=True)
     return {key[len("model.") :]: value for key, value in template.items()}
 
 
@@ -297,6 +319,7 @@ def read_resumable(
                 f"Checkpoint {path!r} is a directory, not a file (nor a sharded checkpoint: it "
                 f"holds no {STATE_FILE})."
             )
+        files = _checked_names(path)
         data = load_checkpoint_file(os.path.join(path, STATE_FILE))
         if any(key in data for key in ("model", "optimizer")):
             raise RuntimeError(f"Checkpoint {path!r} is damaged: {STATE_FILE} holds model state.")
@@ -319,12 +342,45 @@ def read_resumable(
         for name, entry in optimizer_state["state"].items()
         if (kept := {key: v for key, v in entry.items() if f"{name}.{key}" in in_file})
     }
-    _dcp_load({"model": model, "optimizer": optimizer_state}, path, group)
+    _load_checked({"model": model, "optimizer": optimizer_state}, path, files, group)
     bad = bad_tensors({"model": model, "optimizer": optimizer_state}, parameters)
     if get_world_size() > 1:  # each rank checked its own shards: the ranks agree
         bad = sorted({name for names in all_gather(bad, group=group) for name in names})
     refuse_non_finite(bad, path, weights_only=False)
     return {**data, "model": model, "optimizer": optimizer_state}
+
+
+def _checked_names(path: str) -> dict[str, list[int]]:
+    """The checksums of the sharded checkpoint at ``path``, by file name, once its names, sizes
+    and file types match them (no link followed, no file but the checksums opened); else a
+    RuntimeError naming ``path`` as damaged."""
+    damage, files = checksum.folder_damage(path)
+    refuse_damaged(path, damage)
+    return files
+
+
+def _load_checked(
+    state: dict[str, Any], path: str, files: dict[str, list[int]], group: Any = None,
+    alone: bool = False,
+) -> None:  # fmt: skip
+    """:func:`_dcp_load`, while a thread checks the checksums of the files (``files``), each
+    rank a share of them; a damaged file is named, on every rank, rather than DCP's error."""
+    share = slice(0, None) if alone else slice(get_rank(), None, get_world_size())
+    changed = checksum.checking(lambda: checksum.changed_files(path, files, share))
+    problem: Optional[Exception] = None
+    try:
+        _dcp_load(state, path, group, alone)
+    except RuntimeError as e:
+        problem = e
+    try:
+        refuse_damaged(path, changed())
+    except RuntimeError as e:
+        problem = e
+    if alone:
+        if problem is not None:
+            raise problem
+    else:
+        raise_on_every_rank(problem, group=group)
 
 
 def _mapped(state: Any, tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:

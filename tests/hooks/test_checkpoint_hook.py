@@ -5,6 +5,8 @@ import torch
 
 from trainer.hooks import CheckpointHook
 
+from conftest import save_checkpoint_file
+
 
 def listing(trainer):
     return sorted(os.listdir(trainer.ckpt_dir))
@@ -97,7 +99,7 @@ def test_a_crafted_state_never_deletes_outside_the_checkpoint_folder(make_traine
     path = os.path.join(ckpt_dir, "epoch_1.pth")
     data = torch.load(path, weights_only=True)
     data["hooks"]["CheckpointHook"]["saved"] = [name, "epoch_1.pth"]
-    torch.save(data, path)
+    save_checkpoint_file(data, path)
     resumed = make_trainer(max_epochs=3, max_num_checkpoints=1)
     resumed.train()  # its saves delete the listed names beyond the newest one
     assert victim.read_text() == "keep me"
