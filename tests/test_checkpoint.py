@@ -500,6 +500,23 @@ def test_a_file_without_weights_is_refused_and_pickled_code_never_runs(tmp_path)
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("resume", [True, False])
+def test_load_checkpoint_of_a_file_of_zeros_says_it_is_no_checkpoint(tmp_path, resume):
+    """As a 2 GiB file of zeros would: torch takes it for its old tar format and advises
+    weights_only=False, which the error must not pass on."""
+    _, trainer = pretrained(tmp_path)
+    path = tmp_path / "model.pth"
+    with open(path, "wb") as f:
+        f.truncate(4 << 20)  # 4 MiB of zeros
+    with pytest.raises(RuntimeError) as error:
+        trainer.load_checkpoint(str(path), resume=resume)
+    assert str(error.value) == (
+        f"Checkpoint {str(path)!r} is not a checkpoint torch can read, or is damaged (cut short "
+        "or overwritten): torch.load failed with RuntimeError. Pass a file that torch.save "
+        "wrote, whole (copy it again if it was cut short)."
+    )
+
+
 def test_a_loader_state_that_would_not_load_is_refused_before_saving(make_trainer):
     class StatefulLoader(list):  # a data loader with a state of its own, here not plain data
         def state_dict(self):
