@@ -75,6 +75,30 @@ def test_bad_types_raise_type_errors(tmp_path):
         Trainer(model, opt, None, tiny_loader(), max_epochs=1, work_dir=3)
 
 
+@pytest.mark.parametrize(
+    "work_dir, what",
+    [
+        ("", "is empty (''): the run's checkpoints and logs would go into the current directory"),
+        ("  ", "is blank ('  '): the run's checkpoints and logs would go into a folder named by"),
+        ("\t\n", "is blank ('\\t\\n'): the run's"),
+    ],
+)
+def test_a_blank_work_dir_is_refused_before_anything_is_written(
+    make_trainer, tmp_path, monkeypatch, work_dir, what
+):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as error:
+        make_trainer(work_dir=work_dir)
+    assert str(error.value).startswith(f"work_dir {what}")
+    assert str(error.value).endswith(
+        'Pass a folder name, e.g. work_dir="runs/exp1", or work_dir="." if the current directory '
+        "is really meant."
+    )
+    assert os.listdir(tmp_path) == []
+    make_trainer(work_dir=".")  # the current directory, said so
+    assert os.listdir(tmp_path) == ["checkpoints"]
+
+
 def test_an_empty_data_loader_and_max_epochs_over_a_stream_are_refused(make_trainer):
     with pytest.raises(ValueError, match="data_loader is empty"):
         make_trainer(loader=DataLoader(tiny_dataset(0), batch_size=4))

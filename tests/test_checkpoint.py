@@ -3,6 +3,7 @@
 import collections
 import os
 import re
+import traceback
 
 import numpy as np
 import pytest
@@ -498,6 +499,29 @@ def test_a_file_without_weights_is_refused_and_pickled_code_never_runs(tmp_path)
     with pytest.raises(RuntimeError, match="could not be loaded safely"):
         trainer.load_checkpoint(str(tmp_path / "evil.pth"), resume=False)
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("resume", [True, False])
+def test_load_checkpoint_of_a_file_of_zeros_says_it_is_no_checkpoint(tmp_path, resume):
+    """As a 2 GiB file of zeros would: torch takes it for its old tar format and advises
+    weights_only=False, which the error must not pass on."""
+    _, trainer = pretrained(tmp_path)
+    path = tmp_path / "model.pth"
+    with open(path, "wb") as f:
+        f.truncate(4 << 20)  # 4 MiB of zeros
+    with pytest.raises(RuntimeError) as error:
+        trainer.load_checkpoint(str(path), resume=resume)
+    if resume:  # a checkpoint to resume from must carry its checksum
+        expected = f"Checkpoint {str(path)!r} is damaged: it carries no checksum: "
+    else:  # weights may come from anywhere
+        expected = (
+            f"Checkpoint {str(path)!r} is not a checkpoint torch can read, or is damaged (cut "
+            "short or overwritten): torch.load failed with RuntimeError. Pass a file that "
+            "torch.save wrote, whole (copy it again if it was cut short)."
+        )
+    assert str(error.value).startswith(expected)
+    shown = "".join(traceback.format_exception(error.value))  # what the user sees, causes too
+    assert "weights_only=False" not in shown and "set to `False`" not in shown
 
 
 def test_a_loader_state_that_would_not_load_is_refused_before_saving(make_trainer):

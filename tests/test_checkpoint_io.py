@@ -7,6 +7,7 @@ import stat
 import struct
 import threading
 import time
+import traceback
 import zipfile
 
 import pytest
@@ -52,20 +53,46 @@ def test_missing_file_raises_file_not_found(tmp_path):
         load_checkpoint_file(str(tmp_path / "nope.pth"))
 
 
-def test_garbage_and_truncated_files_name_the_path(tmp_path):
-    garbage = tmp_path / "garbage.pth"
-    garbage.write_bytes(b"not a checkpoint")
-    with pytest.raises(RuntimeError, match="garbage.pth' is damaged: it carries no checksum"):
-        load_checkpoint_file(str(garbage))
-    with pytest.raises(RuntimeError, match="garbage.pth' could not be loaded safely"):
-        load_checkpoint_file(str(garbage), need_checksum=False)  # weights from elsewhere
-    good = tmp_path / "good.pth"
-    save_checkpoint_file({"w": torch.ones(100)}, good)
-    truncated = tmp_path / "truncated.pth"
-    truncated.write_bytes(good.read_bytes()[:200])
-    for need_checksum in (True, False):
-        with pytest.raises(RuntimeError, match="truncated.pth"):
-            load_checkpoint_file(str(truncated), need_checksum)
+def damaged(tmp_path, how: str) -> str:
+    """A file named like a checkpoint that is none, or a damaged one, written ``how``."""
+    torch.save({"model": {"w": torch.randn(64, 64)}}, tmp_path / "good.pth")
+    whole = (tmp_path / "good.pth").read_bytes()
+    noise = torch.randint(0, 256, (1 << 20,), generator=torch.Generator().manual_seed(0))
+    content = {
+        "zeros": bytes(4 << 20),  # as a 2 GiB file of them: torch takes it for its old tar format
+        "random bytes": noise.to(torch.uint8).numpy().tobytes(),
+        "text": b"epoch: 3\nloss: 0.25\n",
+        "empty": b"",
+        "cut in the middle": whole[: len(whole) // 2],
+        "cut short": whole[:100],
+    }[how]
+    path = tmp_path / "iter_8.pth"
+    path.write_bytes(content)
+    return str(path)
+
+
+DAMAGED = ["zeros", "random bytes", "text", "empty", "cut in the middle", "cut short"]
+
+
+@pytest.mark.parametrize("how", DAMAGED)
+def test_a_file_that_is_no_checkpoint_or_a_damaged_one_is_named_as_such(tmp_path, how):
+    """Not with torch's advice to load it with weights_only=False (which, for a file from
+    elsewhere, would run whatever code it holds), not even in the traceback's causes."""
+    path = damaged(tmp_path, how)
+    with pytest.raises(RuntimeError, match=r"iter_8\.pth' is damaged: it carries no checksum"):
+        load_checkpoint_file(path)  # to resume from: a checkpoint must carry its checksum
+    with pytest.raises(RuntimeError) as error:
+        load_checkpoint_file(path, need_checksum=False)  # weights from elsewhere
+    message = str(error.value)
+    assert message.startswith(
+        f"Checkpoint {path!r} is not a checkpoint torch can read, or is damaged (cut short or "
+        "overwritten): torch.load failed with "
+    )
+    assert message.endswith(
+        "Pass a file that torch.save wrote, whole (copy it again if it was cut short)."
+    )
+    shown = "".join(traceback.format_exception(error.value))  # what the user sees, causes too
+    assert "weights_only=False" not in shown and "set to `False`" not in shown
 
 
 def test_a_checkpoint_file_carries_the_checksum_of_its_bytes(tmp_path):
@@ -105,6 +132,49 @@ def test_pickled_code_is_refused_and_never_runs(tmp_path):
     with pytest.raises(RuntimeError, match="evil.pth"):
         load_checkpoint_file(str(path))
     assert not os.path.exists(marker)
+
+
+class RunsACommand:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_checkpoint_that_would_run_a_command_is_refused_without_torchs_advice(tmp_path):
+    marker = tmp_path / "command-ran"
+    path = tmp_path / "evil.pth"
+    save_checkpoint_file({"model": {"w": torch.ones(1)}, "extra": RunsACommand(marker)}, path)
+    with pytest.raises(RuntimeError) as error:
+        load_checkpoint_file(str(path))
+    assert str(error.value) == (
+        f"Checkpoint {str(path)!r} could not be loaded safely (weights_only=True): it would call "
+        f"{os.system.__module__}.system, code that no checkpoint holds. Do not load this file."
+    )
+    shown = "".join(traceback.format_exception(error.value))
+    assert "weights_only=False" not in shown and "set to `False`" not in shown
+    assert not marker.exists()
+
+
+class Settings:
+    """A class of the user's, pickled whole into a checkpoint (which keeps plain data only)."""
+
+    def __init__(self):
+        self.lr = 0.1
+
+
+def test_a_checkpoint_holding_an_object_of_a_class_names_it_and_how_to_allow_it(tmp_path):
+    path = tmp_path / "objects.pth"
+    save_checkpoint_file({"model": {"w": torch.ones(1)}, "settings": Settings()}, path)
+    with pytest.raises(RuntimeError) as error:
+        load_checkpoint_file(str(path))
+    message = str(error.value)
+    assert message.startswith(f"Checkpoint {str(path)!r} could not be loaded safely ")
+    name = f"{Settings.__module__}.Settings"
+    assert f"GLOBAL {name} was not an allowed global by default" in message
+    assert f"torch.serialization.add_safe_globals([{name}])" in message
+    assert "only if you trust the source of the checkpoint" in message
 
 
 def test_a_write_error_without_errno_still_names_the_path(tmp_path, monkeypatch):

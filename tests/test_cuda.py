@@ -93,6 +93,23 @@ def train_forbidding_syncs(trainer, forbidden):
         torch.cuda.set_sync_debug_mode(0)
 
 
+def test_log_checks_cuda_tensors_without_a_sync(tmp_path):
+    """trainer.log's checks read a tensor's type, shape and device, never its value."""
+    trainer = cuda_trainer(tmp_path)
+    weight = trainer.model.net[0].weight  # requires grad
+    n = torch.tensor(3, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        trainer.log(0, total=weight.sum(), corner=weight[:1, :1], n=n, reduce=True)
+        with pytest.raises(ValueError, match="Metric 'row' must be a number or a one-element"):
+            trainer.log(0, row=weight[0])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    trainer.metric_storage.flush(every_rank=True)
+    assert trainer.metric_storage["n"].latest == 3.0
+    assert trainer.metric_storage["corner"].latest == weight[0, 0].item()
+
+
 class DropoutMLP(MLP):
     def __init__(self):
         super().__init__()

@@ -102,8 +102,8 @@ def test_values_that_are_not_one_per_sample_of_a_distributed_sampler_are_refused
 @pytest.mark.parametrize(
     "returned, error, message",
     [
-        (lambda x: (x.sum(1) > 0).float().mean(), TypeError, "must return a non-empty dict"),
-        (lambda x: {}, TypeError, "non-empty dict of per-sample tensors, got dict (empty)"),
+        (lambda x: (x.sum(1) > 0).float().mean(), TypeError, "got a tensor of shape ()"),
+        (lambda x: {}, TypeError, "to per-sample tensors, {name: tensor of shape [batch]}, got an"),
         (lambda x: {"acc": x.sum(1).mean()}, ValueError, "'acc' as shape (); expected a tensor"),
         (lambda x: {"acc": 0.5}, ValueError, "'acc' as <class 'float'>; expected a tensor"),
         (lambda x: {"a": x[:, 0], "b": x[:-1, 0]}, ValueError, "different lengths [1, 2]"),
@@ -114,6 +114,28 @@ def test_what_metric_fn_returns_is_checked(make_trainer, returned, error, messag
     trainer = make_trainer()
     with pytest.raises(error, match=re.escape(message)):
         trainer.evaluate(DataLoader(data(3), batch_size=2), lambda m, b: returned(b[0]))
+
+
+@pytest.mark.parametrize(
+    "returned, got",
+    [
+        (lambda x: (x.sum(1) > 0).float(), "a tensor of shape (2,)"),  # a bare per-sample tensor
+        (lambda x: [x[:, 0]], "list [tensor(["),
+        (lambda x: None, "NoneType None"),
+        (lambda x: 0.5, "float 0.5"),
+    ],
+)
+def test_metric_fn_must_return_a_dict_of_names_to_per_sample_tensors(make_trainer, returned, got):
+    trainer = make_trainer()
+    with pytest.raises(TypeError) as error:
+        trainer.evaluate(DataLoader(data(3), batch_size=2), lambda m, b: returned(b[0]))
+    assert str(error.value).startswith(
+        "metric_fn must return a non-empty dict of metric names to per-sample tensors, "
+        f"{{name: tensor of shape [batch]}}, got {got}"
+    )
+    assert str(error.value).endswith(
+        "Name each value, e.g. return {'acc': (logits.argmax(1) == y).float()}."
+    )
 
 
 def test_loaders_that_would_leave_samples_out_are_refused(make_trainer):

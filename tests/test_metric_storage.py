@@ -5,6 +5,7 @@ import io
 import math
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -130,6 +131,61 @@ def test_log_keeps_tensors_on_device_until_the_log_point(make_trainer):
     assert trainer.metric_storage["acc"].count == 8
     with pytest.raises(ValueError, match=r"'bad' must be a number or a one-element tensor"):
         trainer.log(0, bad=torch.ones(2))
+
+
+NUMBER = "must be a number or a one-element tensor, got"
+PASS = ". Pass an int, float or bool, a NumPy scalar, or a tensor of one value."
+META = "is a tensor on the meta device (shape {}), which holds no value to log; log a number, or"
+
+
+@pytest.mark.parametrize(
+    "value, error, message",
+    [
+        ("high", TypeError, f"{NUMBER} str 'high'; text belongs in a log line, not a metric{PASS}"),
+        (None, TypeError, f"{NUMBER} NoneType None{PASS}"),
+        ([0.5], TypeError, f"{NUMBER} list [0.5]{PASS}"),
+        (np.ones(3), TypeError, f"{NUMBER} ndarray of shape (3,){PASS}"),
+        (torch.ones(2), ValueError, f"{NUMBER} a tensor of shape (2,); reduce it first (e.g. "),
+        (torch.empty(3, device="meta"), ValueError, META.format("(3,)")),
+        (torch.empty((), device="meta"), ValueError, META.format("()")),
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("how", [{}, {"reduce": True}, {"check_finite": True}])
+def test_log_refuses_what_is_not_a_number_naming_the_metric(
+    make_trainer, value, error, message, how
+):
+    trainer = make_trainer()
+    with pytest.raises(error) as raised:  # at the call, not at the next log point
+        trainer.log(0, acc=value, **how)
+    assert str(raised.value).startswith(f"Metric 'acc' {message}")
+    trainer.metric_storage.flush(every_rank=True)
+    assert "acc" not in trainer.metric_storage
+
+
+def test_log_takes_numbers_bools_numpy_scalars_and_one_element_tensors(make_trainer, monkeypatch):
+    """Read as numbers at the log point; before it, log() reads no tensor's value (on a GPU, a
+    sync): its checks look at the type, the shape and the device."""
+    trainer = make_trainer()
+    weight = trainer.model.linear.weight  # requires grad: logged detached
+    reads = []
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _real=real, _name=name, **kwargs):
+            reads.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    for it in range(3):
+        trainer.log(it, grad=weight[0, 0] * 0 + it, column=torch.ones(1, 1) * it, reduce=True)
+        trainer.log(it, flag=it == 1, np32=np.float32(0.5), np0d=np.array(2.0), n=torch.tensor(it))
+    assert reads == []
+    monkeypatch.undo()
+    trainer.metric_storage.flush(every_rank=True)
+    storage = trainer.metric_storage
+    assert {name: storage[name].global_sum for name in storage} == {
+        "grad": 3.0, "column": 3.0, "flag": 1.0, "np32": 1.5, "np0d": 6.0, "n": 3.0,
+    }  # fmt: skip
 
 
 def test_a_series_of_numbers_and_tensors_is_flushed_in_order(make_trainer):

@@ -45,7 +45,7 @@ def check_arguments(settings: dict[str, Any], built_in_step: bool) -> Optional[i
         settings["lr_scheduler"],
     )
     _check_types(model, optimizer, lr_scheduler, settings["data_loader"])
-    check_type("work_dir", settings["work_dir"], (str, os.PathLike), "a str or os.PathLike path")
+    _check_work_dir(settings["work_dir"])
     for name, (types, what) in (
         ("unpack_batch_dict", _FLAG),
         ("clip_grad_norm", _NUMBER),
@@ -131,6 +131,19 @@ def _check_types(model: Any, optimizer: Any, lr_scheduler: Any, data_loader: Any
         )
     if not hasattr(data_loader, "__iter__"):
         raise TypeError(f"data_loader must be iterable, got {type(data_loader).__name__}.")
+
+
+def _check_work_dir(work_dir: Any) -> None:
+    check_type("work_dir", work_dir, (str, os.PathLike), "a str or os.PathLike path")
+    path = os.fspath(work_dir)
+    if not path.strip():  # os.path takes "" for the current directory, "  " for a folder
+        what = "empty" if not path else "blank"
+        where = "the current directory" if not path else "a folder named by blanks"
+        raise ValueError(
+            f"work_dir is {what} ({work_dir!r}): the run's checkpoints and logs would go into "
+            f'{where}. Pass a folder name, e.g. work_dir="runs/exp1", or work_dir="." if the '
+            "current directory is really meant."
+        )
 
 
 def _check_wiring(model: nn.Module, optimizer: Optimizer, lr_scheduler: Any) -> None:

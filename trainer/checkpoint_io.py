@@ -7,6 +7,7 @@ of an atomic write ends in :data:`TEMP_SUFFIX`, which a start looks for."""
 import collections
 import logging
 import os
+import pickle
 import re
 import shutil
 import tempfile
@@ -304,10 +305,8 @@ def load_checkpoint_file(path: str, need_checksum: bool = True) -> dict[str, Any
     try:
         data = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:
-        refuse_damaged(path, damage())
-        raise RuntimeError(
-            f"Checkpoint {path!r} could not be loaded safely (weights_only=True): {e}"
-        ) from e
+        if damage() is None:  # else the damage is the reason, raised below (without torch's)
+            _raise_read_failure(path, e)
     refuse_damaged(path, damage())
     if not isinstance(data, dict):
         raise RuntimeError(f"Checkpoint {path!r} holds a {type(data).__name__}, expected a dict.")
@@ -320,6 +319,32 @@ def refuse_damaged(path: str, damage: Optional[str]) -> None:
         raise RuntimeError(
             f"Checkpoint {path!r} is damaged: {damage}. Use an older checkpoint, or another copy."
         )
+
+
+def _raise_read_failure(path: str, error: Exception) -> NoReturn:
+    """Raise a RuntimeError naming ``path`` for what ``torch.load(weights_only=True)`` refused:
+    a pickle of code, of another object (a class of the user's: torch's message names it and how
+    to allow it), or a file that is no checkpoint or a damaged one. For code and for such files,
+    never torch's advice to load them with ``weights_only=False``, not even in the cause."""
+    text = str(error)
+    blocked = re.search(r"GLOBAL (\S+) whose module \S+ is blocked", text)
+    if isinstance(error, pickle.UnpicklingError) and blocked:
+        raise RuntimeError(
+            f"Checkpoint {path!r} could not be loaded safely (weights_only=True): it would call "
+            f"{blocked[1]}, code that no checkpoint holds. Do not load this file."
+        ) from None
+    if isinstance(error, pickle.UnpicklingError) and "GLOBAL " in text:
+        raise RuntimeError(
+            f"Checkpoint {path!r} could not be loaded safely (weights_only=True): {error}"
+        ) from error
+    advice = "weights_only" in text  # torch's, to load it with weights_only=False
+    sentence = "" if advice else text.split(". ")[0]
+    raise RuntimeError(
+        f"Checkpoint {path!r} is not a checkpoint torch can read, or is damaged (cut short or "
+        f"overwritten): torch.load failed with {type(error).__name__}"
+        f"{f': {sentence}' if sentence else ''}. Pass a file that torch.save wrote, whole (copy "
+        "it again if it was cut short)."
+    ) from (None if advice else error)
 
 
 def check_finite(data: dict[str, Any], path: str, parameters: Collection[str]) -> None:

@@ -224,9 +224,15 @@ def _checked(values: Any, names: Optional[Any]) -> dict[str, torch.Tensor]:
     """``metric_fn``'s result, checked: a dict of same-length 1-D tensors, under the names of
     the first batch (shapes only: no host-device sync)."""
     if not isinstance(values, dict) or not values:
+        if isinstance(values, torch.Tensor):  # its shape, not its values (a host read)
+            returned = f"a tensor of shape {tuple(values.shape)}"
+        elif isinstance(values, dict):
+            returned = "an empty dict"
+        else:
+            returned = f"{type(values).__name__} {values!r:.60}"
         raise TypeError(
-            f"metric_fn must return a non-empty dict of per-sample tensors, got "
-            f"{type(values).__name__}{'' if values else ' (empty)'}. Example: "
+            "metric_fn must return a non-empty dict of metric names to per-sample tensors, "
+            f"{{name: tensor of shape [batch]}}, got {returned}. Name each value, e.g. return "
             "{'acc': (logits.argmax(1) == y).float()}."
         )
     lengths = set()

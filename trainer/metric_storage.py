@@ -56,6 +56,7 @@ class MetricStorage(Mapping):
         metric's updates). ``smooth``: whether :attr:`values_maybe_smooth` reports the window mean
         or the latest value; a metric keeps the choice of its first update."""
         for name, value in values.items():
+            _check_metric(name, value)
             buffer = self._buffer(name, smooth)
             self._latest_iter[name] = buffer.count if iter is None else iter
             buffer.update(value)
@@ -125,7 +126,8 @@ class MetricStorage(Mapping):
     ) -> None:
         """Record values of iteration ``iter``: this rank's own numbers (not ``reduce``-d or
         ``check_finite``) at once, as :meth:`update` does; scalar tensors and the rest at the next
-        :meth:`flush` (a one-element tensor is reshaped and detached; one of several raises)."""
+        :meth:`flush` (a one-element tensor is reshaped and detached; what is neither a number
+        nor a one-element tensor with a value raises, naming the metric)."""
         if not (reduce or check_finite):
             now = {
                 name: value
@@ -134,14 +136,13 @@ class MetricStorage(Mapping):
             }
             self.update(iter, smooth, **now)
             metrics = {name: value for name, value in metrics.items() if name not in now}
-        # Called every iteration, so kept lean: a detached scalar tensor (a loss) passes as is.
+        # Called every iteration, so kept lean: a detached scalar tensor (a loss) passes on its
+        # metadata, never its value (a CUDA tensor's would be a sync)
         for name, value in metrics.items():
-            if isinstance(value, torch.Tensor) and (value.requires_grad or value.dim()):
-                if value.numel() != 1:
-                    raise ValueError(
-                        f"Metric {name!r} must be a number or a one-element tensor, got a tensor "
-                        f"of shape {tuple(value.shape)}; reduce it first (e.g. .mean())."
-                    )
+            if not isinstance(value, torch.Tensor):
+                _check_metric(name, value)
+            elif value.requires_grad or value.dim() or value.is_meta:
+                _check_metric(name, value)
                 value = value.detach().reshape(())
             series = self._pending.get(name)
             if series is None:
@@ -198,6 +199,34 @@ class MetricStorage(Mapping):
             f"{what} became NaN or infinite at iteration {first_bad}{epoch}: "
             f"{at_first_bad}. Lower the LR, enable "
             "clip_grad_norm, or check the data of that iteration."
+        )
+
+
+def _check_metric(name: str, value: Any) -> None:
+    """Refuse a metric ``value`` that is neither a number nor a one-element tensor that holds a
+    value, from its type, shape and device: never its value (a CUDA tensor's would be a sync)."""
+    if isinstance(value, torch.Tensor):
+        if value.is_meta:
+            raise ValueError(
+                f"Metric {name!r} is a tensor on the meta device (shape {tuple(value.shape)}), "
+                "which holds no value to log; log a number, or a one-element tensor computed on "
+                "a real device (cpu, cuda)."
+            )
+        if value.numel() != 1:
+            raise ValueError(
+                f"Metric {name!r} must be a number or a one-element tensor, got a tensor of shape "
+                f"{tuple(value.shape)}; reduce it first (e.g. .mean())."
+            )
+        return
+    # a number has __float__ (bool, NumPy scalars and 0-d arrays too; a str has not)
+    if not hasattr(value, "__float__") or getattr(value, "ndim", 0) != 0:
+        shape = getattr(value, "shape", None)
+        got = f" of shape {tuple(shape)}" if shape is not None else f" {value!r:.60}"
+        text = "; text belongs in a log line, not a metric" if isinstance(value, str) else ""
+        raise TypeError(
+            f"Metric {name!r} must be a number or a one-element tensor, got "
+            f"{type(value).__name__}{got}{text}. Pass an int, float or bool, a NumPy scalar, or "
+            "a tensor of one value."
         )
 
 

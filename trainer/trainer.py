@@ -564,10 +564,10 @@ class Trainer:
         check_finite: bool = False,
         **metrics: Union[float, torch.Tensor],
     ) -> None:
-        """Record ``metrics`` of iteration ``iter``, shown as their window mean (``smooth``) or
-        latest value. Tensors, and what is ``reduce``-d (averaged over ranks) or
-        ``check_finite`` (a NaN raises), wait on their device for the next log point; a rank's
-        own numbers go in at once."""
+        """Record ``metrics`` (numbers or one-element tensors) of iteration ``iter``, shown as
+        their window mean (``smooth``) or latest value. Tensors, and what is ``reduce``-d
+        (averaged over ranks) or ``check_finite`` (a NaN raises), wait on their device for the
+        next log point; a rank's own numbers go in at once."""
         self._storage.add(iter, metrics, smooth, check_finite, reduce)
 
     def log_losses(self, **losses: torch.Tensor) -> None:

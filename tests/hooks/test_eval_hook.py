@@ -138,6 +138,19 @@ def test_the_exact_forms_clash_names_metric_fn(make_trainer):
         trainer.train()
 
 
+def test_a_metric_fn_returning_a_bare_tensor_is_told_to_name_it(make_trainer):
+    def per_sample_error(model, batch):
+        return model.linear(batch[0]).squeeze(1)  # the values, without a name
+
+    trainer = make_trainer(max_epochs=1)
+    loader = [(torch.zeros(2, 4),)]
+    trainer.register_hook(EvalHook(1, data_loader=loader, metric_fn=per_sample_error))
+    with pytest.raises(TypeError) as error:
+        trainer.train()
+    assert str(error.value).startswith("metric_fn must return a non-empty dict of metric names")
+    assert "got a tensor of shape (2,). Name each value, e.g. return {'acc': " in str(error.value)
+
+
 def test_two_eval_hooks_returning_one_name_are_refused(make_trainer):
     trainer = make_trainer(max_epochs=2)
     trainer.register_hooks([EvalHook(1, lambda: {"acc": 0.5}), EvalHook(1, lambda: {"acc": 0.7})])
