@@ -368,6 +368,17 @@ try:
     trainer.evaluate(DataLoader(data, batch_size=2, shuffle=True), normalized)
 except ValueError as e:
     results["shuffled"] = str(e)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(data)
+
+
+try:
+    trainer.evaluate(DataLoader(Stream(), batch_size=2), normalized)
+except ValueError as e:
+    results["stream"] = str(e)
 by_hand = torch.utils.data.Subset(data, range(rank, 5, 2))  # 3 samples on rank 0, 2 on rank 1
 try:
     trainer.evaluate(DataLoader(by_hand, batch_size=1), normalized)
@@ -386,7 +397,8 @@ def test_two_ranks_evaluate_five_samples_exactly_with_both_loader_shapes(tmp_pat
     model, a DDP one and an FSDP2 one, whose ranks see different numbers of batches (rank 1
     none, with batches of 5) and run as many forwards. The eval_func form, averaging each
     rank's mean over its padded shard, logs 0.6667. A DDP model's buffers are rank 0's while it
-    is evaluated; a shuffling loader, which orders the data by each rank's RNG, is refused."""
+    is evaluated; a shuffling loader, which orders the data by each rank's RNG, and a stream,
+    which may give each rank its own part, are refused."""
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent(WORKER))
     cmd = torchrun_command("--nproc_per_node", "2", str(script), str(tmp_path / "work"))
@@ -402,5 +414,6 @@ def test_two_ranks_evaluate_five_samples_exactly_with_both_loader_shapes(tmp_pat
         assert results.pop("own buffer kept") is True
         assert "shuffles (its sampler is a RandomSampler)" in results.pop("shuffled")
         assert "data_loaders gave [3, 2] batches" in results.pop("sharded by hand")
+        assert "data_loader is over an IterableDataset (Stream)" in results.pop("stream")
         assert results == {name: pytest.approx(0.8) for name in results}, results
         assert len(results) == 13
