@@ -30,8 +30,6 @@ from test_resume import (
     wait_for_training,
 )
 
-pytestmark = pytest.mark.slow  # torchrun runs
-
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
@@ -50,6 +48,7 @@ def latest(work):
     return ckpt_dir / (ckpt_dir / "latest.txt").read_text().strip()
 
 
+@pytest.mark.slow
 def test_every_rank_writes_its_own_shards_and_rank_0_the_rest(runs):
     folder = runs / "sharded" / "checkpoints" / "iter_12.pth"
     assert sorted(os.listdir(folder)) == [".metadata", "__0_0.distcp", "__1_0.distcp", STATE_FILE]
@@ -105,6 +104,7 @@ def named_optimizer_state(trainer):
     return {names[i]: s["momentum_buffer"] for i, s in state.items()}
 
 
+@pytest.mark.slow
 def test_two_ranks_checkpoint_resumes_exactly_in_one_unsharded_process(tmp_path, runs, caplog):
     trainer = plain_trainer(tmp_path)
     trainer.load_checkpoint(str(runs / "sharded" / "checkpoints" / "iter_12.pth"))
@@ -120,6 +120,7 @@ def test_two_ranks_checkpoint_resumes_exactly_in_one_unsharded_process(tmp_path,
     assert "with 2 processes x batches of 4 to 1 x 4" in caplog.text
 
 
+@pytest.mark.slow
 def test_weights_alone_load_into_a_plain_model_and_into_one_file(tmp_path, runs):
     folder = runs / "sharded" / "checkpoints" / "epoch_3.pth"
     final = {k.removeprefix("net."): v for k, v in load(runs / "sharded.pth").items()}
@@ -143,6 +144,7 @@ def test_weights_alone_load_into_a_plain_model_and_into_one_file(tmp_path, runs)
     assert_bit_equal(plain.state_dict(), final)
 
 
+@pytest.mark.slow
 def test_the_one_file_command_says_what_is_wrong(tmp_path, runs):
     folder, file = (runs / kind / "checkpoints" / "epoch_3.pth" for kind in ("sharded", "full"))
     for args, message in [
@@ -156,6 +158,7 @@ def test_the_one_file_command_says_what_is_wrong(tmp_path, runs):
             sharded_main(args)
 
 
+@pytest.mark.slow
 def test_a_mismatched_model_is_refused_with_the_keys(tmp_path, runs):
     trainer = plain_trainer(tmp_path)
     trainer.model.net[3] = nn.Linear(16, 2)
@@ -163,6 +166,7 @@ def test_a_mismatched_model_is_refused_with_the_keys(tmp_path, runs):
         trainer.load_checkpoint(str(runs / "sharded" / "checkpoints" / "iter_12.pth"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank, nth_save", [(0, 19), (1, 34)])
 def test_a_rank_killed_while_writing_leaves_the_last_checkpoint_and_reruns_bit_exact(
     tmp_path, runs, rank, nth_save
@@ -183,6 +187,7 @@ def test_a_rank_killed_while_writing_leaves_the_last_checkpoint_and_reruns_bit_e
     assert not [name for name in os.listdir(ckpt_dir) if name.endswith(".tmp")]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_moved_aside_to_be_replaced_is_put_back_after_a_crash(tmp_path, runs):
     ckpt_dir = tmp_path / "work" / "checkpoints"
     shutil.copytree(runs / "sharded" / "checkpoints", ckpt_dir)
@@ -211,6 +216,7 @@ def test_either_kind_replaces_a_checkpoint_of_the_other_kind_and_name(tmp_path):
         assert_bit_equal(resumed.model.state_dict(), trainer.model.state_dict())
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_rank_saves_one_sharded_checkpoint_and_reruns_bit_exact(tmp_path, runs):
     work, out = tmp_path / "work", tmp_path / "out.pth"
     proc = start_torchrun(
@@ -235,6 +241,7 @@ def test_sigterm_to_one_rank_saves_one_sharded_checkpoint_and_reruns_bit_exact(t
     assert len([name for name in os.listdir(work / "checkpoints") if name != "latest.txt"]) == 3
 
 
+@pytest.mark.slow
 def test_killed_after_the_rename_before_the_pointer_resumes_as_latest_txt_says(tmp_path, runs):
     work, out = tmp_path / "work", tmp_path / "out.pth"
     code, _ = torchrun(work, out, SHARD=1, CLIP=0.05, KILL_BEFORE_POINTER=2, KILL_RANK=0)
@@ -246,6 +253,7 @@ def test_killed_after_the_rename_before_the_pointer_resumes_as_latest_txt_says(t
     assert_bit_equal(load(out), load(runs / "sharded.pth"))
 
 
+@pytest.mark.slow
 def test_two_ranks_killed_resume_on_one_process_and_one_rank_on_two(tmp_path):
     work = tmp_path / "two"
     code, _ = torchrun(work, tmp_path / "x", SHARD=1, KILL_AT_ITER=7, KILL_WHEN_SAVED=1)
@@ -320,6 +328,7 @@ def craft(folder, part, marker):
 @pytest.mark.parametrize(
     "part", ["metadata", "entry", "trainer.pth", "a path outside", "damaged metadata"]
 )
+@pytest.mark.slow
 def test_a_sharded_checkpoint_carrying_code_is_skipped_and_never_runs(tmp_path, runs, part, caplog):
     work = tmp_path / "work"
     shutil.copytree(runs / "sharded", work)
@@ -423,6 +432,7 @@ print(f"{rank} a.pth holds the weights before the change {same}", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_a_save_blocks_only_while_staging_and_the_next_save_and_train_end_wait(tmp_path):
     out = run_script(tmp_path, ASYNC_SCRIPT, tmp_path / "work")
     for rank in (0, 1):  # on every rank, wait() returns once the checkpoint is in place
@@ -453,6 +463,7 @@ except ValueError as e:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sharded", "full"])
 def test_shards_in_a_hooks_state_are_refused_not_saved_as_rank_0s(tmp_path, kind):
     out = run_script(tmp_path, EMA_SCRIPT, tmp_path / "work", kind)
@@ -509,6 +520,7 @@ def scenario(tmp_path, name, kind, epochs):
     return run_script(tmp_path, SCENARIO_SCRIPT, tmp_path / "work", name, kind, epochs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sharded", "full"])
 @pytest.mark.parametrize("name", ["unused parameter", "plain sgd"])
 def test_state_missing_for_some_parameters_or_all_resumes(tmp_path, name, kind):
@@ -522,12 +534,14 @@ def test_state_missing_for_some_parameters_or_all_resumes(tmp_path, name, kind):
         assert f"{rank} unused parameters with optimizer state: 0" in out
 
 
+@pytest.mark.slow
 def test_buffers_that_differ_by_rank_are_named_in_a_warning(tmp_path):
     scenario(tmp_path, "batchnorm", "sharded", epochs=1)
     log = (tmp_path / "work" / "log.txt").read_text()
     assert log.count("The model's buffers norm.running_mean, norm.running_var differ by") == 1
 
 
+@pytest.mark.slow
 def test_after_a_crash_every_rank_resumes_the_checkpoint_put_back(tmp_path):
     # killed between the renames of a save of epoch_1.pth again, its only checkpoint: rank 0
     # puts it back before any rank lists the checkpoints
@@ -540,6 +554,7 @@ def test_after_a_crash_every_rank_resumes_the_checkpoint_put_back(tmp_path):
         assert f"{rank} trained from 2 to 4" in out, out
 
 
+@pytest.mark.slow
 def test_a_rank_that_cannot_write_stops_every_rank_with_the_os_error(tmp_path):
     out = scenario(tmp_path, "disk full", "sharded", epochs=4)
     for rank in (0, 1):
@@ -550,6 +565,7 @@ def test_a_rank_that_cannot_write_stops_every_rank_with_the_os_error(tmp_path):
     assert "Training failed" in (tmp_path / "work" / "log_rank1.txt").read_text()
 
 
+@pytest.mark.slow
 def test_waiting_on_one_rank_leaves_the_next_save_to_every_rank(tmp_path):
     out = scenario(tmp_path, "wait on rank 0", "sharded", epochs=1)
     for rank in (0, 1):
