@@ -2,6 +2,7 @@
 shards in the background, a checkpoint is whole or absent, it loads on another number of
 processes, and loading it runs no code from its files."""
 
+import hashlib
 import os
 import pickle
 import re
@@ -142,17 +143,140 @@ def test_weights_alone_load_into_a_plain_model_and_into_one_file(tmp_path, runs)
     plain = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
     plain.load_state_dict({k.removeprefix("net."): v for k, v in load(tmp_path / "w.pth").items()})
     assert_bit_equal(plain.state_dict(), final)
+    # asked to write into the checkpoint, it exits 1 with one line, the checkpoint as it was
+    copy = tmp_path / "copy.pth"
+    shutil.copytree(folder, copy)
+    before = hashes(copy)
+    command[-2:] = [str(copy), str(copy / STATE_FILE)]
+    proc = subprocess.run(command, env=cpu_env(), capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith(f"OUT {copy / STATE_FILE} is CHECKPOINT_FOLDER {copy} or a")
+    assert proc.stderr.count("\n") == 1 and hashes(copy) == before
 
 
-@pytest.mark.slow
-def test_the_one_file_command_says_what_is_wrong(tmp_path, runs):
-    folder, file = (runs / kind / "checkpoints" / "epoch_3.pth" for kind in ("sharded", "full"))
+# The export command, on checkpoints saved in this process
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """plain_trainer's checkpoints saved in this process, a sharded one (epoch_3.pth) and a
+    full file (full.pth), with the weights they hold."""
+    work = tmp_path_factory.mktemp("saved")
+    trainer = plain_trainer(work)
+    for name, sharded in (("epoch_3.pth", True), ("full.pth", False)):
+        trainer.checkpointer.sharded = sharded
+        trainer.save_checkpoint(name)
+        trainer.checkpointer.wait()
+    return work / "checkpoints", trainer.model.state_dict()
+
+
+@pytest.fixture
+def exporting(tmp_path, saved, monkeypatch):
+    """A copy of the saved checkpoints in ``tmp_path/checkpoints``, with links to them, and
+    ``tmp_path`` the current directory; the sharded checkpoint's path."""
+    shutil.copytree(saved[0], tmp_path / "checkpoints")
+    monkeypatch.chdir(tmp_path)
+    os.symlink("checkpoints/epoch_3.pth", "linked")  # the folder by another name
+    os.symlink("checkpoints", "parent")  # the folder it is in
+    os.symlink(f"checkpoints/epoch_3.pth/{STATE_FILE}", "state.pth")  # a file of the folder
+    return tmp_path / "checkpoints" / "epoch_3.pth"
+
+
+def hashes(root):
+    """What is under ``root``: each file's SHA-256, each link's target, each folder, by path."""
+    found = {}
+    for folder, folders, files in os.walk(root):
+        for name in folders + files:
+            path = os.path.join(folder, name)
+            if os.path.islink(path):
+                found[path] = ("link", os.readlink(path))
+            elif os.path.isdir(path):
+                found[path] = ("folder",)
+            else:
+                with open(path, "rb") as f:
+                    found[path] = ("file", hashlib.sha256(f.read()).hexdigest())
+    return found
+
+
+INSIDE = [  # (CHECKPOINT_FOLDER, OUT): OUT is the folder or inside it, however spelled
+    ("checkpoints/epoch_3.pth", f"checkpoints/epoch_3.pth/{STATE_FILE}"),
+    ("checkpoints/epoch_3.pth", "checkpoints/epoch_3.pth/.metadata"),
+    ("checkpoints/epoch_3.pth", "checkpoints/epoch_3.pth/model.pth"),  # a new file
+    ("checkpoints/epoch_3.pth", "checkpoints/../checkpoints/./epoch_3.pth/.metadata"),
+    ("checkpoints/epoch_3.pth", "{cwd}/checkpoints/epoch_3.pth/__0_0.distcp"),
+    ("checkpoints/epoch_3.pth", "checkpoints/epoch_3.pth"),  # the folder itself
+    ("checkpoints/epoch_3.pth", "checkpoints/epoch_3.pth/"),
+    ("checkpoints/epoch_3.pth", "checkpoints//epoch_3.pth/."),
+    ("checkpoints/epoch_3.pth", f"linked/{STATE_FILE}"),  # through links
+    ("checkpoints/epoch_3.pth", "linked"),
+    ("checkpoints/epoch_3.pth", "parent/epoch_3.pth/model.pth"),
+    ("checkpoints/epoch_3.pth", "linked/../epoch_3.pth/model.pth"),  # as the kernel resolves it
+    ("checkpoints/epoch_3.pth", "state.pth"),
+    ("linked/", f"checkpoints/epoch_3.pth/{STATE_FILE}"),  # the folder spelled otherwise
+    ("{cwd}/parent/../checkpoints/epoch_3.pth/", "linked/.metadata"),
+]
+
+
+@pytest.mark.parametrize("folder, out", INSIDE)
+def test_the_export_refuses_to_write_into_the_checkpoint_and_leaves_it_byte_identical(
+    exporting, folder, out
+):
+    folder, out = (arg.format(cwd=os.getcwd()) for arg in (folder, out))
+    before = hashes(os.getcwd())  # the checkpoints, the links, the current directory
+    with pytest.raises(SystemExit) as refused:
+        sharded_main([folder, out])
+    said = refused.value.code  # a message: exit status 1
+    inside = f"OUT {out} is CHECKPOINT_FOLDER {folder} or a path inside it (it resolves to "
+    assert said.startswith(inside + os.path.realpath(exporting)), said
+    assert said.endswith("Give a path outside that folder, e.g. model.pth.") and "\n" not in said
+    assert hashes(os.getcwd()) == before
+
+
+@pytest.mark.parametrize(
+    "out, message",
+    [
+        ("-", "OUT is '-': the weights are not written to stdout (a state_dict file is binary)."),
+        ("checkpoints", "OUT checkpoints is a directory: give the path of a file, e.g. "),
+        ("no/such/model.pth", "OUT no/such/model.pth cannot be written: its folder {cwd}/no/such"),
+    ],
+)
+def test_the_export_refuses_an_output_it_cannot_write(exporting, out, message):
+    before = hashes(os.getcwd())  # no file named "-" either
+    with pytest.raises(SystemExit) as refused:
+        sharded_main([str(exporting), out])
+    said = refused.value.code
+    assert said.startswith(message.format(cwd=os.getcwd())) and "\n" not in said, said
+    assert hashes(os.getcwd()) == before
+
+
+def test_the_export_writes_the_weights_and_the_checkpoint_still_resumes(exporting, saved):
+    before = hashes(exporting)
+    os.link(exporting / STATE_FILE, "same_file.pth")  # one file, two names: replaced, not written
+    for out in ("model.pth", "same_file.pth"):
+        said = sharded_main([str(exporting), out])
+        assert said == f"Wrote the model weights of {exporting} to {out}."
+        assert_bit_equal(torch.load(out, weights_only=True), saved[1])
+    assert hashes(exporting) == before
+    resumed = plain_trainer("resumed")
+    resumed.load_checkpoint(str(exporting))
+    assert_bit_equal(resumed.model.state_dict(), saved[1])
+
+
+def test_the_export_command_says_what_is_wrong(exporting, capsys):
+    with pytest.raises(SystemExit) as e:
+        sharded_main(["--help"])
+    assert e.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps its lines
+    usage = "usage: python -m trainer.sharded_checkpoint [-h] CHECKPOINT_FOLDER OUT"
+    assert shown.startswith(usage)
+    assert "and '-' (the file is binary: it is not written to stdout)" in shown
+    with pytest.raises(SystemExit) as e:
+        sharded_main([])
+    assert e.value.code == 2
+    assert "the following arguments are required: CHECKPOINT_FOLDER, OUT" in capsys.readouterr().err
     for args, message in [
-        ([], "usage: python -m trainer.sharded_checkpoint CHECKPOINT_FOLDER OUT.pth"),
-        (["--help", "x"], "usage:"),
-        ([str(tmp_path / "nope"), "x"], "is not a sharded checkpoint (a folder with trainer.pth)"),
-        ([str(file), "x"], "is one checkpoint file already: torch.load(path, weights_only=True)"),
-        ([str(folder), str(tmp_path / "no" / "x")], "cannot be written: its folder does not"),
+        (["nope", "x.pth"], "CHECKPOINT_FOLDER nope is not a sharded checkpoint (a folder with"),
+        (["checkpoints/full.pth", "x.pth"], "checkpoints/full.pth is one checkpoint file already"),
     ]:
         with pytest.raises(SystemExit, match=re.escape(message)):
             sharded_main(args)
