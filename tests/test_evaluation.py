@@ -16,10 +16,12 @@ from torch.utils.data import (
     BatchSampler,
     DataLoader,
     DistributedSampler,
+    IterableDataset,
     RandomSampler,
     SequentialSampler,
     TensorDataset,
     WeightedRandomSampler,
+    get_worker_info,
 )
 
 from trainer import HookBase
@@ -164,6 +166,72 @@ def test_loaders_that_would_leave_samples_out_are_refused(make_trainer):
     # a DistributedSampler of this one process is fine: the whole set, in its order
     one = DistributedSampler(data(10), num_replicas=1, rank=0)
     assert trainer.evaluate(DataLoader(data(10), sampler=one), squared_error)["one"] == 1.0
+
+
+class Stream(IterableDataset):
+    """data()'s samples ``(x, y, index)`` as a stream; with workers, each yields every
+    num_workers-th sample, as PyTorch documents."""
+
+    def __init__(self, n=10):
+        self.n = n
+
+    def __iter__(self):
+        info = get_worker_info()
+        first, step = (0, 1) if info is None else (info.id, info.num_workers)
+        x, y = data(self.n).tensors
+        for i in range(first, self.n, step):
+            yield x[i], y[i], torch.tensor(i)
+
+
+def indexed(seen):
+    """squared_error of ``(x, y, index)`` batches, with each sample's index as a value, noting
+    the indices evaluated in ``seen`` (metric_fn runs in this process, workers or not)."""
+
+    def metric_fn(model, batch):
+        x, y, index = batch
+        seen.extend(index.tolist())
+        return {**squared_error(model, (x, y)), "index": index.double()}
+
+    return metric_fn
+
+
+def exact(model, n=10):
+    """The mean squared error of data(n) in one batch, by hand; the mean index, 4.5 for 10."""
+    x, y = data(n).tensors
+    with torch.no_grad():
+        return {"se": ((model.linear(x) - y) ** 2).double().mean().item(), "index": (n - 1) / 2}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_one_process_evaluates_a_stream_each_sample_once(make_trainer, num_workers):
+    trainer = make_trainer()
+    seen = []
+    loader = DataLoader(Stream(10), batch_size=3, num_workers=num_workers)
+    results = trainer.evaluate(loader, indexed(seen))
+    assert sorted(seen) == list(range(10))  # with workers, their batches interleave
+    want = exact(trainer.model)
+    assert results == {"se": pytest.approx(want["se"], rel=1e-6), "one": 1.0, "index": 4.5}
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_eval_hook_evaluates_a_stream_each_sample_once(make_trainer, num_workers):
+    trainer = make_trainer(max_epochs=2)
+    seen = []
+    loader = DataLoader(Stream(10), batch_size=4, num_workers=num_workers)
+    trainer.register_hook(EvalHook(1, data_loader=loader, metric_fn=indexed(seen)))
+    trainer.train()
+    assert sorted(seen) == sorted(list(range(10)) * 2)  # two evaluations
+    rows = [json.loads(r) for r in open(os.path.join(trainer.work_dir, "metrics.jsonl"))]
+    last = [r for r in rows if "index" in r][-1]  # after the last epoch: the final weights
+    want = exact(trainer.model)
+    assert (last["iter"], last["index"], last["one"]) == (15, 4.5, 1.0)
+    assert last["se"] == pytest.approx(want["se"], rel=1e-6)
+
+
+def test_a_stream_that_drops_its_last_batch_is_refused(make_trainer):
+    """A stream's length is unknown: whatever it holds, drop_last may leave samples out."""
+    with pytest.raises(ValueError, match="drop_last=True over an IterableDataset \\(Stream\\)"):
+        make_trainer().evaluate(DataLoader(Stream(10), 5, drop_last=True), indexed([]))
 
 
 def test_eval_hook_logs_exact_results_and_best_checkpoint_judges_them(
@@ -322,6 +390,17 @@ try:
     trainer.evaluate(DataLoader(data, batch_size=2, shuffle=True), normalized)
 except ValueError as e:
     results["shuffled"] = str(e)
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(data)
+
+
+try:
+    trainer.evaluate(DataLoader(Stream(), batch_size=2), normalized)
+except ValueError as e:
+    results["stream"] = str(e)
 by_hand = torch.utils.data.Subset(data, range(rank, 5, 2))  # 3 samples on rank 0, 2 on rank 1
 try:
     trainer.evaluate(DataLoader(by_hand, batch_size=1), normalized)
@@ -340,7 +419,8 @@ def test_two_ranks_evaluate_five_samples_exactly_with_both_loader_shapes(tmp_pat
     model, a DDP one and an FSDP2 one, whose ranks see different numbers of batches (rank 1
     none, with batches of 5) and run as many forwards. The eval_func form, averaging each
     rank's mean over its padded shard, logs 0.6667. A DDP model's buffers are rank 0's while it
-    is evaluated; a shuffling loader, which orders the data by each rank's RNG, is refused."""
+    is evaluated; a shuffling loader, which orders the data by each rank's RNG, and a stream,
+    which may give each rank its own part, are refused."""
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent(WORKER))
     cmd = torchrun_command("--nproc_per_node", "2", str(script), str(tmp_path / "work"))
@@ -356,5 +436,6 @@ def test_two_ranks_evaluate_five_samples_exactly_with_both_loader_shapes(tmp_pat
         assert results.pop("own buffer kept") is True
         assert "shuffles (its sampler is a RandomSampler)" in results.pop("shuffled")
         assert "data_loaders gave [3, 2] batches" in results.pop("sharded by hand")
+        assert "data_loader is over an IterableDataset (Stream)" in results.pop("stream")
         assert results == {name: pytest.approx(0.8) for name in results}, results
         assert len(results) == 13

@@ -2,6 +2,7 @@
 shards in the background, a checkpoint is whole or absent, it loads on another number of
 processes, and loading it runs no code from its files."""
 
+import hashlib
 import json
 import os
 import pickle
@@ -32,8 +33,6 @@ from test_resume import (
     wait_for_training,
 )
 
-pytestmark = pytest.mark.slow  # torchrun runs
-
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
@@ -52,6 +51,7 @@ def latest(work):
     return ckpt_dir / (ckpt_dir / "latest.txt").read_text().strip()
 
 
+@pytest.mark.slow
 def test_every_rank_writes_its_own_shards_and_rank_0_the_rest(runs):
     folder = runs / "sharded" / "checkpoints" / "iter_12.pth"
     assert sorted(os.listdir(folder)) == [
@@ -113,6 +113,7 @@ def named_optimizer_state(trainer):
     return {names[i]: s["momentum_buffer"] for i, s in state.items()}
 
 
+@pytest.mark.slow
 def test_two_ranks_checkpoint_resumes_exactly_in_one_unsharded_process(tmp_path, runs, caplog):
     trainer = plain_trainer(tmp_path)
     trainer.load_checkpoint(str(runs / "sharded" / "checkpoints" / "iter_12.pth"))
@@ -128,6 +129,7 @@ def test_two_ranks_checkpoint_resumes_exactly_in_one_unsharded_process(tmp_path,
     assert "with 2 processes x batches of 4 to 1 x 4" in caplog.text
 
 
+@pytest.mark.slow
 def test_weights_alone_load_into_a_plain_model_and_into_one_file(tmp_path, runs):
     folder = runs / "sharded" / "checkpoints" / "epoch_3.pth"
     final = {k.removeprefix("net."): v for k, v in load(runs / "sharded.pth").items()}
@@ -149,21 +151,146 @@ def test_weights_alone_load_into_a_plain_model_and_into_one_file(tmp_path, runs)
     plain = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
     plain.load_state_dict({k.removeprefix("net."): v for k, v in load(tmp_path / "w.pth").items()})
     assert_bit_equal(plain.state_dict(), final)
+    # asked to write into the checkpoint, it exits 1 with one line, the checkpoint as it was
+    copy = tmp_path / "copy.pth"
+    shutil.copytree(folder, copy)
+    before = hashes(copy)
+    command[-2:] = [str(copy), str(copy / STATE_FILE)]
+    proc = subprocess.run(command, env=cpu_env(), capture_output=True, text=True)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith(f"OUT {copy / STATE_FILE} is CHECKPOINT_FOLDER {copy} or a")
+    assert proc.stderr.count("\n") == 1 and hashes(copy) == before
 
 
-def test_the_one_file_command_says_what_is_wrong(tmp_path, runs):
-    folder, file = (runs / kind / "checkpoints" / "epoch_3.pth" for kind in ("sharded", "full"))
+# The export command, on checkpoints saved in this process
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """plain_trainer's checkpoints saved in this process, a sharded one (epoch_3.pth) and a
+    full file (full.pth), with the weights they hold."""
+    work = tmp_path_factory.mktemp("saved")
+    trainer = plain_trainer(work)
+    for name, sharded in (("epoch_3.pth", True), ("full.pth", False)):
+        trainer.checkpointer.sharded = sharded
+        trainer.save_checkpoint(name)
+        trainer.checkpointer.wait()
+    return work / "checkpoints", trainer.model.state_dict()
+
+
+@pytest.fixture
+def exporting(tmp_path, saved, monkeypatch):
+    """A copy of the saved checkpoints in ``tmp_path/checkpoints``, with links to them, and
+    ``tmp_path`` the current directory; the sharded checkpoint's path."""
+    shutil.copytree(saved[0], tmp_path / "checkpoints")
+    monkeypatch.chdir(tmp_path)
+    os.symlink("checkpoints/epoch_3.pth", "linked")  # the folder by another name
+    os.symlink("checkpoints", "parent")  # the folder it is in
+    os.symlink(f"checkpoints/epoch_3.pth/{STATE_FILE}", "state.pth")  # a file of the folder
+    return tmp_path / "checkpoints" / "epoch_3.pth"
+
+
+def hashes(root):
+    """What is under ``root``: each file's SHA-256, each link's target, each folder, by path."""
+    found = {}
+    for folder, folders, files in os.walk(root):
+        for name in folders + files:
+            path = os.path.join(folder, name)
+            if os.path.islink(path):
+                found[path] = ("link", os.readlink(path))
+            elif os.path.isdir(path):
+                found[path] = ("folder",)
+            else:
+                with open(path, "rb") as f:
+                    found[path] = ("file", hashlib.sha256(f.read()).hexdigest())
+    return found
+
+
+INSIDE = [  # (CHECKPOINT_FOLDER, OUT): OUT is the folder or inside it, however spelled
+    ("checkpoints/epoch_3.pth", f"checkpoints/epoch_3.pth/{STATE_FILE}"),
+    ("checkpoints/epoch_3.pth", "checkpoints/epoch_3.pth/.metadata"),
+    ("checkpoints/epoch_3.pth", "checkpoints/epoch_3.pth/model.pth"),  # a new file
+    ("checkpoints/epoch_3.pth", "checkpoints/../checkpoints/./epoch_3.pth/.metadata"),
+    ("checkpoints/epoch_3.pth", "{cwd}/checkpoints/epoch_3.pth/__0_0.distcp"),
+    ("checkpoints/epoch_3.pth", "checkpoints/epoch_3.pth"),  # the folder itself
+    ("checkpoints/epoch_3.pth", "checkpoints/epoch_3.pth/"),
+    ("checkpoints/epoch_3.pth", "checkpoints//epoch_3.pth/."),
+    ("checkpoints/epoch_3.pth", f"linked/{STATE_FILE}"),  # through links
+    ("checkpoints/epoch_3.pth", "linked"),
+    ("checkpoints/epoch_3.pth", "parent/epoch_3.pth/model.pth"),
+    ("checkpoints/epoch_3.pth", "linked/../epoch_3.pth/model.pth"),  # as the kernel resolves it
+    ("checkpoints/epoch_3.pth", "state.pth"),
+    ("linked/", f"checkpoints/epoch_3.pth/{STATE_FILE}"),  # the folder spelled otherwise
+    ("{cwd}/parent/../checkpoints/epoch_3.pth/", "linked/.metadata"),
+]
+
+
+@pytest.mark.parametrize("folder, out", INSIDE)
+def test_the_export_refuses_to_write_into_the_checkpoint_and_leaves_it_byte_identical(
+    exporting, folder, out
+):
+    folder, out = (arg.format(cwd=os.getcwd()) for arg in (folder, out))
+    before = hashes(os.getcwd())  # the checkpoints, the links, the current directory
+    with pytest.raises(SystemExit) as refused:
+        sharded_main([folder, out])
+    said = refused.value.code  # a message: exit status 1
+    inside = f"OUT {out} is CHECKPOINT_FOLDER {folder} or a path inside it (it resolves to "
+    assert said.startswith(inside + os.path.realpath(exporting)), said
+    assert said.endswith("Give a path outside that folder, e.g. model.pth.") and "\n" not in said
+    assert hashes(os.getcwd()) == before
+
+
+@pytest.mark.parametrize(
+    "out, message",
+    [
+        ("-", "OUT is '-': the weights are not written to stdout (a state_dict file is binary)."),
+        ("checkpoints", "OUT checkpoints is a directory: give the path of a file, e.g. "),
+        ("no/such/model.pth", "OUT no/such/model.pth cannot be written: its folder {cwd}/no/such"),
+    ],
+)
+def test_the_export_refuses_an_output_it_cannot_write(exporting, out, message):
+    before = hashes(os.getcwd())  # no file named "-" either
+    with pytest.raises(SystemExit) as refused:
+        sharded_main([str(exporting), out])
+    said = refused.value.code
+    assert said.startswith(message.format(cwd=os.getcwd())) and "\n" not in said, said
+    assert hashes(os.getcwd()) == before
+
+
+def test_the_export_writes_the_weights_and_the_checkpoint_still_resumes(exporting, saved):
+    before = hashes(exporting)
+    os.link(exporting / STATE_FILE, "same_file.pth")  # one file, two names: replaced, not written
+    for out in ("model.pth", "same_file.pth"):
+        said = sharded_main([str(exporting), out])
+        assert said == f"Wrote the model weights of {exporting} to {out}."
+        assert_bit_equal(torch.load(out, weights_only=True), saved[1])
+    assert hashes(exporting) == before
+    resumed = plain_trainer("resumed")
+    resumed.load_checkpoint(str(exporting))
+    assert_bit_equal(resumed.model.state_dict(), saved[1])
+
+
+def test_the_export_command_says_what_is_wrong(exporting, capsys):
+    with pytest.raises(SystemExit) as e:
+        sharded_main(["--help"])
+    assert e.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps its lines
+    usage = "usage: python -m trainer.sharded_checkpoint [-h] CHECKPOINT_FOLDER OUT"
+    assert shown.startswith(usage)
+    assert "and '-' (the file is binary: it is not written to stdout)" in shown
+    with pytest.raises(SystemExit) as e:
+        sharded_main([])
+    assert e.value.code == 2
+    assert "the following arguments are required: CHECKPOINT_FOLDER, OUT" in capsys.readouterr().err
     for args, message in [
-        ([], "usage: python -m trainer.sharded_checkpoint CHECKPOINT_FOLDER OUT.pth"),
-        (["--help", "x"], "usage:"),
-        ([str(tmp_path / "nope"), "x"], "is not a sharded checkpoint (a folder with trainer.pth)"),
-        ([str(file), "x"], "is one checkpoint file already: torch.load(path, weights_only=True)"),
-        ([str(folder), str(tmp_path / "no" / "x")], "cannot be written: its folder does not"),
+        (["nope", "x.pth"], "CHECKPOINT_FOLDER nope is not a sharded checkpoint (a folder with"),
+        (["checkpoints/full.pth", "x.pth"], "checkpoints/full.pth is one checkpoint file already"),
     ]:
         with pytest.raises(SystemExit, match=re.escape(message)):
             sharded_main(args)
 
 
+@pytest.mark.slow
 def test_a_mismatched_model_is_refused_with_the_keys(tmp_path, runs):
     trainer = plain_trainer(tmp_path)
     trainer.model.net[3] = nn.Linear(16, 2)
@@ -171,6 +298,7 @@ def test_a_mismatched_model_is_refused_with_the_keys(tmp_path, runs):
         trainer.load_checkpoint(str(runs / "sharded" / "checkpoints" / "iter_12.pth"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rank, nth_save", [(0, 19), (1, 34)])
 def test_a_rank_killed_while_writing_leaves_the_last_checkpoint_and_reruns_bit_exact(
     tmp_path, runs, rank, nth_save
@@ -191,6 +319,7 @@ def test_a_rank_killed_while_writing_leaves_the_last_checkpoint_and_reruns_bit_e
     assert not [name for name in os.listdir(ckpt_dir) if name.endswith(".tmp")]
 
 
+@pytest.mark.slow
 def test_a_checkpoint_moved_aside_to_be_replaced_is_put_back_after_a_crash(tmp_path, runs):
     ckpt_dir = tmp_path / "work" / "checkpoints"
     shutil.copytree(runs / "sharded" / "checkpoints", ckpt_dir)
@@ -219,6 +348,7 @@ def test_either_kind_replaces_a_checkpoint_of_the_other_kind_and_name(tmp_path):
         assert_bit_equal(resumed.model.state_dict(), trainer.model.state_dict())
 
 
+@pytest.mark.slow
 def test_sigterm_to_one_rank_saves_one_sharded_checkpoint_and_reruns_bit_exact(tmp_path, runs):
     work, out = tmp_path / "work", tmp_path / "out.pth"
     proc = start_torchrun(
@@ -243,6 +373,7 @@ def test_sigterm_to_one_rank_saves_one_sharded_checkpoint_and_reruns_bit_exact(t
     assert len([name for name in os.listdir(work / "checkpoints") if name != "latest.txt"]) == 3
 
 
+@pytest.mark.slow
 def test_killed_after_the_rename_before_the_pointer_resumes_as_latest_txt_says(tmp_path, runs):
     work, out = tmp_path / "work", tmp_path / "out.pth"
     code, _ = torchrun(work, out, SHARD=1, CLIP=0.05, KILL_BEFORE_POINTER=2, KILL_RANK=0)
@@ -254,6 +385,7 @@ def test_killed_after_the_rename_before_the_pointer_resumes_as_latest_txt_says(t
     assert_bit_equal(load(out), load(runs / "sharded.pth"))
 
 
+@pytest.mark.slow
 def test_two_ranks_killed_resume_on_one_process_and_one_rank_on_two(tmp_path):
     work = tmp_path / "two"
     code, _ = torchrun(work, tmp_path / "x", SHARD=1, KILL_AT_ITER=7, KILL_WHEN_SAVED=1)
@@ -336,6 +468,7 @@ def reseal(folder):
 @pytest.mark.parametrize(
     "part", ["metadata", "entry", "trainer.pth", "a path outside", "damaged metadata"]
 )
+@pytest.mark.slow
 def test_a_sharded_checkpoint_carrying_code_is_skipped_and_never_runs(tmp_path, runs, part, caplog):
     work = tmp_path / "work"
     shutil.copytree(runs / "sharded", work)
@@ -356,6 +489,7 @@ def flip(path, at):
     path.write_bytes(data[:at] + bytes(b ^ 0xFF for b in data[at : at + 100]) + data[at + 100 :])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "damage, reason",
     [
@@ -490,6 +624,7 @@ print(f"{rank} a.pth holds the weights before the change {same}", flush=True)
 """
 
 
+@pytest.mark.slow
 def test_a_save_blocks_only_while_staging_and_the_next_save_and_train_end_wait(tmp_path):
     out = run_script(tmp_path, ASYNC_SCRIPT, tmp_path / "work")
     for rank in (0, 1):  # on every rank, wait() returns once the checkpoint is in place
@@ -520,6 +655,7 @@ except ValueError as e:
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sharded", "full"])
 def test_shards_in_a_hooks_state_are_refused_not_saved_as_rank_0s(tmp_path, kind):
     out = run_script(tmp_path, EMA_SCRIPT, tmp_path / "work", kind)
@@ -576,6 +712,7 @@ def scenario(tmp_path, name, kind, epochs):
     return run_script(tmp_path, SCENARIO_SCRIPT, tmp_path / "work", name, kind, epochs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["sharded", "full"])
 @pytest.mark.parametrize("name", ["unused parameter", "plain sgd"])
 def test_state_missing_for_some_parameters_or_all_resumes(tmp_path, name, kind):
@@ -589,12 +726,14 @@ def test_state_missing_for_some_parameters_or_all_resumes(tmp_path, name, kind):
         assert f"{rank} unused parameters with optimizer state: 0" in out
 
 
+@pytest.mark.slow
 def test_buffers_that_differ_by_rank_are_named_in_a_warning(tmp_path):
     scenario(tmp_path, "batchnorm", "sharded", epochs=1)
     log = (tmp_path / "work" / "log.txt").read_text()
     assert log.count("The model's buffers norm.running_mean, norm.running_var differ by") == 1
 
 
+@pytest.mark.slow
 def test_after_a_crash_every_rank_resumes_the_checkpoint_put_back(tmp_path):
     # killed between the renames of a save of epoch_1.pth again, its only checkpoint: rank 0
     # puts it back before any rank lists the checkpoints
@@ -607,6 +746,7 @@ def test_after_a_crash_every_rank_resumes_the_checkpoint_put_back(tmp_path):
         assert f"{rank} trained from 2 to 4" in out, out
 
 
+@pytest.mark.slow
 def test_a_rank_that_cannot_write_stops_every_rank_with_the_os_error(tmp_path):
     out = scenario(tmp_path, "disk full", "sharded", epochs=4)
     for rank in (0, 1):
@@ -617,6 +757,7 @@ def test_a_rank_that_cannot_write_stops_every_rank_with_the_os_error(tmp_path):
     assert "Training failed" in (tmp_path / "work" / "log_rank1.txt").read_text()
 
 
+@pytest.mark.slow
 def test_waiting_on_one_rank_leaves_the_next_save_to_every_rank(tmp_path):
     out = scenario(tmp_path, "wait on rank 0", "sharded", epochs=1)
     for rank in (0, 1):

@@ -129,6 +129,10 @@ def _shard(data_loader: Any, rank: int, world_size: int) -> Optional[tuple[int, 
     padding)``, or None for another loader, which the ranks share; refuse what would count a
     sample twice or not at all."""
     batches = getattr(data_loader, "batch_sampler", None)  # a DataLoader's: drop_last is there
+    dataset = getattr(data_loader, "dataset", None)
+    if isinstance(dataset, IterableDataset):  # its sampler yields None forever: no length
+        _check_stream(dataset, batches, world_size)
+        return None
     sampler = getattr(batches, "sampler", None)
     if isinstance(sampler, DistributedSampler):
         n, replicas = len(sampler.dataset), sampler.num_replicas  # type: ignore[arg-type]
@@ -147,14 +151,6 @@ def _shard(data_loader: Any, rank: int, world_size: int) -> Optional[tuple[int, 
             )
         _refuse_a_dropped_batch(batches, sampler.num_samples)
         return len(range(rank, n, replicas)), sampler.num_samples
-    dataset = getattr(data_loader, "dataset", None)
-    if world_size > 1 and isinstance(dataset, IterableDataset):
-        raise ValueError(
-            f"data_loader is over an IterableDataset ({type(dataset).__name__}), which may give "
-            "each rank a part of its own: evaluation cannot share its batches among the ranks "
-            "without counting some samples twice or not at all. Evaluate a map-style dataset, "
-            "with a DistributedSampler or without."
-        )
     drawn = isinstance(sampler, WeightedRandomSampler) or (
         isinstance(sampler, RandomSampler)
         and (sampler.replacement or sampler.num_samples != len(sampler.data_source))
@@ -175,6 +171,27 @@ def _shard(data_loader: Any, rank: int, world_size: int) -> Optional[tuple[int, 
     if dataset is not None and sampler is not None:
         _refuse_a_dropped_batch(batches, len(sampler))
     return None
+
+
+def _check_stream(dataset: IterableDataset, batches: Any, world_size: int) -> None:
+    """Refuse a stream that evaluation would not count once: one shared by torchrun's ranks, or
+    batched with ``drop_last``. In one process a stream is counted as it comes, the samples of
+    every worker (each worker yields its share: the dataset splits itself by
+    ``get_worker_info()``, as PyTorch documents)."""
+    name = type(dataset).__name__
+    if world_size > 1:
+        raise ValueError(
+            f"data_loader is over an IterableDataset ({name}), which may give each rank a part "
+            "of its own: evaluation cannot share its batches among the ranks without counting "
+            "some samples twice or not at all. Evaluate a map-style dataset, with a "
+            "DistributedSampler or without (an IterableDataset is evaluated in one process only)."
+        )
+    if getattr(batches, "drop_last", False):
+        raise ValueError(
+            f"data_loader has drop_last=True over an IterableDataset ({name}), whose length "
+            "evaluation cannot know: it would leave out a last, smaller batch (one per worker). "
+            "Build the evaluation loader with drop_last=False."
+        )
 
 
 def _refuse_a_dropped_batch(batches: Any, samples: int) -> None:

@@ -13,9 +13,11 @@ any number of processes, sharded or not (DCP reshards)::
 
     python -m trainer.sharded_checkpoint work_dir/checkpoints/epoch_3.pth model.pth
 
-writes its model weights as one ``state_dict`` file, for inference.
+writes its model weights as one ``state_dict`` file, for inference; it only reads the
+checkpoint, and refuses an output inside its folder.
 """
 
+import argparse
 import contextlib
 import io
 import os
@@ -412,27 +414,84 @@ def consolidate(path: str, out: str) -> None:
 
 def _main(args: list[str]) -> str:
     """``python -m trainer.sharded_checkpoint FOLDER OUT``: what it did, or raise SystemExit
-    with what is wrong."""
-    if len(args) != 2 or args[0].startswith("-"):
-        raise SystemExit(
-            "usage: python -m trainer.sharded_checkpoint CHECKPOINT_FOLDER OUT.pth\n"
-            "Writes the model weights of a sharded checkpoint as one state_dict file."
-        )
-    folder, out = args
+    with what is wrong (argparse's own, with its usage, for a malformed command line)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer.sharded_checkpoint",
+        description="Write the model weights of a sharded checkpoint as one state_dict file, "
+        "which torch.load(OUT, weights_only=True) loads. The checkpoint is only read.",
+    )
+    parser.add_argument(
+        "folder",
+        metavar="CHECKPOINT_FOLDER",
+        help=f"a sharded checkpoint (a folder with {STATE_FILE}), "
+        "e.g. work_dir/checkpoints/epoch_3.pth",
+    )
+    parser.add_argument(
+        "out",
+        metavar="OUT",
+        help="the file to write, e.g. model.pth. Refused: a path inside CHECKPOINT_FOLDER "
+        "(however spelled), a directory, and '-' (the file is binary: it is not written to "
+        "stdout)",
+    )
+    parsed = parser.parse_args(args)
+    folder, out = parsed.folder, parsed.out
     if os.path.isfile(folder):
         raise SystemExit(
-            f"{folder} is one checkpoint file already: "
+            f"CHECKPOINT_FOLDER {folder} is one checkpoint file already: "
             "torch.load(path, weights_only=True)['model'] holds its weights."
         )
     if not is_sharded_checkpoint(folder):
-        raise SystemExit(f"{folder} is not a sharded checkpoint (a folder with {STATE_FILE}).")
-    if not os.path.isdir(os.path.dirname(os.path.abspath(out))) or os.path.isdir(out):
-        raise SystemExit(f"{out} cannot be written: its folder does not exist, or it is one.")
+        raise SystemExit(
+            f"CHECKPOINT_FOLDER {folder} is not a sharded checkpoint (a folder with {STATE_FILE})."
+        )
+    _check_out(out, folder)
     try:
         consolidate(folder, out)
     except (RuntimeError, OSError) as e:
         raise SystemExit(str(e)) from None
     return f"Wrote the model weights of {folder} to {out}."
+
+
+def _check_out(out: str, folder: str) -> None:
+    """Refuse an ``out`` that the export cannot write, or cannot write without touching the
+    checkpoint ``folder`` it reads, whose every byte must stay as it was."""
+    if out == "-":
+        raise SystemExit(
+            "OUT is '-': the weights are not written to stdout (a state_dict file is binary). "
+            "Give the path of a file to write, e.g. model.pth."
+        )
+    if _within(out, folder):
+        raise SystemExit(
+            f"OUT {out} is CHECKPOINT_FOLDER {folder} or a path inside it (it resolves to "
+            f"{os.path.realpath(out)}): writing there would damage the checkpoint. Give a path "
+            "outside that folder, e.g. model.pth."
+        )
+    if os.path.isdir(out):
+        raise SystemExit(
+            f"OUT {out} is a directory: give the path of a file, e.g. "
+            f"{os.path.join(out, 'model.pth')}."
+        )
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise SystemExit(
+            f"OUT {out} cannot be written: its folder {parent} does not exist. Create it, or "
+            "give a path in a folder that exists."
+        )
+
+
+def _within(path: str, folder: str) -> bool:
+    """Whether ``path`` is ``folder`` or inside it, however either is spelled: relative, with
+    ``..`` or a trailing slash, through symlinks (resolved), or another mount of the folder (the
+    same device and inode)."""
+    target = os.stat(folder)
+    real = os.path.realpath(path)
+    while True:
+        if os.path.exists(real) and os.path.samestat(os.stat(real), target):
+            return True
+        parent = os.path.dirname(real)
+        if parent == real:  # the root
+            return False
+        real = parent
 
 
 if __name__ == "__main__":
