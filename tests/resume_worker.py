@@ -7,6 +7,7 @@ Configured by environment variables:
 Under torchrun it trains with DistributedDataParallel and a DistributedSampler.
     SHARD=1               under torchrun (1 rank too): shard the model with FSDP2's fully_shard
     FULL_CKPT=1           one full checkpoint file instead of a sharded checkpoint's folder
+    SHARDED_CKPT=1        sharded checkpoints (folders) in one process too, the model not sharded
     CLIP=c                clip_grad_norm
     ACCUM=k               accumulation_steps
     BATCH=b               batch size per process (4)
@@ -26,6 +27,9 @@ Under torchrun it trains with DistributedDataParallel and a DistributedSampler.
     KILL_IN_SAVE=n        SIGKILL it halfway through writing its n-th checkpoint
     KILL_BEFORE_POINTER=n SIGKILL it after its n-th checkpoint file, before latest.txt moves
     SLOW_SAVE=s           sleep s seconds in every checkpoint write (after creating WORK_DIR/saving)
+    HOLD_SAVE=n           the write of the checkpoint of iteration n, once begun, creates
+                          WORK_DIR/holding and waits until WORK_DIR/release exists
+    MARK_CTRL_C=1         each Ctrl-C, once the trainer's handler has run, creates WORK_DIR/ctrl_c_k
     PID_DIR               write this process's pid to PID_DIR/pid_{rank}
     DUMP_RESUMED=path     rank 0 saves the full model and optimizer state there as training starts
     RESTART_DELAY=s       in an attempt that torchrun restarted, rank 0 joins the group s late
@@ -75,6 +79,11 @@ def main():
             f.write(b"half a checkpoint")
             f.flush()
             os.kill(os.getpid(), signal.SIGKILL)
+        progress = obj.get("progress") if isinstance(obj, dict) else None  # a checkpoint's
+        if progress is not None and progress["iters_done"] == env_int("HOLD_SAVE", -1):
+            open(os.path.join(work_dir, "holding"), "w").close()
+            while not os.path.exists(os.path.join(work_dir, "release")):  # the test's move
+                time.sleep(0.01)
         return real_save(obj, f, *args, **kwargs)
 
     torch.save = save
@@ -96,6 +105,17 @@ def main():
                 state = get_state_dict(self.trainer.model, self.trainer.optimizer, options=options)
                 if rank == 0:
                     real_save(state, os.environ["DUMP_RESUMED"])
+            if env_int("MARK_CTRL_C"):
+                handler, caught = signal.getsignal(signal.SIGINT), []
+
+                def marked(signum, frame):  # the trainer's handler, then a mark that it ran
+                    caught.append(signum)
+                    try:
+                        handler(signum, frame)
+                    finally:
+                        open(os.path.join(work_dir, f"ctrl_c_{len(caught)}"), "w").close()
+
+                signal.signal(signal.SIGINT, marked)
 
         def after_iter(self):
             time.sleep(float(os.environ.get("SLOW", 0)))
@@ -176,6 +196,8 @@ def main():
     )  # fmt: skip
     if env_int("FULL_CKPT"):
         trainer.checkpointer.sharded = False
+    if env_int("SHARDED_CKPT"):
+        trainer.checkpointer.sharded = True
     # checkpoints every CKPT_PERIOD iterations, the newest 3 kept
     trainer.register_hook(CheckpointHook(env_int("CKPT_PERIOD", 3), 3, by_epoch=False))
     trainer.register_hook(Crash())

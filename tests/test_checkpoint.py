@@ -3,6 +3,7 @@
 import collections
 import os
 import re
+import threading
 import traceback
 
 import numpy as np
@@ -538,3 +539,25 @@ def test_a_loader_state_that_would_not_load_is_refused_before_saving(make_traine
     with pytest.raises(TypeError, match=r"state_dict\(\) of the data loader holds a numpy"):
         trainer.save_checkpoint("mid.pth")
     assert not os.path.exists(os.path.join(trainer.ckpt_dir, "mid.pth"))
+
+
+def test_last_path_names_a_checkpoint_once_its_write_is_complete(tmp_path, monkeypatch):
+    trainer = build(tmp_path, max_epochs=1)
+    trainer.train()
+    checkpointer, first = trainer.checkpointer, str(tmp_path / "checkpoints" / "epoch_1.pth")
+    go_on, real_save = threading.Event(), torch.save
+
+    def held_save(obj, f, *args, **kwargs):  # the write waits for the test
+        go_on.wait()
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", held_save)
+    path = trainer.save_checkpoint("extra.pth")
+    assert checkpointer.last_path == first  # not extra.pth, still being written
+    with checkpointer.held() as (last, writing):
+        assert (last, writing) == (first, path)
+    go_on.set()
+    checkpointer.wait()
+    assert checkpointer.last_path == path and os.path.isfile(path)
+    with checkpointer.held() as (last, writing):
+        assert (last, writing) == (path, None)

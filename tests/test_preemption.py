@@ -1,17 +1,22 @@
-"""Preemption signals: caught while training, agreed across ranks (the torchrun cases, with real
-processes, are in test_resume.py)."""
+"""Preemption signals: caught while training, agreed across ranks; and Ctrl-C (the torchrun
+cases, and Ctrl-C pressed at a real process, are in test_resume.py)."""
 
+import contextlib
+import logging
 import os
 import signal
 import sys
+import threading
+import time
 
 import pytest
 import torch
 
 from trainer import HookBase
-from trainer.preemption import Preemption
+from trainer.preemption import Interrupt, Preemption
+from trainer.progress import Progress
 
-from conftest import build
+from conftest import build, load
 
 
 def test_in_one_process_a_signal_stops_after_the_iteration_it_arrived_in():
@@ -117,3 +122,154 @@ def test_a_signal_saves_and_exits_without_importing(tmp_path, monkeypatch, at_it
     assert exit_info.value.code == 128 + signal.SIGUSR1
     saved = "iter_4.pth" if at_iter == 3 else "epoch_2.pth"
     assert (tmp_path / "checkpoints" / "latest.txt").read_text() == saved
+
+
+# ---- Ctrl-C ----------------------------------------------------------------------------------
+
+
+def joining(frame):
+    """Whether a thread's stack (its innermost ``frame``) is waiting in ``Thread.join``."""
+    while frame is not None:
+        if frame.f_code is threading.Thread.join.__code__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def wait_until(condition, what):
+    deadline = time.monotonic() + 30
+    while not condition():
+        assert time.monotonic() < deadline, f"{what} never came"
+        time.sleep(0.001)
+
+
+def checkpoints(last, writing):
+    """A stand-in for ``Checkpointer.held``, recording that it was entered and left."""
+    held = []
+
+    @contextlib.contextmanager
+    def hold():
+        held.append("held")
+        yield last, writing
+        held.append("released")
+
+    return hold, held
+
+
+def test_a_ctrl_c_during_a_thread_join_is_put_off_and_the_join_waits_for_the_thread(caplog):
+    progress = Progress(epoch_len=8, max_iters=16, iter=4)
+    hold, _ = checkpoints("last.pth", None)
+    interrupt = Interrupt(progress, hold)
+    main = threading.main_thread()
+
+    def write():  # a checkpoint write, during whose join Ctrl-C comes
+        wait_until(lambda: joining(sys._current_frames()[main.ident]), "the join")
+        signal.pthread_kill(main.ident, signal.SIGINT)
+        wait_until(lambda: interrupt.put_off, "the handler")
+        written.append(True)
+
+    written = []
+    with pytest.raises(SystemExit) as exit_info:
+        with interrupt.catching():
+            thread = threading.Thread(target=write)
+            thread.start()
+            thread.join()
+    # Raised in join, a KeyboardInterrupt would end the block with the write still running,
+    # and mark its thread ended (CPython gh-90882): a later join would not wait for it.
+    assert written == [True] and not thread.is_alive()
+    assert exit_info.value.code == 128 + signal.SIGINT
+    line = (
+        "Interrupted (Ctrl-C) in iteration 5 of 16: not saved. Rerun to resume from the last "
+        "checkpoint (last.pth)."
+    )
+    assert [r.getMessage() for r in caplog.records if "Ctrl-C" in r.getMessage()] == [line]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_a_second_ctrl_c_exits_at_once_holding_the_checkpoints_it_names(monkeypatch, caplog):
+    class Exited(BaseException):
+        pass
+
+    def exit_now(status):
+        raise Exited(status)
+
+    monkeypatch.setattr(os, "_exit", exit_now)
+    monkeypatch.setattr(logging, "shutdown", lambda: None)  # pytest's handlers stay open
+    progress = Progress(epoch_len=8, max_iters=16, iter=15, position=(2, 0))  # training ended
+    hold, held = checkpoints("epoch_1.pth", "epoch_2.pth")
+    interrupt = Interrupt(progress, hold)
+    with pytest.raises(Exited) as exit_info:
+        with interrupt.catching():
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+            except KeyboardInterrupt:
+                os.kill(os.getpid(), signal.SIGINT)  # again, while train() ends
+    assert exit_info.value.args == (128 + signal.SIGINT,)
+    assert held == ["held"]  # it exited within: no write took its name after the line
+    line = (
+        "Interrupted (Ctrl-C) twice as training ended, after iteration 16 of 16. Abandoned the "
+        "checkpoint write in flight (epoch_2.pth). Rerun to resume from the last checkpoint "
+        "(epoch_1.pth)."
+    )
+    assert [r.getMessage() for r in caplog.records if "Ctrl-C" in r.getMessage()] == [line]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_sigint_handler_of_the_users_is_left_alone(caplog):
+    progress = Progress(epoch_len=8, max_iters=16, iter=2)
+    interrupt = Interrupt(progress, checkpoints(None, None)[0])
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job's
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            with interrupt.catching():
+                assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+                raise KeyboardInterrupt  # raised by code: still one line and status 130
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert exit_info.value.code == 128 + signal.SIGINT
+    assert (
+        "Interrupted (Ctrl-C) in iteration 3 of 16: not saved. Rerun to resume from the last "
+        "checkpoint (none yet: from the start)." in caplog.text
+    )
+
+
+def test_ctrl_c_while_train_waits_for_the_last_checkpoint_lets_it_land(tmp_path, monkeypatch):
+    class MarkCtrlC(HookBase):  # the trainer's handler, then a mark that it ran
+        def before_train(self):
+            handler = signal.getsignal(signal.SIGINT)
+
+            def marked(signum, frame):
+                try:
+                    handler(signum, frame)
+                finally:
+                    handled.set()
+
+            signal.signal(signal.SIGINT, marked)
+
+    handled, main, real_save = threading.Event(), threading.main_thread(), torch.save
+
+    def save(obj, f, *args, **kwargs):  # the last write: Ctrl-C once train() waits for it
+        if obj["progress"]["iters_done"] == 16:
+            wait_until(lambda: joining(sys._current_frames()[main.ident]), "the wait")
+            signal.pthread_kill(main.ident, signal.SIGINT)
+            wait_until(handled.is_set, "the handler")
+        real_save(obj, f, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", save)
+    trainer = build(tmp_path, max_epochs=2)
+    trainer.register_hook(MarkCtrlC())
+    with pytest.raises(SystemExit) as exit_info:
+        trainer.train()
+    assert exit_info.value.code == 128 + signal.SIGINT
+    path = tmp_path / "checkpoints" / "epoch_2.pth"
+    saved = load(path)["model"]  # on disk, and the final state
+    assert all(torch.equal(v, saved[k]) for k, v in trainer.model.state_dict().items())
+    log = (tmp_path / "log.txt").read_text()
+    assert f"last checkpoint       {path}\n" in log  # the summary
+    line = (
+        "Interrupted (Ctrl-C) as training ended, after iteration 16 of 16. Rerun to resume from "
+        f"the last checkpoint ({path})."
+    )
+    assert log.count("Interrupted (Ctrl-C)") == 1 and log.rstrip().endswith(line)
+    assert "Traceback" not in log

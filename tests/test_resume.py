@@ -398,6 +398,91 @@ def test_second_signal_exits_immediately(tmp_path, reference):
     assert_bit_equal(load(out), reference())
 
 
+def wait_for(path, proc, timeout=60):
+    """Wait until the worker creates ``path`` (a mark of where it is), failing if it exits."""
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert time.time() < deadline, f"{path.name} never came"
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.02)
+
+
+def named_checkpoints(log):
+    """What a log names as the last checkpoint: the summary's row and the Ctrl-C line's."""
+    return re.findall(r"^last checkpoint +(\S+)$", log, re.MULTILINE) + re.findall(
+        r"Rerun to resume from the last checkpoint \((.+?)\)\.$", log, re.MULTILINE
+    )
+
+
+def ctrl_c_during_the_last_write(work, out, twice, **env):
+    """Run the worker (3 epochs, a checkpoint each) and press Ctrl-C once its last checkpoint's
+    write has begun, which waits for the test: once, then letting the write go on, or twice.
+    Returns the exit status and the output."""
+    proc = start(work, out, CKPT_PERIOD=10, HOLD_SAVE=30, MARK_CTRL_C=1, **env)
+    wait_for(work / "holding", proc)  # epoch_3.pth is being written
+    proc.send_signal(signal.SIGINT)
+    wait_for(work / "ctrl_c_1", proc)  # the trainer has it
+    if twice:
+        proc.send_signal(signal.SIGINT)
+    else:
+        (work / "release").touch()
+    _, err = communicate(proc, timeout=60)
+    return proc.returncode, err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded"])
+def test_ctrl_c_during_the_last_checkpoint_write_lets_it_land_and_exits_130(
+    tmp_path, reference, sharded
+):
+    work, out = tmp_path / "work", tmp_path / "out.pth"
+    code, err = ctrl_c_during_the_last_write(work, out, twice=False, SHARDED_CKPT=int(sharded))
+    assert code == 128 + signal.SIGINT, failure_output(err)
+    ckpt = work / "checkpoints"
+    line = (
+        "Interrupted (Ctrl-C) as training ended, after iteration 30 of 30. Rerun to resume from "
+        f"the last checkpoint ({ckpt / 'epoch_3.pth'})."
+    )
+    assert err.count("Interrupted (Ctrl-C)") == 1 and err.rstrip().endswith(line), err[-2000:]
+    assert "Traceback" not in err and not out.exists()
+    assert sorted(os.listdir(ckpt)) == ["epoch_1.pth", "epoch_2.pth", "epoch_3.pth", "latest.txt"]
+    assert (ckpt / "latest.txt").read_text() == "epoch_3.pth"
+    log = (work / "log.txt").read_text()
+    assert named_checkpoints(log) == [str(ckpt / "epoch_3.pth")] * 2  # the summary, the line
+    code, err = run(work, out, CKPT_PERIOD=10, SHARDED_CKPT=int(sharded))
+    assert code == 0, failure_output(err)
+    assert "Nothing to train" in err  # the interrupted run was complete
+    assert_bit_equal(load(out), reference())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded"])
+def test_a_second_ctrl_c_abandons_the_last_checkpoint_write_and_exits_130(
+    tmp_path, reference, sharded
+):
+    work, out = tmp_path / "work", tmp_path / "out.pth"
+    code, err = ctrl_c_during_the_last_write(work, out, twice=True, SHARDED_CKPT=int(sharded))
+    assert code == 128 + signal.SIGINT, failure_output(err)
+    ckpt = work / "checkpoints"
+    line = (
+        "Interrupted (Ctrl-C) twice as training ended, after iteration 30 of 30. Abandoned the "
+        f"checkpoint write in flight ({ckpt / 'epoch_3.pth'}). Rerun to resume from the last "
+        f"checkpoint ({ckpt / 'epoch_2.pth'})."
+    )
+    assert err.count("Interrupted (Ctrl-C)") == 1 and err.rstrip().endswith(line), err[-2000:]
+    assert "Traceback" not in err and not out.exists()
+    assert not (ckpt / "epoch_3.pth").exists()  # nothing of it under its name
+    assert (ckpt / "latest.txt").read_text() == "epoch_2.pth"
+    log = (work / "log.txt").read_text()
+    assert "Run summary" not in log  # the rest of train() was skipped
+    assert named_checkpoints(log) == [str(ckpt / "epoch_2.pth")]
+    code, err = run(work, out, CKPT_PERIOD=10, SHARDED_CKPT=int(sharded))
+    assert code == 0, failure_output(err)
+    assert "left by an interrupted checkpoint write" in err  # its temporary file, removed
+    assert f"Resumed from checkpoint {ckpt / 'epoch_2.pth'} at iteration 20" in err
+    assert_bit_equal(load(out), reference())
+
+
 # ---- in one process ---------------------------------------------------------------------------
 
 

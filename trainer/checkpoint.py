@@ -9,6 +9,7 @@ import glob
 import logging
 import math
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any, Callable, Optional, Sequence
 
@@ -111,7 +112,11 @@ class Checkpointer:
         self._config = config
         self._by_epoch = by_epoch
         self._extra: dict[str, Any] = {}
-        self.last_path: Optional[str] = None  # the checkpoint saved (rank 0) or loaded last
+        self.last_path: Optional[str] = None
+        """The newest checkpoint on disk: the one loaded, or saved (on rank 0) once its write is
+        complete; never one still being written."""
+        self._writing: Optional[str] = None  # the checkpoint being written (rank 0)
+        self._publishing = threading.Lock()  # held while a write takes its name: see held()
         self._model_sharded = is_sharded(model)  # by FSDP2's fully_shard
         self._buffers_warned = False  # that an FSDP2 model's buffers differ by rank
         self.sharded = self._model_sharded
@@ -176,7 +181,6 @@ class Checkpointer:
             self._save_file(state, own_rng, path, then)
         if not is_main_process():
             return None
-        self.last_path = path
         logger.info(f"Saving checkpoint {path} (after iteration {self._progress.iter + 1}).")
         return path
 
@@ -206,11 +210,12 @@ class Checkpointer:
             atomic_save(copied, path, mode)
             if os.path.lexists(aside):
                 remove_checkpoint(aside)
-            update_latest_pointer(folder, name, mode)
+            self._publish(folder, name, mode, path)
             logger.debug(f"Saved checkpoint {path}")  # the next log line names it
             if then is not None:
                 then()
 
+        self._writing = path
         self.writer.submit(write)
 
     def _save_sharded(
@@ -227,16 +232,33 @@ class Checkpointer:
             rest = copy_to_cpu({**rest, "rng": rng})
         folder, name = os.path.split(path)
         temp = os.path.join(folder, f".{name}{TEMP_SUFFIX}")
+        if is_main_process():
+            self._writing = path
 
         def publish() -> None:  # on rank 0, once every rank's files are complete
             _replace_folder(temp, path)
-            update_latest_pointer(folder, name, mode)
+            self._publish(folder, name, mode, path)
             logger.debug(f"Saved checkpoint {path}")  # the next log line names it
 
         _dcp().save(
             self._module, self._optimizer, rest, temp, mode=mode,
             group=self._write_group, writer=self.writer, publish=publish, then=then,
         )  # fmt: skip
+
+    def _publish(self, folder: str, name: str, mode: int, path: str) -> None:
+        """Point ``latest.txt`` at the complete checkpoint ``path``, which becomes
+        :attr:`last_path` (in the writer's thread, on rank 0)."""
+        with self._publishing:
+            update_latest_pointer(folder, name, mode)
+            self.last_path, self._writing = path, None
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[tuple[Optional[str], Optional[str]]]:
+        """Yield :attr:`last_path` (on disk) and the checkpoint being written (None when no write
+        is in flight), which stay so while the block runs: no write takes its name meanwhile, so
+        a message can name them and the process exit in the block (a second Ctrl-C does)."""
+        with self._publishing:
+            yield self.last_path, None if self.writer.failed else self._writing
 
     def _live_state(self) -> dict[str, Any]:
         """Every part's ``state_dict()``, tensors on their devices."""
@@ -300,6 +322,19 @@ class Checkpointer:
     def wait(self) -> None:
         """Wait for the write in flight; raise its error, if any."""
         self.writer.wait()
+
+    @contextlib.contextmanager
+    def on_disk(self) -> Iterator[None]:
+        """Run the block once the write in flight is complete, so that it sees (and a summary
+        names) only checkpoints on disk, then wait for what the block saved. A failed write's
+        error is raised after the block, which runs anyway (it closes the logs)."""
+        try:
+            self.wait()
+        finally:
+            try:
+                yield
+            finally:
+                self.wait()
 
     def raise_write_error(self) -> None:
         """Raise the failed write's error on the rank that failed, elsewhere one pointing at it."""

@@ -1,5 +1,6 @@
-"""Preemption: SIGTERM or SIGUSR1 while training means "finish this iteration, save, exit", and
-under torchrun every rank must agree on the iteration (the save is a collective)."""
+"""Signals while training. Preemption: SIGTERM or SIGUSR1 means "finish this iteration, save,
+exit", and under torchrun every rank must agree on the iteration (the save is a collective).
+Ctrl-C (SIGINT) means "stop now": the checkpoint write in flight lands, nothing more is saved."""
 
 import contextlib
 import logging
@@ -7,13 +8,15 @@ import os
 import signal
 import threading
 from collections.abc import Iterator
-from typing import Any, Optional
+from types import FrameType
+from typing import Any, Callable, NoReturn, Optional
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from .distributed import CpuGroup, get_world_size
+from .progress import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +24,8 @@ logger = logging.getLogger(__name__)
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 # agreed_signal's answer when a checkpoint write failed: above any signal, it wins the maximum.
 WRITE_FAILED = 1000
+INTERRUPTED = 128 + signal.SIGINT  # the exit status of a Ctrl-C, as a shell reports it
+_JOIN = threading.Thread.join.__code__  # where the main thread waits for a thread to end
 
 
 class Preemption:
@@ -122,3 +127,88 @@ class _Agreement:
         (work, flag), self._pending = self._pending, None
         work.wait()
         return int(flag[0])
+
+
+class Interrupt:
+    """Ctrl-C (SIGINT) while training, caught in the main thread. The first one stops training at
+    once, as Python's own handler does (a ``KeyboardInterrupt``), yet the checkpoint write in
+    flight finishes, since it holds finished iterations, and ``train()`` ends in order; then
+    :meth:`catching` logs one line naming the newest checkpoint on disk and exits with status
+    130. A second Ctrl-C exits at once with that line, abandoning the write in flight: writes
+    are atomic, so the previous checkpoint is intact, and the next start removes the temporary
+    file.
+
+    Args:
+        progress: Where training is, for the line.
+        checkpoints: ``Checkpointer.held``: a context that holds the checkpoints as they are and
+            yields the newest on disk and the one being written (or None).
+    """
+
+    def __init__(
+        self,
+        progress: Progress,
+        checkpoints: Callable[[], contextlib.AbstractContextManager[tuple[Optional[str], ...]]],
+    ) -> None:
+        self._progress = progress
+        self._checkpoints = checkpoints
+        self.count = 0  # the Ctrl-Cs caught since catching began
+        self.put_off = False  # one came while a thread was joined (read every iteration)
+
+    @contextlib.contextmanager
+    def catching(self) -> Iterator[None]:
+        """Catch Ctrl-C for the block, which ends an interrupted run with one line and
+        ``SystemExit(130)``; a ``KeyboardInterrupt`` raised otherwise ends the same way. A
+        handler of the user's, or SIGINT ignored (a background job), stays as it is."""
+        self.count, self.put_off = 0, False
+        previous = signal.getsignal(signal.SIGINT)
+        main = threading.current_thread() is threading.main_thread()  # where handlers run
+        ours = main and previous is signal.default_int_handler
+        if ours:
+            signal.signal(signal.SIGINT, self._on_ctrl_c)
+        try:
+            interrupted = False
+            try:
+                yield
+            except KeyboardInterrupt:
+                interrupted = True
+            if interrupted or self.put_off:  # train() waited for the write in flight
+                with self._checkpoints() as (last, _):
+                    logger.warning(self._line(last, None, twice=False))
+                raise SystemExit(INTERRUPTED) from None
+        finally:
+            if ours:  # restored so that no handler keeps the trainer alive after train()
+                signal.signal(signal.SIGINT, previous)
+
+    def _on_ctrl_c(self, signum: int, frame: Optional[FrameType]) -> None:
+        self.count += 1
+        if self.count > 2:  # the second one's exit waits for a write to take its name: go now
+            os._exit(INTERRUPTED)
+        if self.count == 2:
+            self._exit_now()
+        if frame is not None and _JOIN in (frame.f_code, frame.f_back and frame.f_back.f_code):
+            # Raised in Thread.join, it marks the thread finished while it runs (CPython
+            # gh-90882, before 3.13): the checkpoint write would be cut off at exit, unseen.
+            # Put off to the end of the iteration, or of train().
+            self.put_off = True
+            return
+        raise KeyboardInterrupt
+
+    def _exit_now(self) -> NoReturn:
+        """Log the line and exit at once, leaving the write in flight and the rest of
+        ``train()``'s cleanup undone."""
+        with self._checkpoints() as (last, writing):  # no write takes its name until the exit
+            logger.warning(self._line(last, writing, twice=True))
+            logging.shutdown()  # flushes the console and log.txt, which os._exit would not
+            os._exit(INTERRUPTED)
+
+    def _line(self, last: Optional[str], writing: Optional[str], twice: bool) -> str:
+        progress = self._progress
+        done = f"iteration {progress.iter + 1} of {progress.max_iters}"
+        where = (
+            f"as training ended, after {done}." if progress.finished else f"in {done}: not saved."
+        )
+        abandoned = f" Abandoned the checkpoint write in flight ({writing})." if writing else ""
+        return (
+            f"Interrupted (Ctrl-C){' twice' if twice else ''} {where}{abandoned} Rerun to resume "
+            f"from the last checkpoint ({last or 'none yet: from the start'})."
+        )

@@ -6,7 +6,6 @@ import functools
 import logging
 import math
 import os
-import signal
 import time
 from collections.abc import Iterator
 from typing import Any, Callable, Optional, Sequence, Union
@@ -46,7 +45,7 @@ from .logger import TRACEBACK_FOLLOWS, ensure_console_logging, log_to_file, rank
 from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import MetricStorage
 from .misc import WorkDirLock, collect_env, unwrapped, wrappers
-from .preemption import WRITE_FAILED, Preemption
+from .preemption import WRITE_FAILED, Interrupt, Preemption
 from .progress import Progress
 
 logger = logging.getLogger(__name__)
@@ -175,7 +174,8 @@ class Trainer:
 
     def _set_up_parts(self, preempt_check_period: int, amp_dtype: Optional[torch.dtype]) -> None:
         """Build what the trainer holds: where training is, the data passes, the hooks, the
-        metrics, the preemption signals, the checkpoints and rank 0's lock on ``work_dir``."""
+        metrics, the preemption signals, the checkpoints, Ctrl-C and rank 0's lock on
+        ``work_dir``."""
         self.progress = Progress(self.epoch_len, self.max_iters)
         self._cpu = CpuGroup()  # under torchrun, a gloo group of the trainer's while it trains
         self._lock = WorkDirLock(self.work_dir)  # rank 0's, while it trains
@@ -191,6 +191,7 @@ class Trainer:
             hooks=self._hooks.checkpointable, by_epoch=self.train_by_epoch,
             config={"amp": amp, "accumulation_steps": self.accumulation_steps},
         )  # fmt: skip
+        self._interrupt = Interrupt(self.progress, self._checkpointer.held)  # Ctrl-C
         self._period_start = (0.0, -1)  # (time, iteration before it) of the log period running
 
     def _set_up_step(
@@ -353,14 +354,9 @@ class Trainer:
                 self._storage.flush(every_rank=True)  # what was logged after the last log point
                 if self.progress.stopped and not self.progress.is_saved:
                     self.save_checkpoint(self._checkpointer.name())  # a rerun stays stopped
-            except KeyboardInterrupt:
+            except KeyboardInterrupt:  # the session logs one line and exits with status 130
                 self._after_failure()
-                logger.warning(
-                    f"Interrupted (Ctrl-C) in iteration {self.cur_iter + 1} of {self.max_iters}: "
-                    "not saved. Rerun to resume from the last checkpoint "
-                    f"({self._checkpointer.last_path or 'none yet: from the start'})."
-                )
-                raise SystemExit(128 + signal.SIGINT) from None  # what a shell reports for it
+                raise
             except Exception as e:
                 self._after_failure()
                 # the traceback in this rank's log file; on the console Python prints it, once
@@ -372,11 +368,9 @@ class Trainer:
                     extra={TRACEBACK_FOLLOWS: True},
                 )
                 raise
-            finally:
-                try:
+            finally:  # the last checkpoint is on disk when after_train runs and train() ends
+                with self._checkpointer.on_disk():
                     self._hooks.call("after_train", every_handler=True)
-                finally:
-                    self._checkpointer.wait()  # the last checkpoint is on disk when train() ends
 
     def _after_failure(self) -> None:
         """Erase the progress bar's line, release the loader's workers, and put this rank's
@@ -394,7 +388,7 @@ class Trainer:
     def _train_epoch(self) -> bool:
         """Run (the rest of) the position's epoch; whether training goes on."""
         progress, data, hooks = self.progress, self._data, self._hooks
-        preemption, writer = self._preemption, self._checkpointer.writer
+        preemption, writer, interrupt = self._preemption, self._checkpointer.writer, self._interrupt
         start = progress.begin_epoch(progress.position[0])
         self._hooks.call("before_epoch")
         if not self.model.training:  # an evaluation left it in eval mode (train() walks modules)
@@ -416,8 +410,8 @@ class Trainer:
                 hooks.call_after_iter(it, self.max_iters)
             if progress.stopped:
                 break
-            # two flags in one process; under torchrun the ranks' periodic agreement
-            if preemption.caught or writer.failed or preemption.distributed:
+            # flags in one process; under torchrun the ranks' periodic agreement
+            if preemption.caught or writer.failed or preemption.distributed or interrupt.put_off:
                 self._stop_if_agreed()
         if progress.position[1] < progress.epoch_iters and not data.pass_ended:
             return False  # stop() in mid-epoch
@@ -429,7 +423,9 @@ class Trainer:
 
     def _stop_if_agreed(self) -> None:
         """Save and exit for a preemption signal, or raise a failed checkpoint write, once every
-        rank knows of it (see :class:`Preemption`)."""
+        rank knows of it (see :class:`Preemption`); stop for a Ctrl-C put off."""
+        if self._interrupt.put_off:  # it came while a thread was joined (see Interrupt)
+            raise KeyboardInterrupt
         it = self.progress.iter
         signum = self._preemption.agreed_signal(it, self._checkpointer.writer.failed)
         if signum == WRITE_FAILED:  # surfaced now, not at the next save
@@ -441,12 +437,14 @@ class Trainer:
 
     @contextlib.contextmanager
     def _session(self) -> Iterator[None]:
-        """What :meth:`train` holds: rank 0's lock on ``work_dir``, this rank's log file, the
-        gloo group, and the preemption signals (caught from the start)."""
+        """What :meth:`train` holds: rank 0's lock on ``work_dir``, this rank's log file, Ctrl-C
+        (its line goes there), the gloo group, and the preemption signals (caught from the
+        start)."""
         with contextlib.ExitStack() as stack:
             if is_main_process():
                 stack.enter_context(self._lock.held())
             stack.enter_context(log_to_file("trainer", self.log_file))
+            stack.enter_context(self._interrupt.catching())
             stack.enter_context(self._cpu.open())
             stack.enter_context(self._checkpointer.writing())
             stack.enter_context(self._preemption.catching())

@@ -192,7 +192,7 @@ def _summary_table(
 ) -> str:
     """The table logged when training ends: the wall time of this ``train()`` (``seconds``, for
     ``iters`` iterations) and where it went, the evaluated metrics' final and best values
-    (``evals``), the checkpoints and the ``logs`` written."""
+    (``evals``), the checkpoints on disk and the ``logs`` written."""
     wall = format_seconds(seconds)
     if seconds >= 60:
         wall = str(datetime.timedelta(seconds=round(seconds)))
@@ -212,9 +212,9 @@ def _summary_table(
         rows.append([name, value])
     last = trainer.checkpointer.last_path
     rows.append(["last checkpoint", os.path.abspath(last) if last else "none"])
-    for hook in trainer.hooks:  # a BestCheckpointHook's, on disk or still being written (last)
+    for hook in trainer.hooks:  # a BestCheckpointHook's, once on disk (train() waits for it)
         best = getattr(hook, "best_checkpoint", None)
-        if isinstance(best, str) and (os.path.exists(best) or best == last):
+        if isinstance(best, str) and os.path.exists(best):
             rows.append(["best checkpoint", os.path.abspath(best)])
             break
     folders = {os.path.dirname(path) for path in logs}
