@@ -40,6 +40,11 @@ def test_paired_overhead_and_checkpoint_save_report():
     save = run(os.path.join(BENCHMARKS, "checkpoint_save.py"), "--saves", "1")
     assert re.search(r"save_checkpoint blocks training \d+ ms", save)
     assert re.search(r"save_checkpoint is durable after \d+ ms", save)
+    load = run(os.path.join(BENCHMARKS, "checkpoint_save.py"), "--load", "--state-gb", "0.01",
+               "--loads", "1")  # fmt: skip
+    ms = r"\d+ ms \(\d+-\d+\)"  # median (min-max)
+    assert re.search(rf"a 0.01 GB checkpoint file: load_checkpoint {ms}, without its checksum "
+                     rf"{ms}, torch.load {ms} \(median \(min-max\) of 1\)", load)  # fmt: skip
 
 
 def test_checkpoint_save_fsdp_reports_both_modes_on_both_ranks():

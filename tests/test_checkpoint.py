@@ -14,6 +14,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from trainer import HookBase, Trainer
 from trainer.checkpoint import read_latest_pointer
+from trainer.hooks import BestCheckpointHook
 
 from conftest import RecordLR, TinyModel, build, load, save_checkpoint_file, tiny_loader
 
@@ -503,7 +504,7 @@ def test_a_file_without_weights_is_refused_and_pickled_code_never_runs(tmp_path)
 
 
 @pytest.mark.parametrize("resume", [True, False])
-def test_load_checkpoint_of_a_file_of_zeros_says_it_is_no_checkpoint(tmp_path, resume):
+def test_load_checkpoint_of_a_file_of_zeros_is_refused_without_torchs_advice(tmp_path, resume):
     """As a 2 GiB file of zeros would: torch takes it for its old tar format and advises
     weights_only=False, which the error must not pass on."""
     _, trainer = pretrained(tmp_path)
@@ -513,7 +514,7 @@ def test_load_checkpoint_of_a_file_of_zeros_says_it_is_no_checkpoint(tmp_path, r
     with pytest.raises(RuntimeError) as error:
         trainer.load_checkpoint(str(path), resume=resume)
     if resume:  # a checkpoint to resume from must carry its checksum
-        expected = f"Checkpoint {str(path)!r} is damaged: it carries no checksum: "
+        expected = f"Checkpoint {str(path)!r} is damaged: it carries no checksum ("
     else:  # weights may come from anywhere
         expected = (
             f"Checkpoint {str(path)!r} is not a checkpoint torch can read, or is damaged (cut "
@@ -561,3 +562,33 @@ def test_last_path_names_a_checkpoint_once_its_write_is_complete(tmp_path, monke
     assert checkpointer.last_path == path and os.path.isfile(path)
     with checkpointer.held() as (last, writing):
         assert (last, writing) == (path, None)
+
+
+def test_a_work_dir_named_with_glob_characters_resumes_its_own_checkpoints(tmp_path):
+    other = build(tmp_path / "exp1", max_epochs=1)  # what "exp[1]" matches as a pattern
+    other.train()
+    stray = tmp_path / "exp1" / "checkpoints" / ".iter_3.pth.abc.tmp"  # another run's write
+    stray.write_bytes(b"in progress")
+    build(tmp_path / "exp[1]", max_epochs=2).train()
+    rerun = build(tmp_path / "exp[1]", max_epochs=3)
+    rerun.train()
+    assert rerun.start_iter == 16  # its own epoch_2.pth, not exp1's epoch_1.pth or a fresh start
+    assert stray.read_bytes() == b"in progress"  # nothing touched outside its work_dir
+
+
+@pytest.mark.parametrize("name", ["/abs/x.pth", "../x.pth", "sub/../../x.pth", "", ".", 7])
+def test_a_checkpoint_name_leading_out_of_the_checkpoint_folder_is_refused(
+    make_trainer, tmp_path, name
+):
+    trainer = make_trainer(max_epochs=1)
+    error = TypeError if isinstance(name, int) else ValueError
+    with pytest.raises(error, match="file_name must (be|name) a file"):
+        trainer.save_checkpoint(name)
+    with pytest.raises(error, match="file_name must (be|name) a file"):
+        BestCheckpointHook("acc", file_name=name)
+    assert not os.path.exists(trainer.ckpt_dir) or os.listdir(trainer.ckpt_dir) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]
+    os.makedirs(os.path.join(trainer.ckpt_dir, "sub"))
+    trainer.save_checkpoint("sub/x.pth")  # a sub-folder is inside
+    trainer.checkpointer.wait()
+    assert os.path.isfile(os.path.join(trainer.ckpt_dir, "sub", "x.pth"))

@@ -13,6 +13,7 @@ import zipfile
 import pytest
 import torch
 
+from trainer import checksum
 from trainer.checkpoint import read_latest_pointer, update_latest_pointer
 from trainer.checkpoint_io import BackgroundWriter, atomic_save, load_checkpoint_file
 from trainer.hooks import CheckpointHook
@@ -305,3 +306,30 @@ def test_a_checkpoint_in_a_sub_folder_has_its_own_latest_pointer(make_trainer):
         assert f.read() == "epoch_1.pth"
     with open(os.path.join(trainer.ckpt_dir, "best", "latest.txt")) as f:
         assert f.read() == "model.pth"
+
+
+def test_a_garbled_checksum_is_damage_even_for_weights_from_elsewhere(tmp_path):
+    path = tmp_path / "state.pth"
+    atomic_save({"w": torch.arange(1000.0)}, str(path))
+    data = path.read_bytes()
+    at = data.index(struct.pack("<f", 500.0))
+    garbled = data[:at] + bytes([data[at] ^ 1]) + data[at + 1 : -8] + b"zzzzzzzz"
+    path.write_bytes(garbled)
+    for need_checksum in (True, False):
+        with pytest.raises(RuntimeError, match="state.pth' is damaged: it carries no checksum"):
+            load_checkpoint_file(str(path), need_checksum)
+
+
+@pytest.mark.parametrize("error", [OSError(5, "Input/output error"), MemoryError()])
+def test_a_file_the_check_cannot_read_raises_what_reading_raised(tmp_path, monkeypatch, error):
+    """Not "damaged" (the bytes may be fine), and never taken for a checksum that holds."""
+    path = tmp_path / "state.pth"
+    atomic_save({"w": torch.ones(3)}, str(path))
+
+    def unreadable(f, size):
+        raise error
+
+    monkeypatch.setattr(checksum, "_crc", unreadable)
+    with pytest.raises(type(error)) as raised:
+        load_checkpoint_file(str(path))
+    assert raised.value is error

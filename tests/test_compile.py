@@ -5,6 +5,8 @@ import os
 import pytest
 import torch
 
+from trainer.hooks import EMAHook
+
 from conftest import TinyModel
 
 EAGER = {"backend": "eager"}  # dynamo without code generation: fast, and CI needs no compiler
@@ -121,3 +123,21 @@ def test_a_real_weight_is_kept_when_a_compiled_spelling_of_it_is_in_the_file_too
     fresh.load_checkpoint(str(tmp_path / "both.pth"), resume=False, strict=False)
     for name, value in weights(fresh).items():
         assert torch.equal(value, real[name]), name
+
+
+def test_an_ema_of_a_model_compiled_in_parts_resumes_into_the_model_compiled_otherwise(
+    make_trainer, tmp_path
+):
+    def with_ema(placement, epochs, work_dir):
+        trainer = make_trainer(max_epochs=epochs, model=nested(placement), work_dir=work_dir)
+        ema = EMAHook(decay=0.9)
+        trainer.register_hook(ema)
+        trainer.train()
+        return {k.replace("_orig_mod.", ""): v for k, v in ema.ema_state_dict().items()}
+
+    full = with_ema("head", 2, tmp_path / "full")
+    with_ema("head", 1, tmp_path / "work")
+    resumed = with_ema("plain", 2, tmp_path / "work")  # its average resumes from epoch_1.pth
+    assert resumed.keys() == full.keys() == Nested().state_dict().keys()
+    for name, value in resumed.items():
+        assert torch.equal(value, full[name]), name

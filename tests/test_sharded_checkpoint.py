@@ -58,7 +58,8 @@ def test_every_rank_writes_its_own_shards_and_rank_0_the_rest(runs):
         ".metadata", "__0_0.distcp", "__1_0.distcp", checksum.MANIFEST, STATE_FILE
     ]  # fmt: skip
     manifest = json.loads((folder / checksum.MANIFEST).read_text())
-    for name in (".metadata", "__0_0.distcp", "__1_0.distcp", STATE_FILE):
+    assert sorted(manifest) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # DCP's files
+    for name in manifest:
         data = (folder / name).read_bytes()
         assert manifest[name] == [len(data), zlib.crc32(data)], name
     metadata = read_metadata(str(folder))
@@ -244,11 +245,16 @@ def test_the_export_refuses_to_write_into_the_checkpoint_and_leaves_it_byte_iden
     "out, message",
     [
         ("-", "OUT is '-': the weights are not written to stdout (a state_dict file is binary)."),
+        ("", "OUT is '': the weights are not written to stdout (a state_dict file is binary)."),
         ("checkpoints", "OUT checkpoints is a directory: give the path of a file, e.g. "),
+        ("checkpoints/latest.txt", "OUT checkpoints/latest.txt exists: the export writes a new"),
+        ("checkpoints/other.pth/w.pth", "OUT checkpoints/other.pth/w.pth is inside the sharded "),
         ("no/such/model.pth", "OUT no/such/model.pth cannot be written: its folder {cwd}/no/such"),
     ],
 )
 def test_the_export_refuses_an_output_it_cannot_write(exporting, out, message):
+    shutil.copytree(exporting, exporting.parent / "other.pth")  # a sibling checkpoint
+    (exporting.parent / "latest.txt").write_text(exporting.name)
     before = hashes(os.getcwd())  # no file named "-" either
     with pytest.raises(SystemExit) as refused:
         sharded_main([str(exporting), out])
@@ -259,11 +265,12 @@ def test_the_export_refuses_an_output_it_cannot_write(exporting, out, message):
 
 def test_the_export_writes_the_weights_and_the_checkpoint_still_resumes(exporting, saved):
     before = hashes(exporting)
-    os.link(exporting / STATE_FILE, "same_file.pth")  # one file, two names: replaced, not written
-    for out in ("model.pth", "same_file.pth"):
-        said = sharded_main([str(exporting), out])
-        assert said == f"Wrote the model weights of {exporting} to {out}."
-        assert_bit_equal(torch.load(out, weights_only=True), saved[1])
+    said = sharded_main([str(exporting), "model.pth"])
+    assert said == f"Wrote the model weights of {exporting} to model.pth."
+    assert_bit_equal(torch.load("model.pth", weights_only=True), saved[1])
+    os.link(exporting / STATE_FILE, "same_file.pth")  # one file, two names
+    with pytest.raises(SystemExit, match="OUT same_file.pth exists: the export writes a new"):
+        sharded_main([str(exporting), "same_file.pth"])
     assert hashes(exporting) == before
     resumed = plain_trainer("resumed")
     resumed.load_checkpoint(str(exporting))
@@ -460,7 +467,7 @@ def craft(folder, part, marker):
 
 def reseal(folder):
     """Write the checksums of a sharded checkpoint's folder anew, for the files it holds now."""
-    names = [name for name in os.listdir(folder) if name != checksum.MANIFEST]
+    names = [name for name in os.listdir(folder) if name not in (checksum.MANIFEST, STATE_FILE)]
     manifest = json.dumps(checksum.sums(str(folder), names))
     (folder / checksum.MANIFEST).write_text(manifest)
 
@@ -496,8 +503,8 @@ def flip(path, at):
         ("flipped", r"the bytes of __1_0\.distcp changed after it was written"),
         ("link to an older shard", r"it holds a link, __1_0\.distcp"),
         ("link outside", r"it holds a link, __1_0\.distcp"),
-        ("no checksums", r"it carries no checksums \(checksums\.json is missing\)"),
-        ("cut short", r"__1_0\.distcp has 100 bytes, not the \d+ written"),
+        ("no checksums", r"it carries no checksums \(checksums\.json is missing: "),
+        ("cut short", r"__1_0\.distcp has 100 bytes, not \d+"),
         ("extra file", r"it holds x\.distcp, which its checksums\.json does not list"),
     ],
 )
@@ -524,10 +531,16 @@ def test_a_damaged_sharded_checkpoint_is_refused_and_auto_resume_falls_back(
     trainer = plain_trainer(tmp_path / "other")
     with pytest.raises(RuntimeError, match=rf"epoch_3\.pth' is damaged: {reason}"):
         trainer.load_checkpoint(str(newest))
-    with pytest.raises(RuntimeError, match=rf"epoch_3\.pth' is damaged: {reason}"):
-        trainer.load_checkpoint(str(newest), resume=False)  # nor as weights
-    with pytest.raises(SystemExit, match=rf"epoch_3\.pth' is damaged: {reason}"):
+    if damage == "no checksums":  # written before checksums: its weights still load
+        trainer.load_checkpoint(str(newest), resume=False)
         sharded_main([str(newest), str(tmp_path / "w.pth")])
+        final = {k.removeprefix("net."): v for k, v in load(runs / "sharded.pth").items()}
+        assert_bit_equal(trainer.model.net.state_dict(), final)
+    else:
+        with pytest.raises(RuntimeError, match=rf"epoch_3\.pth' is damaged: {reason}"):
+            trainer.load_checkpoint(str(newest), resume=False)  # nor as weights
+        with pytest.raises(SystemExit, match=rf"epoch_3\.pth' is damaged: {reason}"):
+            sharded_main([str(newest), str(tmp_path / "w.pth")])
     trainer = plain_trainer(work)
     assert trainer.load_checkpoint(auto_resume=True)  # the newest that loads
     assert "Skipping a checkpoint that does not load" in caplog.text
@@ -744,6 +757,18 @@ def test_after_a_crash_every_rank_resumes_the_checkpoint_put_back(tmp_path):
     out = scenario(tmp_path, "put back", "sharded", epochs=2)
     for rank in (0, 1):
         assert f"{rank} trained from 2 to 4" in out, out
+
+
+@pytest.mark.slow
+def test_damage_that_one_rank_finds_makes_every_rank_fall_back(tmp_path):
+    scenario(tmp_path, "unused parameter", "sharded", epochs=2)
+    newest = tmp_path / "work" / "checkpoints" / "epoch_2.pth"
+    flip(newest / "__1_0.distcp", 0)  # rank 1 checks this shard's bytes, rank 0 the other's
+    out = scenario(tmp_path, "unused parameter", "sharded", epochs=3)
+    for rank in (0, 1):
+        assert f"{rank} trained from 2 to 6" in out, out  # from epoch_1.pth, both
+    log = (tmp_path / "work" / "log.txt").read_text()
+    assert "Rank 1: Checkpoint" in log and "the bytes of __1_0.distcp changed" in log, log
 
 
 @pytest.mark.slow

@@ -41,7 +41,7 @@ from .checkpoint_io import (
 from .data import DataStream
 from .distributed import CpuGroup, all_gather, gather, get_world_size, is_main_process, is_sharded
 from .fsdp import full_state_dicts
-from .misc import plain_names, plain_state_dict, unwrapped
+from .misc import check_file_name, plain_names, plain_state_dict, unwrapped
 from .progress import Progress, map_position
 
 logger = logging.getLogger(__name__)
@@ -140,7 +140,9 @@ class Checkpointer:
         return f"iter_{self._progress.iter + 1}.pth"
 
     def path(self, file_name: str) -> str:
-        """Where the checkpoint ``file_name`` is: in :attr:`ckpt_dir`."""
+        """Where the checkpoint ``file_name`` is: in :attr:`ckpt_dir` (a name leading out of it
+        is refused)."""
+        check_file_name("file_name", file_name)
         return os.path.join(self.ckpt_dir, file_name)
 
     def register(self, name: str, obj: Any) -> None:
@@ -166,6 +168,7 @@ class Checkpointer:
         raise a failed write's ``OSError``. Every rank calls this; rank 0 gets the path (other
         ranks None).
         """
+        path = self.path(file_name)
         state = self._live_state()
         # per rank, so that every rank's dropout and data-worker seeds resume exactly
         own_rng = self._data.rng_state(mid_pass=self._progress.position[1] > 0)
@@ -174,7 +177,6 @@ class Checkpointer:
             warn = not self._buffers_warned
             self._buffers_warned |= check_rank_state(state, self._cpu.group, check_buffers=warn)
         self._progress.mark_saved()
-        path = self.path(file_name)
         if self.sharded:  # every rank writes its shards
             self._save_sharded(state, own_rng, path, then)
         else:
@@ -363,7 +365,7 @@ class Checkpointer:
         being written is deleted; a checkpoint moved aside to be replaced is put back if its
         replacement never took its name (every rank calls it, and waits for it)."""
         if is_main_process():
-            pattern = os.path.join(self.ckpt_dir, f".*{TEMP_SUFFIX}")
+            pattern = os.path.join(glob.escape(self.ckpt_dir), f".*{TEMP_SUFFIX}")
             for stray in glob.glob(pattern) + glob.glob(pattern + ASIDE_SUFFIX):
                 original = _set_aside_from(stray)
                 if original is not None and not os.path.lexists(original):
@@ -378,8 +380,8 @@ class Checkpointer:
 
     def parameters(self) -> set[str]:
         """The names of the model's parameters in a checkpoint (a tied weight's every one)."""
-        names = plain_names(self._module)
-        return {names[name] for name, _ in self._module.named_parameters(remove_duplicate=False)}
+        names = [name for name, _ in self._module.named_parameters(remove_duplicate=False)]
+        return set(plain_names(self._module, names).values())
 
     def config(self) -> dict[str, Any]:
         """The ``config`` a checkpoint holds, with the optimizers' classes (a state does not
@@ -490,17 +492,21 @@ class Checkpointer:
         """The checkpoint at ``path``, if it can resume a run: every part there, of the types
         that loading uses, its tensors finite; else a RuntimeError naming ``path`` and the
         problem."""
+
+        def check(data: dict[str, Any]) -> None:
+            _check_keys(data, path, RESUME_KEYS)
+            _check_structure(data, path, RESUME_KEYS)
+            if not sharded:  # (a sharded checkpoint's tensors are checked on every rank alike)
+                check_finite(data, path, self.parameters())
+
         sharded = os.path.isdir(path)
-        if sharded:  # a sharded checkpoint's folder (or an error naming what it is)
-            data = _dcp().read_resumable(
-                path, self._module, self._optimizer, self._cpu.group, self.parameters()
-            )  # its tensors checked already, on every rank alike
-        else:
-            data = load_checkpoint_file(path)
-        _check_keys(data, path, RESUME_KEYS)
-        _check_structure(data, path, RESUME_KEYS)
-        if not sharded:
-            check_finite(data, path, self.parameters())
+        if not sharded:  # checked while its checksum is
+            return load_checkpoint_file(path, check=check)
+        # a sharded checkpoint's folder (or an error naming what it is)
+        data = _dcp().read_resumable(
+            path, self._module, self._optimizer, self._cpu.group, self.parameters()
+        )
+        check(data)
         return data
 
     def _load_newest(self, candidates: list[str]) -> tuple[str, dict[str, Any]]:
@@ -559,7 +565,8 @@ def read_latest_pointer(ckpt_dir: str) -> Optional[str]:
 def list_checkpoints(ckpt_dir: str) -> list[str]:
     """The ``.pth`` entries in ``ckpt_dir``, newest first, ``latest.txt``'s leading (a dangling
     link stays: loading it fails with a reason worth a warning)."""
-    paths = sorted(glob.glob(os.path.join(ckpt_dir, "*.pth")), key=lambda p: (_mtime(p), p))[::-1]
+    found = glob.glob(os.path.join(glob.escape(ckpt_dir), "*.pth"))  # (a "[" in work_dir's name)
+    paths = sorted(found, key=lambda p: (_mtime(p), p))[::-1]
     latest = read_latest_pointer(ckpt_dir)
     if latest in paths:
         paths.remove(latest)

@@ -228,7 +228,8 @@ def _plain(obj: Any, path: tuple, tensor: Callable[[torch.Tensor], Any]) -> Any:
 def bad_tensors(data: dict[str, Any], parameters: Collection[str]) -> list[str]:
     """The names (``model.linear.weight``, ``optimizer.0.momentum_buffer``...) of the tensors in
     ``data`` no run should go on from: parameters, optimizer and registered state not finite, or
-    a model buffer holding a NaN (a causal mask's -inf is on purpose). One host read per device."""
+    a model buffer holding a NaN (a causal mask's -inf is on purpose). One host read per device,
+    and one more where a sum is not finite."""
     state = {key: data[key] for key in ("model", "optimizer", "extra") if key in data}
     buffers = {f"model.{key}" for key in state.get("model", {}) if key not in parameters}
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
@@ -238,11 +239,16 @@ def bad_tensors(data: dict[str, Any], parameters: Collection[str]) -> list[str]:
             by_device.setdefault(local.device, []).append((name, local))
     bad = []
     for items in by_device.values():
+        # A finite sum holds no NaN or infinity (they carry into it): one pass, no mask. Only a
+        # sum that is not (an overflow, a causal mask's -inf) is checked element by element.
+        summed = torch.stack([torch.isfinite(t.sum()) for _, t in items]).tolist()
+        items = [item for item, ok in zip(items, summed) if not ok]
         fine = [
             torch.isnan(t).any().logical_not() if name in buffers else torch.isfinite(t).all()
             for name, t in items
         ]
-        bad += [name for (name, _), ok in zip(items, torch.stack(fine).tolist()) if not ok]
+        if fine:
+            bad += [name for (name, _), ok in zip(items, torch.stack(fine).tolist()) if not ok]
     return bad
 
 
@@ -293,32 +299,40 @@ def check_rank_state(state: dict[str, Any], group: Any, check_buffers: bool) -> 
 # Reading
 
 
-def load_checkpoint_file(path: str, need_checksum: bool = True) -> dict[str, Any]:
+def load_checkpoint_file(
+    path: str, need_checksum: bool = True, check: Optional[Callable[[dict], None]] = None
+) -> dict[str, Any]:
     """Load a checkpoint file with ``weights_only=True`` (tensors and plain data only, never
-    code), checking its checksum while it loads. A file without one is refused as damaged, or
-    without ``need_checksum`` (weights from elsewhere) loaded as it is."""
+    code), checking its checksum on a thread meanwhile (:func:`checksum.check_file`): a damaged
+    file, or one without a checksum unless not ``need_checksum`` (weights from elsewhere), is
+    refused. ``check(data)`` runs while the checksum is checked; what it raises is raised unless
+    the file is damaged (then the damage is the reason)."""
     if os.path.isdir(path):
         raise IsADirectoryError(f"Checkpoint {path!r} is a directory, not a file.")
     if not os.path.isfile(path):
         raise FileNotFoundError(f"Checkpoint {path!r} does not exist.")
-    damage = checksum.checking(lambda: checksum.file_damage(path, need_checksum))
+    checked = checksum.in_background(lambda: checksum.check_file(path, need_checksum))
+    error: Optional[Exception] = None
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        data = _read(path)
+        if check is not None:
+            check(data)
     except Exception as e:
-        if damage() is None:  # else the damage is the reason, raised below (without torch's)
-            _raise_read_failure(path, e)
-    refuse_damaged(path, damage())
-    if not isinstance(data, dict):
-        raise RuntimeError(f"Checkpoint {path!r} holds a {type(data).__name__}, expected a dict.")
+        error = e
+    checked()  # first: damage says more than what torch.load or the checks made of it
+    if error is not None:
+        raise error
     return data
 
 
-def refuse_damaged(path: str, damage: Optional[str]) -> None:
-    """Raise a RuntimeError naming ``path`` if ``damage`` says why it is damaged."""
-    if damage is not None:
-        raise RuntimeError(
-            f"Checkpoint {path!r} is damaged: {damage}. Use an older checkpoint, or another copy."
-        )
+def _read(path: str) -> dict[str, Any]:
+    try:
+        data = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        _raise_read_failure(path, e)
+    if not isinstance(data, dict):
+        raise RuntimeError(f"Checkpoint {path!r} holds a {type(data).__name__}, expected a dict.")
+    return data
 
 
 def _raise_read_failure(path: str, error: Exception) -> NoReturn:

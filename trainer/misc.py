@@ -10,7 +10,7 @@ import platform
 import random
 import socket
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Optional, Union
 
 import numpy as np
@@ -52,6 +52,18 @@ def check_int(name: str, value: Any, minimum: int, note: str = "") -> None:
         raise ValueError(f"{name} must be {what}, got {value!r}.")
 
 
+def check_file_name(name: str, value: Any) -> None:
+    """Raise ``TypeError`` unless ``value`` is a str, ``ValueError`` unless it names a file
+    inside the checkpoint folder (a sub-folder's too): never outside ``work_dir``."""
+    check_type(name, value, str, "a file name in the checkpoint folder, e.g. 'iter_8.pth'")
+    relative = os.path.normpath(value) if value else ""
+    if relative in ("", ".", "..") or os.path.isabs(value) or relative.startswith(".." + os.sep):
+        raise ValueError(
+            f"{name} must name a file inside the checkpoint folder, e.g. 'iter_8.pth' or "
+            f"'best/model.pth', got {value!r}: checkpoints are never written outside work_dir."
+        )
+
+
 # The model without its wrappers
 
 
@@ -73,13 +85,14 @@ def wrappers(model: nn.Module) -> Iterator[nn.Module]:
             return
 
 
-def plain_names(module: nn.Module) -> dict[str, str]:
-    """Each key of ``module.state_dict()`` to its name in the uncompiled model: a submodule
-    compiled on its own (``model.l1 = torch.compile(model.l1)``) holds ``l1._orig_mod.weight``,
-    which is ``l1.weight`` there. Only the ``_orig_mod`` of a compiled module is dropped."""
+def plain_names(module: nn.Module, keys: Optional[Iterable[str]] = None) -> dict[str, str]:
+    """Each of ``keys`` (the names of ``module``'s state: by default its ``state_dict()``'s) to
+    its name in the uncompiled model: a submodule compiled on its own (``model.l1 =
+    torch.compile(model.l1)``) holds ``l1._orig_mod.weight``, which is ``l1.weight`` there. Only
+    the ``_orig_mod`` of a compiled module is dropped."""
     compiled = {name for name, m in module.named_modules(remove_duplicate=False) if _compiled(m)}
     names = {}
-    for key in module.state_dict(keep_vars=True):
+    for key in module.state_dict(keep_vars=True) if keys is None else keys:
         kept, path = [], ""
         for part in key.split("."):
             if not (part == "_orig_mod" and path in compiled):

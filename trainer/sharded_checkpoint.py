@@ -2,13 +2,15 @@
 
 A sharded checkpoint is a folder named as a checkpoint file is (``iter_8.pth/``). Every rank
 writes its own shards of the model and optimizer there (DCP's ``.distcp`` files; rank 0 adds
-DCP's ``.metadata``), and rank 0 writes the rest of the training state as ``trainer.pth``. The
-folder is written under a temporary name and renamed once every rank's files are complete, so
-a checkpoint is whole or absent. Training waits only while the shards are copied off the live
+DCP's ``.metadata``), and rank 0 writes the rest of the training state as ``trainer.pth`` and
+the checksums of DCP's files as ``checksums.json`` (each rank sums a share of them). The folder
+is written under a temporary name and renamed once every rank's files are complete, so a
+checkpoint is whole or absent. Training waits only while the shards are copied off the live
 tensors; the writing goes on in the background, on a gloo group of its own.
 
 Loading runs no code from the files: ``.metadata`` is read by an unpickler that builds DCP's own
-classes only, and every other entry by ``torch.load(weights_only=True)``. A checkpoint loads on
+classes only, and every other entry by ``torch.load(weights_only=True)``. A folder holding a link,
+a file its checksums do not list, or bytes that changed is refused as damaged. A checkpoint loads on
 any number of processes, sharded or not (DCP reshards)::
 
     python -m trainer.sharded_checkpoint work_dir/checkpoints/epoch_3.pth model.pth
@@ -48,7 +50,6 @@ from .checkpoint_io import (
     load_model_state,
     named_tensors,
     raise_write_failure,
-    refuse_damaged,
     refuse_non_finite,
     write_checkpoint_file,
 )
@@ -105,13 +106,11 @@ def save(
         if future is not None:  # raises on every rank alike: DCP shares a rank's error
             _as_write_error(future.result, folder)
         try:  # DCP writes its metadata last, on rank 0: every rank's files are complete
-            files = _checksums(folder, group)
+            manifest = checksum.manifest_bytes(_checksums(folder, group))
             if rest is not None:
-                atomic_save(rest, os.path.join(folder, STATE_FILE), mode)
-                files.update(checksum.sums(folder, [STATE_FILE]))
-                checksum.write_manifest(
-                    folder, files, lambda path, to: write_checkpoint_file(path, to, mode)
-                )
+                atomic_save(rest, os.path.join(folder, STATE_FILE), mode)  # with its own
+                path = os.path.join(folder, checksum.MANIFEST)
+                write_checkpoint_file(path, lambda f: f.write(manifest), mode)
                 publish()
         finally:
             if dist.is_initialized():  # every rank's wait() returns once the folder is in place
@@ -126,16 +125,24 @@ def save(
 
 
 def _checksums(folder: str, group: Any) -> dict[str, list[int]]:
-    """``{name: [size, CRC-32]}`` of the files in ``folder``, on every rank; each rank reads a
-    share of them. A collective of ``group`` under torchrun."""
-    names, rank, world = sorted(os.listdir(folder)), get_rank(), get_world_size()
-    error, own = None, {}
+    """``{name: [size, CRC-32]}`` of DCP's files in ``folder``, on every rank; each rank reads a
+    share of them, and the ranks must list the same files. A collective of ``group`` under
+    torchrun."""
+    rank, world = get_rank(), get_world_size()
+    error, names, own = None, [], {}
     try:
+        names = sorted(os.listdir(folder))
         own = checksum.sums(folder, names[rank::world])
     except OSError as e:
         error = e
-    shares = raise_on_every_rank(error, own, group=group)
-    return {name: value for share in shares for name, value in share.items()}
+    shares = raise_on_every_rank(error, (names, own), group=group)
+    for other, (listed, _) in enumerate(shares):
+        if listed != shares[0][0]:  # a file system that shows the ranks different files
+            raise RuntimeError(
+                f"Could not write the checkpoint folder {folder}: rank {other} lists the files "
+                f"{listed} in it, rank 0 {shares[0][0]}."
+            )
+    return {name: value for _, share in shares for name, value in share.items()}
 
 
 def _as_write_error(step: Callable[[], Any], folder: str) -> None:
@@ -289,7 +296,7 @@ def _saved_keys(metadata: Any, prefix: str) -> dict[str, Any]:
 def read_weights(path: str) -> dict[str, torch.Tensor]:
     """The model's full weights in the sharded checkpoint at ``path``, as CPU tensors; each
     process reads them alone (no collective)."""
-    files = _checked_names(path)
+    files = _read_manifest(path, need_checksum=False)  # weights may come from older folders
     entries = _saved_keys(read_metadata(path), "model.")
     try:
         template = {
@@ -321,7 +328,7 @@ def read_resumable(
                 f"Checkpoint {path!r} is a directory, not a file (nor a sharded checkpoint: it "
                 f"holds no {STATE_FILE})."
             )
-        files = _checked_names(path)
+        files = _read_manifest(path, need_checksum=True)
         data = load_checkpoint_file(os.path.join(path, STATE_FILE))
         if any(key in data for key in ("model", "optimizer")):
             raise RuntimeError(f"Checkpoint {path!r} is damaged: {STATE_FILE} holds model state.")
@@ -352,12 +359,12 @@ def read_resumable(
     return {**data, "model": model, "optimizer": optimizer_state}
 
 
-def _checked_names(path: str) -> dict[str, list[int]]:
-    """The checksums of the sharded checkpoint at ``path``, by file name, once its names, sizes
-    and file types match them (no link followed, no file but the checksums opened); else a
-    RuntimeError naming ``path`` as damaged."""
-    damage, files = checksum.folder_damage(path)
-    refuse_damaged(path, damage)
+def _read_manifest(path: str, need_checksum: bool) -> dict[str, list[int]]:
+    """The checksums of the sharded checkpoint at ``path`` (see :func:`checksum.read_manifest`),
+    its ``.metadata`` checked already (it is unpickled before anything else is read)."""
+    files = checksum.read_manifest(path, STATE_FILE, need_checksum)
+    if files:
+        checksum.check_files(path, files, [".metadata"])
     return files
 
 
@@ -365,24 +372,27 @@ def _load_checked(
     state: dict[str, Any], path: str, files: dict[str, list[int]], group: Any = None,
     alone: bool = False,
 ) -> None:  # fmt: skip
-    """:func:`_dcp_load`, while a thread checks the checksums of the files (``files``), each
-    rank a share of them; a damaged file is named, on every rank, rather than DCP's error."""
-    share = slice(0, None) if alone else slice(get_rank(), None, get_world_size())
-    changed = checksum.checking(lambda: checksum.changed_files(path, files, share))
+    """:func:`_dcp_load`, while a thread checks the bytes of the shards against ``files``
+    (the manifest), each rank a share of them unless it reads ``alone``. Damage that any rank
+    finds is what every rank raises, rather than the error DCP made of it."""
+    shards = sorted(name for name in files if name != ".metadata")
+    share = shards if alone else shards[get_rank() :: get_world_size()]
+    checked = checksum.in_background(lambda: checksum.check_files(path, files, share))
     problem: Optional[Exception] = None
     try:
         _dcp_load(state, path, group, alone)
     except RuntimeError as e:
         problem = e
+    damage: Optional[Exception] = None
     try:
-        refuse_damaged(path, changed())
-    except RuntimeError as e:
-        problem = e
-    if alone:
-        if problem is not None:
-            raise problem
-    else:
-        raise_on_every_rank(problem, group=group)
+        checked()
+    except (RuntimeError, OSError) as e:
+        damage = e
+    for error in (damage, problem):  # damage first: every rank names it, rather than DCP's
+        if not alone:
+            raise_on_every_rank(error, group=group)
+        elif error is not None:
+            raise error
 
 
 def _mapped(state: Any, tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -429,9 +439,9 @@ def _main(args: list[str]) -> str:
     parser.add_argument(
         "out",
         metavar="OUT",
-        help="the file to write, e.g. model.pth. Refused: a path inside CHECKPOINT_FOLDER "
-        "(however spelled), a directory, and '-' (the file is binary: it is not written to "
-        "stdout)",
+        help="the new file to write, e.g. model.pth. Refused: a path inside CHECKPOINT_FOLDER "
+        "or another checkpoint (however spelled), a file or directory that exists, and '-' "
+        "(the file is binary: it is not written to stdout)",
     )
     parsed = parser.parse_args(args)
     folder, out = parsed.folder, parsed.out
@@ -455,10 +465,17 @@ def _main(args: list[str]) -> str:
 def _check_out(out: str, folder: str) -> None:
     """Refuse an ``out`` that the export cannot write, or cannot write without touching the
     checkpoint ``folder`` it reads, whose every byte must stay as it was."""
-    if out == "-":
+    if out in ("-", ""):
         raise SystemExit(
-            "OUT is '-': the weights are not written to stdout (a state_dict file is binary). "
-            "Give the path of a file to write, e.g. model.pth."
+            f"OUT is {out!r}: the weights are not written to stdout (a state_dict file is "
+            "binary). Give the path of a file to write, e.g. model.pth."
+        )
+    real = os.path.realpath(out)
+    inside = next((p for p in _ancestors(real) if is_sharded_checkpoint(p)), None)
+    if inside is not None and not _within(out, folder):
+        raise SystemExit(
+            f"OUT {out} is inside the sharded checkpoint {inside}: writing there would damage "
+            "it. Give a path outside every checkpoint, e.g. model.pth."
         )
     if _within(out, folder):
         raise SystemExit(
@@ -471,12 +488,24 @@ def _check_out(out: str, folder: str) -> None:
             f"OUT {out} is a directory: give the path of a file, e.g. "
             f"{os.path.join(out, 'model.pth')}."
         )
+    if os.path.lexists(out):  # another checkpoint, latest.txt, the weights of another export...
+        raise SystemExit(
+            f"OUT {out} exists: the export writes a new file and never replaces one. Remove it "
+            "first, or give another path."
+        )
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
         raise SystemExit(
             f"OUT {out} cannot be written: its folder {parent} does not exist. Create it, or "
             "give a path in a folder that exists."
         )
+
+
+def _ancestors(path: str) -> Iterator[str]:
+    """``path``'s folders, nearest first, up to the root."""
+    while os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+        yield path
 
 
 def _within(path: str, folder: str) -> bool:

@@ -3,6 +3,7 @@
 import logging
 from typing import Any, Optional
 
+from ..misc import check_file_name
 from .hookbase import HookBase, Priority
 from .metric_watch import MetricWatch
 
@@ -34,6 +35,7 @@ class BestCheckpointHook(HookBase):
     def __init__(
         self, metric: str, mode: Optional[str] = None, file_name: str = "best.pth"
     ) -> None:
+        check_file_name("file_name", file_name)
         self._watch = MetricWatch(metric, mode)
         self._file_name = file_name
         self._due = False  # a new best, not saved yet

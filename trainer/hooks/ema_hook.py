@@ -5,7 +5,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from ..misc import NUMBER, check_int, check_type
+from ..misc import NUMBER, check_int, check_type, plain_names
 from .hookbase import HookBase, Priority
 
 
@@ -53,8 +53,12 @@ class EMAHook(HookBase):
         return self._model if self._model is not None else self.trainer.model_or_module
 
     def _model_tensors(self) -> dict[str, torch.Tensor]:
+        """The model's parameters and buffers by their names in the uncompiled model (a
+        checkpoint's average fits the model compiled another way)."""
         module = self._module()
-        return {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        names = plain_names(module, tensors)
+        return {names[name]: tensor for name, tensor in tensors.items()}
 
     def before_train(self) -> None:
         """Start the average at the current weights, unless a checkpoint restored it."""
