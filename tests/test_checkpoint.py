@@ -592,3 +592,18 @@ def test_a_checkpoint_name_leading_out_of_the_checkpoint_folder_is_refused(
     trainer.save_checkpoint("sub/x.pth")  # a sub-folder is inside
     trainer.checkpointer.wait()
     assert os.path.isfile(os.path.join(trainer.ckpt_dir, "sub", "x.pth"))
+
+
+def test_raising_max_iters_past_a_pass_that_max_iters_cut_says_what_is_skipped(tmp_path, caplog):
+    build(tmp_path, max_iters=5).train()  # passes of 8 iterations: the first ended after 5
+    rerun = build(tmp_path, max_iters=12)
+    rerun.train()
+    assert rerun.start_iter == 8
+    assert (
+        "ends a run whose max_iters ended its last pass after 5 iterations, 3 before the pass's "
+        "end: this run goes on with the next pass, at iteration 8, without those 3."
+    ) in caplog.text
+    caplog.clear()
+    build(tmp_path / "whole", max_epochs=1).train()  # a whole pass: nothing to say
+    build(tmp_path / "whole", max_epochs=2).train()
+    assert "ends a run whose max_iters" not in caplog.text

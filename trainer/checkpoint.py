@@ -480,6 +480,13 @@ class Checkpointer:
         self._data.resume(data["rng"], path, inner * accumulation if mid_pass else 0, remapped)
         saved = data["progress"]
         progress.resume(position, saved["stopped"], saved["iters_done"])
+        cut = progress.start_iter - saved["iters_done"]  # of a pass that max_iters ended early
+        if progress.epoch_len is not None and not remapped and 0 < cut < progress.epoch_len:
+            logger.warning(
+                f"Checkpoint {path} ends a run whose max_iters ended its last pass after "
+                f"{saved['iters_done']} iterations, {cut} before the pass's end: this run goes on "
+                f"with the next pass, at iteration {progress.start_iter}, without those {cut}."
+            )
 
     def _read_weights(self, path: str) -> dict[str, Any]:
         """A checkpoint file as it is, or of a sharded checkpoint's folder the model's full
