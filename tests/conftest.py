@@ -52,6 +52,21 @@ def tiny_loader(n: int = 32, batch_size: int = 4, **kwargs) -> DataLoader:
     return DataLoader(tiny_dataset(n), batch_size=batch_size, **kwargs)
 
 
+def count_host_reads(monkeypatch) -> list:
+    """From now on, the names of the tensor methods that read a value to the host (on a GPU, a
+    sync), as they are called; ``monkeypatch.undo()`` stops counting."""
+    reads = []
+    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy"):
+        real = getattr(torch.Tensor, name)
+
+        def counted(self, *args, _real=real, _name=name, **kwargs):
+            reads.append(_name)
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, counted)
+    return reads
+
+
 def save_checkpoint_file(obj, path) -> None:
     """Write ``obj`` to ``path`` as the trainer writes a checkpoint file, with the checksum of
     its bytes: a crafted checkpoint that gets past the checksum to what a test checks."""

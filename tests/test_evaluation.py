@@ -27,7 +27,7 @@ from torch.utils.data import (
 from trainer import HookBase
 from trainer.hooks import BestCheckpointHook, EvalHook
 
-from conftest import communicate, cpu_env, torchrun_command
+from conftest import communicate, count_host_reads, cpu_env, torchrun_command
 
 
 def squared_error(model, batch):
@@ -77,15 +77,7 @@ def test_no_host_read_until_the_end(make_trainer, monkeypatch):
     device."""
     trainer = make_trainer()
     batches = list(DataLoader(data(), batch_size=1))  # 10 (a DataLoader reads its seed once)
-    reads = []
-    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy"):
-        real = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _real=real, _name=name, **kwargs):
-            reads.append(_name)
-            return _real(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
+    reads = count_host_reads(monkeypatch)
     trainer.evaluate(batches, squared_error)
     assert reads == ["tolist"]  # "se" and "one" together
 

@@ -11,7 +11,7 @@ import torch
 
 from trainer import HistoryBuffer, HookBase, MetricStorage
 
-from conftest import TinyModel
+from conftest import TinyModel, count_host_reads
 
 
 def test_history_buffer_statistics():
@@ -167,15 +167,7 @@ def test_log_takes_numbers_bools_numpy_scalars_and_one_element_tensors(make_trai
     sync): its checks look at the type, the shape and the device."""
     trainer = make_trainer()
     weight = trainer.model.linear.weight  # requires grad: logged detached
-    reads = []
-    for name in ("item", "tolist", "__float__", "__int__", "__bool__", "cpu", "numpy"):
-        real = getattr(torch.Tensor, name)
-
-        def counted(self, *args, _real=real, _name=name, **kwargs):
-            reads.append(_name)
-            return _real(self, *args, **kwargs)
-
-        monkeypatch.setattr(torch.Tensor, name, counted)
+    reads = count_host_reads(monkeypatch)
     for it in range(3):
         trainer.log(it, grad=weight[0, 0] * 0 + it, column=torch.ones(1, 1) * it, reduce=True)
         trainer.log(it, flag=it == 1, np32=np.float32(0.5), np0d=np.array(2.0), n=torch.tensor(it))
