@@ -23,7 +23,7 @@ import stat
 import struct
 import threading
 import zlib
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, Callable, NoReturn
 
 import torch
 
@@ -79,18 +79,19 @@ def check_file(path: str, need_checksum: bool = True) -> None:
         if end[:2] != struct.pack("<H", _COMMENT_SIZE) or found is None:
             if not need_checksum and b"trainer-crc32:" not in end:  # none: from elsewhere
                 return
-            raise RuntimeError(
-                f"Checkpoint {path!r} is damaged: it carries no checksum (it was written before "
-                "trainer checked checkpoints, by other means, or its end was cut off). Resume "
-                "from another checkpoint; its weights may still load with "
-                "load_checkpoint(path, resume=False)."
+            _refuse(
+                path,
+                "it carries no checksum (it was written before trainer checked checkpoints, by "
+                "other means, or its end was cut off). Resume from another checkpoint; its "
+                "weights may still load with load_checkpoint(path, resume=False)",
             )
         f.seek(0)
         crc = _crc(f, size - len(end))
     if zlib.crc32(b"\0\0", crc) != int(found[1], 16):  # the comment's length as written: none
-        raise RuntimeError(
-            f"Checkpoint {path!r} is damaged: its bytes changed after it was written (its CRC-32 "
-            "does not match). Use an older checkpoint, or another copy of this one."
+        _refuse(
+            path,
+            "its bytes changed after it was written (its CRC-32 does not match). Use an older "
+            "checkpoint, or another copy of this one",
         )
 
 
@@ -181,14 +182,15 @@ def read_manifest(folder: str, own_checksum: str, need_checksum: bool) -> dict[s
     return files
 
 
-def check_files(folder: str, files: dict[str, list[int]], names: Optional[list[str]]) -> None:
+def check_files(folder: str, files: dict[str, list[int]], names: list[str]) -> None:
     """Raise a RuntimeError naming ``folder`` as damaged unless the bytes of its files ``names``
-    (None: all) match their CRC-32s in ``files`` (its manifest)."""
-    for name, (_, crc) in sums(folder, sorted(files) if names is None else names).items():
+    match their CRC-32s in ``files`` (its manifest)."""
+    for name, (_, crc) in sums(folder, names).items():
         if crc != files[name][1]:
             why = f"the bytes of {name} changed after it was written (its CRC-32 does not match)"
             _refuse(folder, f"{why}. Use an older checkpoint, or another copy of this one")
 
 
-def _refuse(folder: str, why: str) -> NoReturn:
-    raise RuntimeError(f"Checkpoint {folder!r} is damaged: {why}.")
+def _refuse(path: str, why: str) -> NoReturn:
+    """Raise the RuntimeError that names the checkpoint at ``path`` as damaged, and why."""
+    raise RuntimeError(f"Checkpoint {path!r} is damaged: {why}.")

@@ -471,17 +471,17 @@ def _check_out(out: str, folder: str) -> None:
             "binary). Give the path of a file to write, e.g. model.pth."
         )
     real = os.path.realpath(out)
-    inside = next((p for p in _ancestors(real) if is_sharded_checkpoint(p)), None)
-    if inside is not None and not _within(out, folder):
-        raise SystemExit(
-            f"OUT {out} is inside the sharded checkpoint {inside}: writing there would damage "
-            "it. Give a path outside every checkpoint, e.g. model.pth."
-        )
     if _within(out, folder):
         raise SystemExit(
             f"OUT {out} is CHECKPOINT_FOLDER {folder} or a path inside it (it resolves to "
-            f"{os.path.realpath(out)}): writing there would damage the checkpoint. Give a path "
-            "outside that folder, e.g. model.pth."
+            f"{real}): writing there would damage the checkpoint. Give a path outside that "
+            "folder, e.g. model.pth."
+        )
+    inside = next((p for p in _ancestors(real) if is_sharded_checkpoint(p)), None)
+    if inside is not None:
+        raise SystemExit(
+            f"OUT {out} is inside the sharded checkpoint {inside}: writing there would damage "
+            "it. Give a path outside every checkpoint, e.g. model.pth."
         )
     if os.path.isdir(out):
         raise SystemExit(
@@ -514,13 +514,10 @@ def _within(path: str, folder: str) -> bool:
     same device and inode)."""
     target = os.stat(folder)
     real = os.path.realpath(path)
-    while True:
-        if os.path.exists(real) and os.path.samestat(os.stat(real), target):
-            return True
-        parent = os.path.dirname(real)
-        if parent == real:  # the root
-            return False
-        real = parent
+    return any(
+        os.path.exists(p) and os.path.samestat(os.stat(p), target)
+        for p in (real, *_ancestors(real))
+    )
 
 
 if __name__ == "__main__":
