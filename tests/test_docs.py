@@ -175,6 +175,24 @@ def stub_module(name):
     ids=[chain[0].id for chain in CHAINS],
 )
 def test_code_block_runs(chain, tmp_path, monkeypatch):
+    before = files_under(os.path.join(ROOT, "work_dir"))
+    run_chain(chain, tmp_path, monkeypatch)
+    # A run of the example (README's first command) may have left work_dir/ in the checkout:
+    # the blocks neither create it nor change what is in it.
+    assert files_under(os.path.join(ROOT, "work_dir")) == before
+
+
+def files_under(folder):
+    """Each file under ``folder`` with its size and modification time (empty if none)."""
+    found = {}
+    for parent, _, names in os.walk(folder):
+        for name in names:
+            stat = os.stat(os.path.join(parent, name))
+            found[os.path.join(parent, name)] = (stat.st_size, stat.st_mtime_ns)
+    return found
+
+
+def run_chain(chain, tmp_path, monkeypatch):
     first = chain[0]
     if {"skip", "hook", "arguments"} & set(first.words):
         for block in chain:
@@ -206,7 +224,6 @@ def test_code_block_runs(chain, tmp_path, monkeypatch):
         exec(compile(block.code, block.id, "exec"), namespace)
     for name, module in stubs.items():
         assert module.calls, f"{first.id} never called {name}"
-    assert not os.path.exists(os.path.join(ROOT, "work_dir"))
 
 
 def test_every_python_block_is_collected():
