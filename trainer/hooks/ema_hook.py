@@ -15,10 +15,11 @@ class EMAHook(HookBase):
     Floating-point buffers (BatchNorm's running statistics) are averaged too; other buffers are
     copied.
 
-    The average is saved in checkpoints and resumed exactly. Evaluate with it inside
-    :meth:`swapped`, and export it with :meth:`ema_state_dict`. Under torchrun every rank
-    holds the same weights, and so the same average; models sharded with ``fully_shard``
-    are not supported.
+    The average is saved in checkpoints and resumed exactly. Inside ``with ema.swapped():``
+    the model holds the average, and on leaving it (an error included) its own weights again:
+    evaluate there, or call :meth:`evaluate`. Export it with :meth:`ema_state_dict`. Under
+    torchrun every rank holds the same weights, and so the same average; models sharded with
+    ``fully_shard`` are not supported.
 
     Args:
         decay: The weight of the old average, in [0, 1).
@@ -26,10 +27,15 @@ class EMAHook(HookBase):
 
     Example::
 
+        def accuracy_ema(model, batch):  # a name of its own for the average's accuracy
+            return {"acc_ema": accuracy(model, batch)["acc"]}
+
         ema = EMAHook(decay=0.999)
         trainer.register_hook(ema)
-        trainer.register_hook(EvalHook(1, lambda: {"acc": evaluate(model)}))
-        trainer.register_hook(EvalHook(1, lambda: {"acc_ema": ema.evaluate(evaluate, model)}))
+        trainer.register_hook(EvalHook(1, data_loader=val_loader, metric_fn=accuracy))
+        trainer.register_hook(
+            EvalHook(1, lambda: ema.evaluate(trainer.evaluate, val_loader, accuracy_ema))
+        )
     """
 
     # after the user's hooks, before evaluation and the checkpoint
