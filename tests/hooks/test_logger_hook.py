@@ -58,13 +58,18 @@ def test_console_and_log_file_lines(make_trainer, caplog, tmp_path):
     assert "Run summary" in log_text
     # each save has a line of its own, after the log point it covers; deletions have none
     ckpt_dir = tmp_path / "work" / "checkpoints"
-    saves = [line for line in lines if line.startswith("Saving")]
+    saves = [line for line in lines if line.startswith("Writing")]
     assert saves == []  # LoggerHook's logger writes the metric lines; the trainer logs saves
     messages = [r.getMessage() for r in caplog.records]
     for n, it in ((1, 8), (2, 16)):
-        line = f"Saving checkpoint {ckpt_dir}/epoch_{n}.pth (after iteration {it})."
+        line = (
+            f"Writing checkpoint {ckpt_dir}/epoch_{n}.pth (after iteration {it}) in the background."
+        )
         assert messages.count(line) == 1 and line in log_text
         assert messages.index(line) > messages.index(progress[2 * n - 1])
+        done = f"Saved checkpoint {ckpt_dir}/epoch_{n}.pth (on disk)."
+        assert messages.count(done) == 1 and done in log_text
+        assert messages.index(done) > messages.index(line)
     assert "Deleted" not in log_text
 
 
