@@ -1,6 +1,7 @@
 """What checkpoints may hold, and how loading them fails or falls back (trainer/checkpoint.py)."""
 
 import collections
+import logging
 import os
 import re
 import threading
@@ -12,6 +13,7 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+import trainer.checkpoint as trainer_checkpoint
 from trainer import HookBase, Trainer
 from trainer.checkpoint import read_latest_pointer
 from trainer.hooks import BestCheckpointHook
@@ -607,3 +609,89 @@ def test_raising_max_iters_past_a_pass_that_max_iters_cut_says_what_is_skipped(t
     build(tmp_path / "whole", max_epochs=1).train()  # a whole pass: nothing to say
     build(tmp_path / "whole", max_epochs=2).train()
     assert "ends a run whose max_iters" not in caplog.text
+
+
+def blocked_write(monkeypatch, name: str) -> threading.Event:
+    """From now on, the write of checkpoint ``name`` waits until the returned event is set."""
+    release = threading.Event()
+    real = trainer_checkpoint.atomic_save
+
+    def save(obj, path, mode=None):
+        if os.path.basename(path) == name:
+            assert release.wait(timeout=120), "never released"
+        real(obj, path, mode)
+
+    monkeypatch.setattr(trainer_checkpoint, "atomic_save", save)
+    return release
+
+
+class ReleaseOn(logging.Handler):
+    """Sets ``event`` when a record starting with ``prefix`` is logged."""
+
+    def __init__(self, prefix, event):
+        super().__init__()
+        self.prefix, self.event = prefix, event
+
+    def emit(self, record):
+        if record.getMessage().startswith(self.prefix):
+            self.event.set()
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_save_says_when_it_starts_and_when_it_is_on_disk(make_trainer, caplog, sharded):
+    trainer = make_trainer(max_epochs=1)
+    trainer.checkpointer.sharded = sharded
+    trainer.save_checkpoint("manual.pth")
+    trainer.checkpointer.wait()
+    path = os.path.join(trainer.ckpt_dir, "manual.pth")
+    ours = [r.getMessage() for r in caplog.records if r.name.startswith("trainer")]
+    assert ours == [  # (torch's DCP logs records of its own)
+        f"Writing checkpoint {path} (after iteration 0) in the background.",
+        f"Saved checkpoint {path} (on disk).",
+    ]
+    assert trainer.checkpointer.last_path == path
+
+
+def test_a_failure_names_the_last_checkpoint_on_disk_not_the_one_being_written(
+    make_trainer, caplog, monkeypatch
+):
+    class Fail(HookBase):
+        def before_epoch(self):
+            if self.trainer.cur_epoch == 2:
+                raise ValueError("injected failure")
+
+    release = blocked_write(monkeypatch, "epoch_2.pth")  # until the failure is logged
+    handler = ReleaseOn("Training failed", release)
+    logging.getLogger("trainer").addHandler(handler)
+    trainer = make_trainer(max_epochs=3)
+    trainer.register_hook(Fail())
+    try:
+        with pytest.raises(ValueError, match="injected failure"):
+            trainer.train()
+    finally:
+        logging.getLogger("trainer").removeHandler(handler)
+    ckpt = trainer.ckpt_dir
+    line = (
+        f"Training failed in iteration 16 of 24 (last checkpoint on disk: {ckpt}/epoch_1.pth, "
+        f"{ckpt}/epoch_2.pth being written): ValueError: injected failure"
+    )
+    messages = caplog.messages
+    assert line in messages
+    # train() waited for the write in flight, which then landed
+    assert messages.index(f"Saved checkpoint {ckpt}/epoch_2.pth (on disk).") > messages.index(line)
+    assert trainer.checkpointer.last_path == f"{ckpt}/epoch_2.pth"
+
+
+def test_a_failure_before_any_save_says_there_is_none(make_trainer, caplog):
+    class Fail(HookBase):
+        def after_iter(self):
+            raise ValueError("injected failure")
+
+    trainer = make_trainer(max_epochs=1)
+    trainer.register_hook(Fail())
+    with pytest.raises(ValueError):
+        trainer.train()
+    assert (
+        "Training failed in iteration 1 of 8 (last checkpoint on disk: none): ValueError: "
+        "injected failure"
+    ) in caplog.messages

@@ -36,7 +36,7 @@ def test_train_digits_reaches_95_percent(tmp_path):
     assert os.path.isfile(tmp_path / "checkpoints" / "epoch_15.pth")
     # rerunning resumes the finished run instead of training again
     again = run([sys.executable, script, "--work-dir", str(tmp_path)], cwd=tmp_path)
-    assert "Nothing to train: the run in " in again and "iteration 675 of 675). To" in again
+    assert "Nothing to train: " in again and "after 15 of 15 epochs (675 iterations), " in again
     assert final_accuracy(again) == final_accuracy(output)
 
 

@@ -1,10 +1,14 @@
 """The package's layout: its layers (``lint-imports``, the contract in pyproject.toml), no lazy
-plumbing, and what a default run leaves unimported."""
+plumbing, what a default run leaves unimported, and every name the docs import from where they
+say."""
 
 import ast
 import glob
+import importlib
+import inspect
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -88,3 +92,88 @@ def test_a_default_run_leaves_distributed_checkpoint_unimported(tmp_path):
     loaded = set(json.loads(proc.stdout.strip().splitlines()[-1]))
     assert "trainer.trainer" in loaded and "trainer.checkpoint" in loaded
     assert {"torch.distributed.checkpoint", "trainer.sharded_checkpoint"} & loaded == set()
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOC_FILES = [os.path.join(ROOT, "README.md")] + sorted(
+    glob.glob(os.path.join(ROOT, "docs", "*.md"))
+)
+
+
+def documented_imports() -> list[tuple[str, str, str]]:
+    """(file, module, name) for every ``from trainer... import ...`` in README.md and docs/*.md,
+    in code blocks and in the prose."""
+    found = []
+    for path in DOC_FILES:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+        for module, names in re.findall(r"from (trainer[\w.]*) import (\([^)]*\)|[\w, ]+)", text):
+            for name in names.strip("()").split(","):
+                name = name.split(" as ")[0].strip()
+                if name:
+                    found.append((os.path.relpath(path, ROOT), module, name))
+    return found
+
+
+def api_reference_names() -> list[str]:
+    """The dotted names docs/api.md documents (``::: trainer.hooks.EvalHook``) and their listed
+    members."""
+    with open(os.path.join(ROOT, "docs", "api.md"), encoding="utf-8") as f:
+        text = f.read()
+    names = []
+    for name, options in re.findall(r"^::: ([\w.]+)\n((?:    .*\n)*)", text, re.MULTILINE):
+        names.append(name)
+        members = re.search(r"members: \[([^\]]*)\]", options)
+        names += [f"{name}.{m.strip()}" for m in members.group(1).split(",")] if members else []
+    return names
+
+
+def resolve(dotted: str) -> object:
+    """The object a dotted name means: the longest importable module, then attributes."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ModuleNotFoundError:
+            continue
+        for attribute in parts[i:]:
+            if isinstance(obj, type) and not hasattr(obj, attribute):  # set in __init__
+                source = inspect.getsource(obj.__init__)
+                assert re.search(rf"self\.{attribute}\b[^=\n]*=", source), dotted
+                return attribute
+            obj = getattr(obj, attribute)
+        return obj
+    raise ModuleNotFoundError(dotted)
+
+
+def test_every_name_the_docs_import_imports_from_there():
+    found = documented_imports()
+    assert ("docs/distributed.md", "trainer.distributed", "destroy_distributed") in found
+    failed = []
+    for path, module, name in found:
+        try:
+            getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as e:
+            failed.append(f"{path}: from {module} import {name}: {e}")
+    assert failed == []
+
+
+def test_every_name_of_the_api_reference_resolves():
+    names = api_reference_names()
+    assert "trainer.hooks.EMAHook" in names and "trainer.checkpoint.Checkpointer.wait" in names
+    for name in names:
+        assert resolve(name) is not None, name
+
+
+def test_every_public_hook_and_helper_imports_from_the_package():
+    import trainer
+    from trainer import EMAHook, destroy_distributed, hooks  # noqa: F401
+
+    # the hooks module's every name, and the process-group helpers the docs use
+    assert set(hooks.__all__) <= set(trainer.__all__)
+    assert {"init_distributed", "destroy_distributed"} <= set(trainer.__all__)
+    for name in trainer.__all__:
+        assert getattr(trainer, name) is getattr(
+            hooks if name in hooks.__all__ else trainer, name
+        ), name
+    assert len(set(trainer.__all__)) == len(trainer.__all__)

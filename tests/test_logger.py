@@ -80,7 +80,10 @@ def test_a_training_error_prints_its_traceback_once_and_keeps_it_in_the_log_file
     assert proc.returncode == 1
     assert proc.stderr.count("Traceback (most recent call last)") == 1, proc.stderr
     assert proc.stderr.rstrip().endswith("ValueError: injected failure")
-    assert "Training failed in iteration 6 of 8: ValueError: injected failure" in proc.stderr
+    assert (
+        "Training failed in iteration 6 of 8 (last checkpoint on disk: none): ValueError: "
+        "injected failure"
+    ) in proc.stderr
     log = (tmp_path / "work" / "log.txt").read_text()
     assert log.count("Traceback (most recent call last)") == 1
     assert 'raise ValueError("injected failure")' in log

@@ -47,8 +47,12 @@ def test_the_usage_snippet_trains_in_work_dir_and_a_rerun_says_it_is_finished(tm
     assert re.search(rf"last checkpoint +{re.escape(str(work))}/checkpoints/epoch_10\.pth\n", log)
     assert re.search(rf"logs +log\.txt, metrics\.jsonl, tb_logs in {re.escape(str(work))}\n", log)
     again = run(script, cwd=tmp_path)
-    assert f"Nothing to train: the run in {work} is finished" in again
-    assert "pass train(auto_resume=False) or another work_dir" in again
+    assert (
+        f"Nothing to train: {work} holds a finished run, resumed from {work}/checkpoints/"
+        "epoch_10.pth after 10 of 10 epochs (320 iterations), since train() resumes the run in "
+        "its work_dir (auto_resume=True). To start a new run, pass another work_dir, or "
+        "train(auto_resume=False)"
+    ) in again
 
 
 def test_the_test_command_is_what_ci_runs():

@@ -486,7 +486,7 @@ def test_a_work_dir_named_like_a_log_file_works(tmp_path):
     trainer = build(tmp_path / "exp1.log")
     trainer.train()
     assert trainer.log_file == str(tmp_path / "exp1.log" / "log.txt")
-    assert "Saving checkpoint" in (tmp_path / "exp1.log" / "log.txt").read_text()
+    assert "Writing checkpoint" in (tmp_path / "exp1.log" / "log.txt").read_text()
     assert os.path.exists(tmp_path / "exp1.log" / "checkpoints" / "epoch_2.pth")
 
 

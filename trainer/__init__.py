@@ -2,6 +2,7 @@
 
 from .distributed import (
     all_gather,
+    destroy_distributed,
     gather,
     get_rank,
     get_world_size,
@@ -10,7 +11,21 @@ from .distributed import (
     reduce_dict,
 )
 from .history_buffer import HistoryBuffer
-from .hooks import CheckpointHook, DistributedHook, EvalHook, HookBase, LoggerHook, LRUpdateHook
+from .hooks import (
+    BestCheckpointHook,
+    CheckpointHook,
+    DistributedHook,
+    EarlyStoppingHook,
+    EMAHook,
+    EvalHook,
+    HookBase,
+    LoggerHook,
+    LRUpdateHook,
+    Priority,
+    ProfilerHook,
+    ProgressBarHook,
+    WatchdogHook,
+)
 from .logger import setup_logger
 from .lr_scheduler import LRWarmupScheduler
 from .metric_storage import MetricStorage
@@ -19,9 +34,11 @@ from .trainer import Trainer
 
 __version__ = "0.1.0"
 
+# core-pytorch-utils' names, every hook of trainer.hooks, and the process-group helpers
 __all__ = [
-    "CheckpointHook", "DistributedHook", "EvalHook", "HistoryBuffer", "HookBase", "LoggerHook",
-    "LRUpdateHook", "LRWarmupScheduler", "MetricStorage", "Trainer", "all_gather", "collect_env",
-    "gather", "get_rank", "get_world_size", "init_distributed", "is_main_process", "reduce_dict",
-    "set_random_seed", "setup_logger",
+    "BestCheckpointHook", "CheckpointHook", "DistributedHook", "EarlyStoppingHook", "EMAHook",
+    "EvalHook", "HistoryBuffer", "HookBase", "LoggerHook", "LRUpdateHook", "LRWarmupScheduler",
+    "MetricStorage", "Priority", "ProfilerHook", "ProgressBarHook", "Trainer", "WatchdogHook",
+    "all_gather", "collect_env", "destroy_distributed", "gather", "get_rank", "get_world_size",
+    "init_distributed", "is_main_process", "reduce_dict", "set_random_seed", "setup_logger",
 ]  # fmt: skip

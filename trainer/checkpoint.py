@@ -183,7 +183,9 @@ class Checkpointer:
             self._save_file(state, own_rng, path, then)
         if not is_main_process():
             return None
-        logger.info(f"Saving checkpoint {path} (after iteration {self._progress.iter + 1}).")
+        # written in the background: a line says when it is on disk
+        done = self._progress.iter + 1
+        logger.info(f"Writing checkpoint {path} (after iteration {done}) in the background.")
         return path
 
     def _save_file(
@@ -213,7 +215,6 @@ class Checkpointer:
             if os.path.lexists(aside):
                 remove_checkpoint(aside)
             self._publish(folder, name, mode, path)
-            logger.debug(f"Saved checkpoint {path}")  # the next log line names it
             if then is not None:
                 then()
 
@@ -240,7 +241,6 @@ class Checkpointer:
         def publish() -> None:  # on rank 0, once every rank's files are complete
             _replace_folder(temp, path)
             self._publish(folder, name, mode, path)
-            logger.debug(f"Saved checkpoint {path}")  # the next log line names it
 
         _dcp().save(
             self._module, self._optimizer, rest, temp, mode=mode,
@@ -253,6 +253,7 @@ class Checkpointer:
         with self._publishing:
             update_latest_pointer(folder, name, mode)
             self.last_path, self._writing = path, None
+        logger.info(f"Saved checkpoint {path} (on disk).")
 
     @contextlib.contextmanager
     def held(self) -> Iterator[tuple[Optional[str], Optional[str]]]:

@@ -363,10 +363,14 @@ class Trainer:
                 where = "as it started"
                 if self.cur_iter >= self.start_iter:
                     where = f"in iteration {self.cur_iter + 1} of {self.max_iters}"
-                logger.exception(
-                    f"Training failed {where}: {type(e).__name__}: {e}",
-                    extra={TRACEBACK_FOLLOWS: True},
-                )
+                with self._checkpointer.held() as (last, writing):  # rank 0 writes: it knows
+                    if is_main_process():
+                        being = f", {writing} being written" if writing else ""
+                        where += f" (last checkpoint on disk: {last or 'none'}{being})"
+                    logger.exception(
+                        f"Training failed {where}: {type(e).__name__}: {e}",
+                        extra={TRACEBACK_FOLLOWS: True},
+                    )
                 raise
             finally:  # the last checkpoint is on disk when after_train runs and train() ends
                 with self._checkpointer.on_disk():

@@ -53,14 +53,17 @@ def test_every_save_is_named_once_and_a_new_best_names_its_file(make_trainer, ca
     trainer = evaluating(make_trainer(max_epochs=3), [0.5, 0.7, 0.6], BestCheckpointHook("acc"))
     trainer.train()
     messages = [r.getMessage() for r in caplog.records]
-    saves = [m.split(" (")[0].removeprefix("Saving checkpoint ") for m in messages
-             if m.startswith("Saving checkpoint")]  # fmt: skip
+    saves = [m.split(" (")[0].removeprefix("Writing checkpoint ") for m in messages
+             if m.startswith("Writing checkpoint")]  # fmt: skip
     names = ["epoch_1.pth", "best.pth", "epoch_2.pth", "best.pth", "epoch_3.pth"]
     assert saves == [os.path.join(trainer.ckpt_dir, name) for name in names]
+    on_disk = [m.split(" (")[0].removeprefix("Saved checkpoint ") for m in messages
+               if m.startswith("Saved checkpoint")]  # fmt: skip
+    assert on_disk == saves  # one write at a time, each done before the next starts
     assert "New best acc: 0.5: saving best.pth." in messages
     assert "New best acc: 0.7 (was 0.5): saving best.pth." in messages
     log = open(trainer.log_file).read()
-    assert log.count("Saving checkpoint") == 5
+    assert log.count("Writing checkpoint") == 5 and log.count(" (on disk).") == 5
 
 
 def test_the_summary_names_a_best_checkpoint_still_being_written(make_trainer, caplog,

@@ -5,6 +5,7 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -57,13 +58,18 @@ def test_console_and_log_file_lines(make_trainer, caplog, tmp_path):
     assert "Run summary" in log_text
     # each save has a line of its own, after the log point it covers; deletions have none
     ckpt_dir = tmp_path / "work" / "checkpoints"
-    saves = [line for line in lines if line.startswith("Saving")]
+    saves = [line for line in lines if line.startswith("Writing")]
     assert saves == []  # LoggerHook's logger writes the metric lines; the trainer logs saves
     messages = [r.getMessage() for r in caplog.records]
     for n, it in ((1, 8), (2, 16)):
-        line = f"Saving checkpoint {ckpt_dir}/epoch_{n}.pth (after iteration {it})."
+        line = (
+            f"Writing checkpoint {ckpt_dir}/epoch_{n}.pth (after iteration {it}) in the background."
+        )
         assert messages.count(line) == 1 and line in log_text
         assert messages.index(line) > messages.index(progress[2 * n - 1])
+        done = f"Saved checkpoint {ckpt_dir}/epoch_{n}.pth (on disk)."
+        assert messages.count(done) == 1 and done in log_text
+        assert messages.index(done) > messages.index(line)
     assert "Deleted" not in log_text
 
 
@@ -178,8 +184,13 @@ def test_the_summary_table_gives_the_time_by_hook_and_the_evaluated_metrics(
     caplog.clear()  # a rerun: nothing to train, the same metrics from the checkpoint
     rerun = make_trainer(max_epochs=2, log_period=4)
     rerun.train()
-    assert "Nothing to train: the run in " + work + " is finished" in caplog.text
-    assert "train(auto_resume=False) or another work_dir" in caplog.text
+    assert (
+        f"Nothing to train: {work} holds a finished run, resumed from {work}/checkpoints/"
+        "epoch_2.pth after 2 of 2 epochs (16 iterations), since train() resumes the run in its "
+        "work_dir (auto_resume=True). To start a new run, pass another work_dir, or "
+        "train(auto_resume=False) to train afresh over this one's files; to train this one "
+        "longer, raise max_epochs or max_iters."
+    ) in caplog.messages
     (summary,) = [r.getMessage() for r in caplog.records if "Run summary" in r.getMessage()]
     assert "no iteration to train: iteration 16 of 16" in summary
     assert "final 0.8, best 0.9 (after iteration 8)" in summary
@@ -320,3 +331,69 @@ def test_tensorboard_keeps_every_log_point_once_after_a_kill(make_trainer, tmp_p
     losses = read_scalars(resumed.tb_log_dir)["train/total_loss"]
     assert [step for step, _ in losses] == list(range(1, 40, 2))  # every log point, once
     assert losses == read_scalars(whole.tb_log_dir)["train/total_loss"]
+
+
+def warnings_of(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+
+
+class Idle(HookBase):
+    """A hook that does nothing."""
+
+
+def test_a_resume_with_other_settings_names_them_in_one_warning(make_trainer, caplog):
+    first = make_trainer(max_epochs=1, log_period=4)
+    first.train()
+    work = first.work_dir
+    caplog.clear()
+    resumed = make_trainer(max_epochs=3, lr=0.01, log_period=2, clip_grad_norm=1.0)
+    resumed.register_hook(Idle())
+    resumed.train()
+    assert warnings_of(caplog) == [
+        f"Resuming the run in {work} with settings that differ from its run.json: max_epochs 1 "
+        "-> 3, log_period 4 -> 2, clip_grad_norm 0.0 -> 1.0, base_lrs [0.1] -> [0.01], hooks "
+        "+Idle. To start a new run, pass another work_dir or train(auto_resume=False)."
+    ]
+    # run.json now holds the settings of the run that trained last
+    assert json.loads((Path(work) / "run.json").read_text())["log_period"] == 2
+
+
+def test_a_resume_that_only_trains_longer_says_so_calmly(make_trainer, caplog):
+    make_trainer(max_epochs=1).train()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        longer = make_trainer(max_epochs=2)
+        longer.train()
+    assert warnings_of(caplog) == []
+    line = f"Resuming the run in {longer.work_dir} to train longer: max_epochs 1 -> 2."
+    assert line in caplog.messages
+
+
+def test_a_resume_ignores_what_only_describes_the_machine(make_trainer, caplog, monkeypatch):
+    first = make_trainer(max_epochs=1)
+    first.train()
+    config = json.loads((Path(first.work_dir) / "run.json").read_text())
+    config.update(seed=123, torch="1.0", hooks=config["hooks"] + ["ProgressBarHook (priority 95)"])
+    (Path(first.work_dir) / "run.json").write_text(json.dumps(config))
+    caplog.clear()
+    make_trainer(max_epochs=1).train()  # finished: nothing to train, no difference to name
+    assert warnings_of(caplog) == []
+    assert "Nothing to train: " in caplog.text
+
+
+def test_nothing_to_train_names_the_run_and_its_other_settings(make_trainer, caplog):
+    first = make_trainer(max_iters=6)
+    first.train()
+    work = first.work_dir
+    saved = (Path(work) / "run.json").read_text()
+    caplog.clear()
+    make_trainer(max_iters=6, lr=0.5).train()  # a new script, the same work_dir
+    assert warnings_of(caplog) == [
+        f"Resuming the run in {work} with settings that differ from its run.json: base_lrs "
+        "[0.1] -> [0.5]. To start a new run, pass another work_dir or train(auto_resume=False)."
+    ]
+    assert (
+        f"Nothing to train: {work} holds a finished run, resumed from {work}/checkpoints/"
+        "iter_6.pth after 6 of 6 iterations, since train() resumes"
+    ) in caplog.text
+    assert (Path(work) / "run.json").read_text() == saved  # still the run that trained

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from trainer.hooks import EvalHook
+from trainer.hooks import EvalHook, HookBase
 
 
 def plateau(optimizer):
@@ -86,5 +86,31 @@ def test_a_plateau_metric_that_never_came_is_warned_about(make_trainer, caplog):
     trainer.register_hook(EvalHook(1, lambda: {"val_loss": 1.0}))
     trainer.train()
     assert trainer.lr == pytest.approx(0.1)  # never stepped
-    assert "plateau_metric='val_los'): no value of it was logged in training" in caplog.text
-    assert "Logged: data_time, iter_time, lr, total_loss, val_loss." in caplog.text
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "LRUpdateHook(plateau_metric='val_los') watches 'val_los', but the evaluation after "
+        "epoch 1 gave only: val_loss; ReduceLROnPlateau never steps. Pass the name of one of "
+        "those."
+    ]
+
+
+def test_a_plateau_metric_nothing_gives_is_named_at_the_end(make_trainer, caplog):
+    trainer = make_trainer(max_epochs=2, scheduler=plateau, plateau_metric="val_loss")
+    trainer.train()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warnings == [
+        "LRUpdateHook(plateau_metric='val_loss') watches 'val_loss', but nothing evaluated or "
+        "logged it (logged: data_time, iter_time, lr, total_loss), so ReduceLROnPlateau never "
+        "steps. Return it from an EvalHook's function or log it with trainer.log."
+    ]
+
+
+def test_a_plateau_metric_logged_with_trainer_log_counts(make_trainer, caplog):
+    class LogValLoss(HookBase):
+        def after_epoch(self):  # after the evaluation, which gives other names
+            self.trainer.log(self.trainer.cur_iter, smooth=False, val_loss=1.0)
+
+    trainer = make_trainer(max_epochs=3, scheduler=plateau, plateau_metric="val_loss")
+    trainer.register_hooks([EvalHook(1, lambda: {"acc": 0.5}), LogValLoss()])
+    trainer.train()
+    assert [r for r in caplog.records if r.levelname == "WARNING"] == []

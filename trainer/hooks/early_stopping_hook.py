@@ -5,7 +5,7 @@ from typing import Any, Optional
 
 from ..misc import check_int
 from .hookbase import HookBase, Priority
-from .metric_watch import MetricWatch
+from .metric_watch import MetricArrival, MetricWatch
 
 logger = logging.getLogger(__name__)
 
@@ -16,6 +16,9 @@ class EarlyStoppingHook(HookBase):
 
     Its counters are saved in checkpoints, so a resumed run counts on where it stopped. Every
     rank sees the same evaluation results, so under torchrun every rank stops together.
+
+    If evaluations run and none returns ``metric`` (a misspelt name), it warns once, by the end
+    of the first epoch after which every ``EvalHook`` has evaluated, naming the results that came.
 
     Args:
         metric: The evaluation metric to watch.
@@ -39,13 +42,17 @@ class EarlyStoppingHook(HookBase):
         self._watch = MetricWatch(metric, mode, min_delta)
         self._patience = patience
         self._bad_evals = 0  # evaluations since the last improvement
-        self._seen = False
+        self._arrival = MetricArrival(self.class_name, metric, "it never stops training early")
+
+    def before_epoch(self) -> None:
+        """Warn if the evaluations so far did not give the metric."""
+        self._arrival.check(self.trainer)
 
     def after_eval(self, results: dict[str, float]) -> None:
         """Count an evaluation without improvement; stop after ``patience`` of them."""
+        self._arrival.note(self.trainer, results)
         if self._watch.metric not in results:
             return
-        self._seen = True
         value = results[self._watch.metric]
         if self._watch.improves(value):
             self._bad_evals = 0
@@ -59,12 +66,8 @@ class EarlyStoppingHook(HookBase):
             self.trainer.stop()
 
     def after_train(self) -> None:
-        """Warn when the metric was never evaluated: a misspelt name, most likely."""
-        if not self._seen and self._watch.best is None:
-            logger.warning(
-                f"EarlyStoppingHook watched {self._watch.metric!r}, which no evaluation "
-                "returned; check the names your EvalHook's function returns."
-            )
+        """Warn if no evaluation gave the metric."""
+        self._arrival.check(self.trainer, ended=True)
 
     def state_dict(self) -> dict[str, Any]:
         """The best value and the evaluations since it."""

@@ -79,6 +79,12 @@ class EvalHook(HookBase):
         self._data_loader, self._metric_fn = data_loader, metric_fn
         self._names: set[str] = set()  # the names of its results, in the runs it resumes too
 
+    @property
+    def names(self) -> set[str]:
+        """The names of its results so far (in the run it resumes too); empty until it has
+        evaluated."""
+        return set(self._names)
+
     def state_dict(self) -> dict[str, Any]:
         """The names of the results so far, so that a resumed run tells them from others."""
         return {"names": sorted(self._names)}

@@ -89,8 +89,12 @@ class LoggerHook(HookBase):
         if is_main_process():
             # the settings, and the hooks in run order (the options they take are theirs)
             config = {**trainer.run_config, "hooks": trainer.hooks.info()}
-            with open_no_follow(os.path.join(trainer.work_dir, "run.json"), append=False) as f:
-                json.dump(config, f, indent=2)
+            path = os.path.join(trainer.work_dir, "run.json")
+            if trainer.start_iter > 0:  # resumed: the run's own settings are in its run.json
+                _log_changes(trainer.work_dir, _read_run_json(path), config)
+            if not trainer.progress.finished:  # what it holds is what was trained
+                with open_no_follow(path, append=False) as f:
+                    json.dump(config, f, indent=2)
             if self._tensorboard:
                 writer = TensorBoardWriter(
                     trainer.tb_log_dir, trainer.start_iter, eval_names=self._evals
@@ -107,11 +111,17 @@ class LoggerHook(HookBase):
         trainer, progress = self.trainer, self.trainer.progress
         done, last = f"{trainer.start_iter} of {trainer.max_iters}", trainer.checkpointer.last_path
         if progress.finished and not progress.stopped:  # a stopped run: the trainer says so
+            after = f"after {trainer.start_iter} of {trainer.max_iters} iterations"
+            if trainer.train_by_epoch:
+                epochs = progress.position[0]
+                after = f"after {epochs} of {trainer.max_epochs} epochs ({trainer.start_iter} " \
+                    "iterations)"  # fmt: skip
             logger.info(
-                f"Nothing to train: the run in {trainer.work_dir} is finished "
-                f"({last}, iteration {done}). To train again from scratch, "
-                "build a new Trainer and pass train(auto_resume=False) or another work_dir; to "
-                "train longer, raise max_epochs or max_iters."
+                f"Nothing to train: {trainer.work_dir} holds a finished run, resumed from {last} "
+                f"{after}, since train() resumes the run in its work_dir (auto_resume=True). To "
+                "start a new run, pass another work_dir, or train(auto_resume=False) to train "
+                "afresh over this one's files; to train this one longer, raise max_epochs or "
+                "max_iters."
             )
         elif not progress.stopped:
             origin = f"resuming {last}" if trainer.start_iter > 0 and last is not None else "afresh"
@@ -179,6 +189,66 @@ class LoggerHook(HookBase):
         for writer in self._writers:
             if log_point or not writer.log_points_only:
                 writer.write(self.trainer, self.trainer.cur_iter, fresh)
+
+
+# run.json keys that are not the run's settings: the seed (random unless set, and a resume
+# restores every RNG from the checkpoint), the torch version (the machine's), the work_dir (the
+# same folder, perhaps moved).
+_NOT_SETTINGS = ("seed", "torch", "work_dir")
+# Drawn only on a terminal: it comes and goes with where the output goes.
+_TERMINAL_HOOKS = ("ProgressBarHook",)
+
+
+def _read_run_json(path: str) -> Optional[dict[str, Any]]:
+    """The settings a run saved in ``path``; None if there are none to read."""
+    if os.path.islink(path):  # refused when it is written
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:  # none (resumed from elsewhere), or not what we wrote
+        logger.debug(f"Not comparing the settings with {path}: {e}")
+        return None
+    return saved if isinstance(saved, dict) else None
+
+
+def _log_changes(work_dir: str, saved: Optional[dict[str, Any]], now: dict[str, Any]) -> None:
+    """Log, in one line, how the settings ``now`` differ from those the resumed run saved: a
+    warning, or a calm line when only a larger ``max_epochs`` or ``max_iters`` (the usual way to
+    train longer) differs."""
+    if saved is None:
+        return
+    changes, longer = [], True
+    for key in [k for k in now if k not in _NOT_SETTINGS] + [k for k in saved if k not in now]:
+        old, new = saved.get(key), now.get(key)
+        if key == "hooks":
+            old, new = (_hook_names(v) for v in (old, new))
+            if sorted(old) == sorted(new):  # the same hooks, perhaps reordered
+                continue
+            gone, added = [h for h in old if h not in new], [h for h in new if h not in old]
+            changes.append(f"hooks {', '.join([f'+{h}' for h in added] + [f'-{h}' for h in gone])}")
+        elif old != new:
+            changes.append(f"{key} {json.dumps(old)} -> {json.dumps(new)}")
+        else:
+            continue
+        raised = isinstance(old, int) and isinstance(new, int) and new > old
+        longer &= key in ("max_epochs", "max_iters") and raised
+    if not changes:
+        return
+    if longer:
+        logger.info(f"Resuming the run in {work_dir} to train longer: {', '.join(changes)}.")
+        return
+    logger.warning(
+        f"Resuming the run in {work_dir} with settings that differ from its run.json: "
+        f"{', '.join(changes)}. To start a new run, pass another work_dir or "
+        "train(auto_resume=False)."
+    )
+
+
+def _hook_names(hooks: Any) -> list[str]:
+    """The class names in run.json's ``hooks`` (``"EvalHook (priority 60)"``)."""
+    names = [str(h).split(" (")[0] for h in hooks] if isinstance(hooks, list) else []
+    return [name for name in names if name not in _TERMINAL_HOOKS]
 
 
 def _markdown_table(config: dict[str, Any]) -> str:

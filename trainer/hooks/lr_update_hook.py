@@ -1,12 +1,10 @@
 """Steps the warmup-wrapped LR schedule."""
 
-import logging
 from typing import Any, Optional
 
 from ..misc import check_type
 from .hookbase import HookBase, Priority
-
-logger = logging.getLogger(__name__)
+from .metric_watch import MetricArrival
 
 DEFAULT_PLATEAU_METRIC = "Eval Metric"
 
@@ -20,6 +18,8 @@ class LRUpdateHook(HookBase):
         plateau_metric: The metric ReduceLROnPlateau judges, stepping at an epoch end only when
             a new value was logged (by an :class:`EvalHook`, which runs first). None: ``"Eval
             Metric"``, as core-pytorch-utils, raising at the first epoch end if none was logged.
+            A named one that evaluations (or ``trainer.log``) never give is warned about once,
+            by the end of the first epoch after which every ``EvalHook`` has evaluated.
 
     Example::
 
@@ -33,6 +33,12 @@ class LRUpdateHook(HookBase):
         self._plateau_metric = plateau_metric or DEFAULT_PLATEAU_METRIC
         self._metric_named = plateau_metric is not None
         self._metric_count = 0  # values of plateau_metric already fed to the scheduler
+        self._arrival = None
+        if plateau_metric is not None:
+            self._arrival = MetricArrival(
+                f"{self.class_name}(plateau_metric={plateau_metric!r})", plateau_metric,
+                "ReduceLROnPlateau never steps", logged=True,
+            )  # fmt: skip
 
     def before_train(self) -> None:
         """Refuse a ``plateau_metric`` that no ReduceLROnPlateau judges: it would be ignored."""
@@ -43,6 +49,16 @@ class LRUpdateHook(HookBase):
                 f"ReduceLROnPlateau, and the trainer's lr_scheduler is "
                 f"{type(scheduler.torch_scheduler or scheduler).__name__}; remove plateau_metric."
             )
+
+    def before_epoch(self) -> None:
+        """Warn if the evaluations so far did not give the plateau metric."""
+        if self._arrival is not None:
+            self._arrival.check(self.trainer)
+
+    def after_eval(self, results: dict[str, float]) -> None:
+        """Note the names an evaluation gave."""
+        if self._arrival is not None:
+            self._arrival.note(self.trainer, results)
 
     def after_iter_period(self) -> int:
         """Every iteration; never for an epoch schedule without a warmup in iterations."""
@@ -76,14 +92,9 @@ class LRUpdateHook(HookBase):
         scheduler.epoch_update(metric)
 
     def after_train(self) -> None:
-        """Warn when a named plateau metric never came: a typo leaves the LR unchanged."""
-        trainer, unused = self.trainer, self._metric_named and not self._metric_count
-        if unused and trainer.lr_scheduler.is_plateau and trainer.progress.finished:
-            logger.warning(
-                f"LRUpdateHook(plateau_metric={self._plateau_metric!r}): no value of it was "
-                "logged in training, so ReduceLROnPlateau never stepped. Logged: "
-                f"{', '.join(sorted(trainer.metric_storage))}."
-            )
+        """Warn if no evaluation gave the plateau metric."""
+        if self._arrival is not None:
+            self._arrival.check(self.trainer, ended=True)
 
     def state_dict(self) -> dict[str, Any]:
         """How many plateau metric values were used."""
