@@ -44,11 +44,19 @@ setup(
             "import-linter>=2.1",
             "setuptools>=70.1",
             "torchdata>=0.8",
+            # the tracker writers' tests: MLflow's file store, W&B offline, whose files the
+            # tests read with `wandb leet inspect`
+            "mlflow-skinny>=3.0",
+            "wandb>=0.31",
         ],
         "examples": ["scikit-learn"],
         # `mkdocs build --strict` builds the site in docs/ (.ci/run does)
         "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
         # StatefulDataLoader: checkpointed through its own state, IterableDatasets included
         "torchdata": ["torchdata>=0.8"],
+        # trainer.writers.MLflowWriter: MLflow's client (the full `mlflow` package includes it)
+        "mlflow": ["mlflow-skinny>=3.0"],
+        # trainer.writers.WandbWriter: a resumed run rewinds the W&B run (resume_from, 0.17.1)
+        "wandb": ["wandb>=0.17.1"],
     },
 )

@@ -3,6 +3,7 @@
 import glob
 import logging
 import os
+import platform
 import signal
 import socket
 import subprocess
@@ -235,6 +236,11 @@ def _quiet_trainer_logs():
     # Keep test output short; records still reach caplog and each trainer's log file.
     logging.getLogger("trainer").setLevel(logging.INFO)
     yield
+
+
+# Importing MLflow (MLflowWriter) calls platform.platform(), which runs `uname -p` once a process
+# and caches it: run here, so that the in-process tests using MLflow start no process.
+platform.platform()
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -82,7 +82,7 @@ def test_no_lazy_plumbing():
 
 
 @pytest.mark.slow  # a fresh interpreter
-def test_a_default_run_leaves_distributed_checkpoint_unimported(tmp_path):
+def test_a_default_run_leaves_distributed_checkpoint_and_the_trackers_unimported(tmp_path):
     script = tmp_path / "default_run.py"
     script.write_text(textwrap.dedent(DEFAULT_RUN))
     proc = subprocess.run(
@@ -92,6 +92,8 @@ def test_a_default_run_leaves_distributed_checkpoint_unimported(tmp_path):
     loaded = set(json.loads(proc.stdout.strip().splitlines()[-1]))
     assert "trainer.trainer" in loaded and "trainer.checkpoint" in loaded
     assert {"torch.distributed.checkpoint", "trainer.sharded_checkpoint"} & loaded == set()
+    # trainer.writers holds MLflowWriter and WandbWriter: the trackers are imported by their use
+    assert "trainer.writers" in loaded and {"mlflow", "wandb"} & loaded == set()
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -44,12 +44,13 @@ loader = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 1)), batch_s
 trainer = Trainer(model, optimizer, None, loader, max_epochs=1)
 trainer.train(auto_resume="yes")  # line 11: mypy flags it only if it sees train()'s signature
 """
-# Only trainer is followed: analysing torch takes mypy ~15 s, and trainer's own types are the
-# point. silent: a user is not shown errors inside an installed package.
+# Only trainer is followed: analysing torch takes mypy ~15 s (MLflow and W&B, which
+# trainer.writers imports when used, ~20 s more), and trainer's own types are the point. silent:
+# a user is not shown errors inside an installed package.
 MYPY_INI = """\
 [mypy]
 follow_imports = silent
-[mypy-torch.*,numpy.*,tensorboard.*,tabulate.*]
+[mypy-torch.*,numpy.*,tensorboard.*,tabulate.*,mlflow.*,wandb.*]
 follow_imports = skip
 """
 

@@ -1,5 +1,11 @@
+import glob
+import json
+import logging
 import os
+import pathlib
 import socket
+import subprocess
+import sys
 import time
 import types
 
@@ -8,7 +14,10 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from trainer import writers
-from trainer.writers import TensorBoardWriter
+from trainer.hooks import EvalHook
+from trainer.writers import MLflowWriter, TensorBoardWriter, WandbWriter
+
+from conftest import load
 
 
 class Clock:
@@ -147,3 +156,212 @@ def test_tensorboard_events_are_not_written_through_a_linked_folder(tmp_path):
     with pytest.raises(RuntimeError, match="tb_logs is a symbolic link .* remove it"):
         TensorBoardWriter(str(tmp_path / "tb_logs"))
     assert os.listdir(tmp_path / "elsewhere") == ["events.out.tfevents.1.host.1.trainer"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Trackers: MLflow on its local file store, W&B offline, each the real package
+
+
+def jsonl_rows(trainer):
+    with open(os.path.join(trainer.work_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def by_step(rows):
+    """What a tracker shows at each step: the rows written at that ``iter``, merged (a log point
+    and an evaluation after the same iteration)."""
+    steps = {}
+    for row in rows:
+        steps.setdefault(row["iter"], {}).update(
+            {k: v for k, v in row.items() if k not in ("iter", "epoch")}
+        )
+    return steps
+
+
+def as_params(config):
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in config.items()}
+
+
+@pytest.fixture
+def mlflow_store(tmp_path, monkeypatch):
+    """A ``file:`` tracking URI under tmp_path (MLflow 3 uses a folder only when told it may)."""
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    return (tmp_path / "mlruns").as_uri()
+
+
+def train_with(make_trainer, writer, max_epochs):
+    """A tiny run with ``writer``, logging every 4 iterations and evaluating after each epoch."""
+    trainer = make_trainer(max_epochs=max_epochs, log_period=4, metric_writers=[writer])
+    trainer.register_hook(EvalHook(1, lambda: {"val_acc": 0.25 * (trainer.cur_epoch + 1)}))
+    trainer.train()
+    return trainer
+
+
+def as_if_crashed_before_the_last_checkpoint(trainer):
+    """The run logged its last epoch, then died before its checkpoint was on disk."""
+    checkpoints = os.path.join(trainer.work_dir, "checkpoints")
+    os.remove(os.path.join(checkpoints, f"epoch_{trainer.cur_epoch + 1}.pth"))
+    with open(os.path.join(checkpoints, "latest.txt"), "w") as f:
+        f.write(f"epoch_{trainer.cur_epoch}.pth")
+
+
+def test_mlflow_gets_the_settings_and_every_row_of_metrics_jsonl(make_trainer, mlflow_store):
+    from mlflow.tracking import MlflowClient
+
+    writer = MLflowWriter(mlflow_store, experiment_name="tiny", run_name="first")
+    trainer = train_with(make_trainer, writer, max_epochs=2)
+    client = MlflowClient(mlflow_store)
+    run = client.get_run(writer.run_id)
+    assert run.info.run_name == "first" and run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "tiny"
+    with open(os.path.join(trainer.work_dir, "run.json")) as f:
+        assert run.data.params == as_params(json.load(f))
+    rows = jsonl_rows(trainer)
+    names = {name for row in rows for name in row} - {"iter", "epoch"}
+    assert names == {"total_loss", "lr", "data_time", "iter_time", "val_acc"}
+    for name in names:
+        history = client.get_metric_history(writer.run_id, name)
+        assert [(m.step, m.value) for m in history] == [
+            (row["iter"], row[name]) for row in rows if name in row
+        ]
+
+
+def test_mlflow_a_resumed_run_logs_to_the_same_run_repeating_the_steps_after_its_checkpoint(
+    make_trainer, mlflow_store, caplog
+):
+    from mlflow.tracking import MlflowClient
+
+    first = MLflowWriter(mlflow_store, experiment_name="tiny")
+    stopped = train_with(make_trainer, first, max_epochs=2)
+    before = jsonl_rows(stopped)
+    as_if_crashed_before_the_last_checkpoint(stopped)
+    resumed_writer = MLflowWriter(mlflow_store, experiment_name="tiny")
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        resumed = train_with(make_trainer, resumed_writer, max_epochs=3)
+    assert resumed.start_iter == 8 and resumed_writer.run_id == first.run_id
+    checkpoint = load(os.path.join(resumed.work_dir, "checkpoints", "epoch_1.pth"))
+    assert checkpoint["hooks"]["LoggerHook"]["writers"] == {
+        "MLflowWriter": {"run_id": first.run_id}
+    }
+    client = MlflowClient(mlflow_store)
+    experiment = client.get_experiment_by_name("tiny").experiment_id
+    assert [run.info.run_id for run in client.search_runs([experiment])] == [first.run_id]
+    # MLflow keeps every value: steps 11 and 15, logged before the crash, have two each
+    after = [row for row in jsonl_rows(resumed) if row["iter"] >= resumed.start_iter]
+    history = client.get_metric_history(first.run_id, "total_loss")
+    assert [(m.step, m.value) for m in history] == [
+        (row["iter"], row["total_loss"]) for row in before + after if "total_loss" in row
+    ]
+    assert [m.step for m in history] == [3, 7, 11, 15, 11, 15, 19, 23]
+    assert history[2].value == history[4].value  # the resume is exact: the same loss again
+    run = client.get_run(first.run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.params["max_epochs"] == "2"  # params cannot change
+    assert f"MLflow run {first.run_id} keeps its first values of ['max_epochs']" in caplog.text
+    # a rerun of the finished run: nothing to train, no tracked run opened, the id kept
+    rerun_writer = MLflowWriter(mlflow_store, experiment_name="tiny")
+    rerun = train_with(make_trainer, rerun_writer, max_epochs=3)
+    assert rerun.start_iter == 24 and rerun_writer.run_id is None
+    assert rerun_writer.state_dict() == {"run_id": first.run_id}  # what a checkpoint would keep
+    assert client.get_run(first.run_id).info.end_time == run.info.end_time
+    assert len(client.get_metric_history(first.run_id, "total_loss")) == 8
+
+
+def test_tracker_writers_refuse_bad_arguments_and_name_the_extra_to_install(monkeypatch):
+    with pytest.raises(TypeError, match="MLflowWriter's experiment_name must be a str, got 3"):
+        MLflowWriter("file:./mlruns", experiment_name=3)
+    with pytest.raises(TypeError, match="MLflowWriter's tracking_uri must be a str or None"):
+        MLflowWriter(tracking_uri=pathlib.Path("mlruns"))
+    with pytest.raises(TypeError, match="WandbWriter got resume='allow': leave it out"):
+        WandbWriter(project="p", resume="allow")
+    with pytest.raises(TypeError, match=r"WandbWriter's config must be a dict, got \['a'\]"):
+        WandbWriter(config=["a"])
+    for name in ("mlflow", "mlflow.entities", "mlflow.tracking", "wandb"):
+        monkeypatch.setitem(sys.modules, name, None)  # as if not installed
+    with pytest.raises(ImportError, match=r'pip install "hooktrainer\[mlflow\]"'):
+        MLflowWriter("file:./mlruns")
+    with pytest.raises(ImportError, match=r'pip install "hooktrainer\[wandb\]"'):
+        WandbWriter(project="p")
+
+
+def test_trackers_are_written_on_rank_0_only(make_trainer, mlflow_store, tmp_path, monkeypatch):
+    # as rank 1 sees it
+    monkeypatch.setattr("trainer.hooks.logger_hook.is_main_process", lambda: False)
+    mlflow_writer = MLflowWriter(mlflow_store, experiment_name="tiny")
+    wandb_writer = WandbWriter(project="tiny", mode="offline")
+    trainer = make_trainer(max_epochs=1, metric_writers=[mlflow_writer, wandb_writer])
+    trainer.train()  # W&B would start its service process: the test would fail (not slow)
+    assert mlflow_writer.run_id is None and wandb_writer.run_id is None
+    assert not os.path.exists(tmp_path / "mlruns")
+    assert "wandb" not in os.listdir(trainer.work_dir) and "run.json" not in os.listdir(
+        trainer.work_dir
+    )
+
+
+def wandb_segments(work_dir):
+    """The records of each offline run folder under ``work_dir/wandb``, read by W&B's own
+    reader (``wandb leet inspect --json``)."""
+    segments = []
+    for folder in sorted(glob.glob(os.path.join(work_dir, "wandb", "offline-run-*"))):
+        proc = subprocess.run(
+            [sys.executable, "-m", "wandb", "leet", "inspect", "--json", folder],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        segments.append([json.loads(line) for line in proc.stdout.splitlines()])
+    return segments
+
+
+def records(segment, kind):
+    return [record[kind] for record in segment if record["type"] == kind]
+
+
+def history(segment):
+    """``{step: {metric: value}}`` of a segment's history, W&B's keys (``_step``...) left out."""
+    rows = records(segment, "history")
+    return {
+        row["step"]["num"]: {k: v for k, v in row["item"].items() if not k.startswith("_")}
+        for row in rows
+    }
+
+
+@pytest.mark.slow  # W&B starts its service process (wandb-core), and the reader is another
+def test_wandb_a_resumed_run_continues_the_same_run_rewound_each_step_once(
+    make_trainer, tmp_path, monkeypatch
+):
+    import wandb
+
+    for name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):  # not in $HOME
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
+    settings = wandb.Settings(console="off", silent=True)
+    first = WandbWriter(project="tiny", mode="offline", settings=settings)
+    stopped = train_with(make_trainer, first, max_epochs=2)
+    before = jsonl_rows(stopped)
+    with open(os.path.join(stopped.work_dir, "run.json")) as f:
+        first_config = json.load(f)
+    as_if_crashed_before_the_last_checkpoint(stopped)
+    second = WandbWriter(project="tiny", mode="offline", settings=settings)
+    resumed = train_with(make_trainer, second, max_epochs=3)
+    assert resumed.start_iter == 8 and second.run_id == first.run_id
+    with open(os.path.join(resumed.work_dir, "run.json")) as f:
+        second_config = json.load(f)
+
+    segments = wandb_segments(resumed.work_dir)
+    assert len(segments) == 2
+    (start,) = [s for s in segments if "branch_point" not in records(s, "run")[0]]
+    (rewound,) = [s for s in segments if "branch_point" in records(s, "run")[0]]
+    for segment, config in ((start, first_config), (rewound, second_config)):
+        (run,) = records(segment, "run")
+        assert run["run_id"] == first.run_id and run["project"] == "tiny"
+        logged = {k: v for k, v in run["config"]["update"].items() if k != "_wandb"}
+        assert logged == config
+    # the first segment has each row the stopped run wrote, steps 11 and 15 (after the
+    # checkpoint it resumes from) included
+    assert history(start) == by_step(before)
+    # the resumed one rewinds the run to the step before its first and writes from there
+    branch = records(rewound, "run")[0]["branch_point"]
+    assert branch == {"run": first.run_id, "metric": "_step", "value": resumed.start_iter - 1}
+    kept = {step: row for step, row in history(start).items() if step <= branch["value"]}
+    assert list(kept) == [3, 7]
+    assert not set(kept) & set(history(rewound))
+    assert {**kept, **history(rewound)} == by_step(jsonl_rows(resumed))

@@ -1,6 +1,6 @@
-"""Where the metrics of each log point go: the console, TensorBoard, a JSON Lines file, or a
-writer of your own behind the same small interface; and what a rerun drops of the files it
-finds (the steps it will write again)."""
+"""Where the metrics of each log point go: the console, TensorBoard, a JSON Lines file, MLflow,
+Weights & Biases, or a writer of your own behind the same small interface; and what a rerun
+drops of the files it finds (the steps it will write again)."""
 
 import datetime
 import functools
@@ -9,7 +9,7 @@ import logging
 import os
 import time
 from collections.abc import Collection
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -23,10 +23,17 @@ _SUFFIX = ".trainer"  # the end of the trainer's event file names
 
 class MetricWriter:
     """Receives metrics from ``LoggerHook``: override :meth:`write`, and :meth:`close` if the
-    writer holds a resource (see docs/logging.md). Writers of your own run on rank 0 only."""
+    writer holds a resource (see docs/logging.md). Writers of your own run on rank 0 only; what
+    :meth:`state_dict` returns is saved in the checkpoints (rank 0's) and given back to
+    :meth:`load_state_dict` on resume, before :meth:`start`."""
 
     #: Only at log points (the console line), not for an evaluation's results.
     log_points_only = False
+
+    def start(self, trainer: Any, start_iter: int, config: dict[str, Any]) -> None:
+        """Called on rank 0 when training starts, before the first write: ``start_iter`` is the
+        first step this run writes (a resumed run writes the steps from it on again), ``config``
+        the run's settings as in ``work_dir/run.json``."""
 
     def write(self, trainer: Any, iter: int, metrics: dict[str, float]) -> None:
         """Record ``metrics`` (the values new since the last call) at iteration ``iter``,
@@ -38,6 +45,13 @@ class MetricWriter:
 
     def close(self) -> None:
         """Flush and release what the writer holds; called when training ends."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs of this writer, as plain data; empty for most writers."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (from the checkpoint resumed from)."""
 
 
 def time_left(elapsed: float, iters_done: int, iters_left: int) -> datetime.timedelta:
@@ -181,6 +195,150 @@ class JSONLinesWriter(MetricWriter):
 
     def close(self) -> None:
         self._file.close()
+
+
+class _TrackerWriter(MetricWriter):
+    """A writer to a tracker's run, whose id the checkpoints keep for a resumed run to go on."""
+
+    run_id: Optional[str] = None  # the run written to
+    _resume_id: Optional[str] = None  # the checkpoint's: the run the next start goes on with
+
+    def state_dict(self) -> dict[str, Any]:
+        run_id = self._resume_id or self.run_id  # not started (a finished run): the saved one
+        return {} if run_id is None else {"run_id": run_id}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._resume_id = state.get("run_id")
+
+
+class MLflowWriter(_TrackerWriter):
+    """Metrics to an MLflow run, each write's ``iter`` as the step, and the run's settings
+    (``work_dir/run.json``) as its params. The run's id is saved in the checkpoints: a resumed
+    run logs to the same run. MLflow keeps every value logged, so the steps that the stopped run
+    had logged after its last checkpoint have two values each; its params cannot change, so
+    settings that differ on resume keep their first values there (with a warning).
+    Needs ``pip install "hooktrainer[mlflow]"``.
+
+    Args:
+        tracking_uri: Where MLflow keeps its runs: a tracking server's URL, ``file:./mlruns``
+            (MLflow 3 asks for ``MLFLOW_ALLOW_FILE_STORE=true`` to use a folder)...; None:
+            MLflow's default (``MLFLOW_TRACKING_URI``).
+        experiment_name: The run's experiment, created if missing.
+        run_name: The run's name; None: MLflow makes one up.
+    """
+
+    def __init__(
+        self,
+        tracking_uri: Optional[str] = None,
+        experiment_name: str = "Default",
+        run_name: Optional[str] = None,
+    ) -> None:
+        for name, value, optional in (
+            ("tracking_uri", tracking_uri, True),
+            ("experiment_name", experiment_name, False),
+            ("run_name", run_name, True),
+        ):
+            if not isinstance(value, str) and not (optional and value is None):
+                expected = "a str or None" if optional else "a str"
+                raise TypeError(f"MLflowWriter's {name} must be {expected}, got {value!r}.")
+        try:  # an optional extra: imported by the runs that use it
+            from mlflow.entities import Metric, Param
+            from mlflow.tracking import MlflowClient
+        except ImportError as e:
+            raise ImportError(
+                'MLflowWriter needs MLflow: pip install "hooktrainer[mlflow]".'
+            ) from e
+        self._metric, self._param, self._client_class = Metric, Param, MlflowClient
+        self._uri, self._experiment, self._run_name = tracking_uri, experiment_name, run_name
+        self._client: Any = None
+
+    def start(self, trainer: Any, start_iter: int, config: dict[str, Any]) -> None:
+        client = self._client = self._client_class(self._uri)
+        params = {k: v if isinstance(v, str) else json.dumps(v) for k, v in config.items()}
+        if self._resume_id is None:
+            experiment = client.get_experiment_by_name(self._experiment)
+            experiment_id = (
+                client.create_experiment(self._experiment)
+                if experiment is None
+                else experiment.experiment_id
+            )
+            self.run_id = client.create_run(experiment_id, run_name=self._run_name).info.run_id
+        else:
+            self.run_id, self._resume_id = self._resume_id, None
+            logged = client.get_run(self.run_id).data.params
+            changed = [k for k in params if k in logged and logged[k] != params[k]]
+            if changed:
+                logger.warning(
+                    f"MLflow run {self.run_id} keeps its first values of {changed} as params "
+                    f"(MLflow's params cannot change); {trainer.work_dir}/run.json has the new."
+                )
+            params = {k: v for k, v in params.items() if k not in logged}
+            client.update_run(self.run_id, status="RUNNING")
+        items = [self._param(key, value) for key, value in params.items()]
+        for i in range(0, len(items), 100):  # MLflow takes at most 100 params a call
+            client.log_batch(self.run_id, params=items[i : i + 100])
+
+    def write(self, trainer: Any, iter: int, metrics: dict[str, float]) -> None:
+        now = int(time.time() * 1000)  # MLflow's timestamps are in milliseconds
+        batch = [self._metric(name, value, now, iter) for name, value in metrics.items()]
+        self._client.log_batch(self.run_id, metrics=batch)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.set_terminated(self.run_id)
+            self._client = None
+
+
+class WandbWriter(_TrackerWriter):
+    """Metrics to a Weights & Biases run, each write's ``iter`` as W&B's step, and the run's
+    settings (``work_dir/run.json``) in its config; its files go in ``work_dir`` unless ``dir``
+    says otherwise. The run's id is saved in the checkpoints: a resumed run continues the same
+    run, rewound (``wandb.init(resume_from=...)``) to the step before the first one it writes,
+    so each step shows once. Needs ``pip install "hooktrainer[wandb]"``.
+
+    Args:
+        **init_kwargs: ``wandb.init``'s arguments (``project``, ``name``, ``mode``, ``config``
+            (more settings)...), but ``resume``, ``resume_from`` and ``fork_from``: the writer
+            resumes the run itself.
+    """
+
+    def __init__(self, **init_kwargs: Any) -> None:
+        taken = [name for name in ("resume", "resume_from", "fork_from") if name in init_kwargs]
+        if taken:
+            raise TypeError(
+                f"WandbWriter got {taken[0]}={init_kwargs[taken[0]]!r}: leave it out, the writer "
+                "continues the run of the checkpoint it resumes from by itself."
+            )
+        config = init_kwargs.get("config", {})
+        if not isinstance(config, dict):
+            raise TypeError(f"WandbWriter's config must be a dict, got {config!r}.")
+        try:  # an optional extra: imported by the runs that use it
+            import wandb
+        except ImportError as e:
+            raise ImportError(
+                'WandbWriter needs Weights & Biases: pip install "hooktrainer[wandb]".'
+            ) from e
+        self._wandb, self._kwargs = wandb, init_kwargs
+        self._run: Any = None
+
+    def start(self, trainer: Any, start_iter: int, config: dict[str, Any]) -> None:
+        kwargs = {"dir": trainer.work_dir, **self._kwargs}
+        kwargs["config"] = {**config, **self._kwargs.get("config", {})}
+        if self._resume_id is not None:
+            # W&B keeps the steps up to the one named and goes on from the next
+            kwargs.pop("id", None)
+            kwargs["resume_from"] = f"{self._resume_id}?_step={max(start_iter - 1, 0)}"
+            self._resume_id = None
+        self._run = self._wandb.init(**kwargs)
+        self.run_id = self._run.id
+
+    def write(self, trainer: Any, iter: int, metrics: dict[str, float]) -> None:
+        self._run.log(metrics, step=iter)
+
+    def close(self) -> None:
+        if self._run is not None:
+            self._run.finish()
+            self._run = None
 
 
 # What a rerun or a resumed run finds: it drops what it will write again, and its new

@@ -102,6 +102,42 @@ def test_metrics_go_to_metrics_jsonl_and_to_your_writers(make_trainer):
     assert recorder.closed
 
 
+class Tracker(MetricWriter):
+    """A writer with a run id to keep across a resume, as MLflowWriter and WandbWriter have."""
+
+    def __init__(self, run_id):
+        self.run_id, self.started, self.loaded = run_id, None, None
+
+    def write(self, trainer, iter, metrics):
+        pass
+
+    def start(self, trainer, start_iter, config):
+        self.started = (start_iter, config)
+
+    def state_dict(self):
+        return {"run_id": self.run_id}
+
+    def load_state_dict(self, state):
+        self.loaded = state
+
+
+def test_your_writers_start_with_the_settings_and_resume_with_their_saved_state(make_trainer):
+    first = [Tracker("a"), Tracker("b")]
+    stopped = make_trainer(max_epochs=1, metric_writers=first)
+    stopped.train()
+    with open(os.path.join(stopped.work_dir, "run.json")) as f:
+        assert first[0].started == (0, json.load(f))
+    saved = torch.load(stopped.checkpointer.last_path, weights_only=True)
+    writers = saved["hooks"]["LoggerHook"]["writers"]
+    assert writers == {"Tracker": {"run_id": "a"}, "Tracker.1": {"run_id": "b"}}
+    resumed = [Tracker(None), Tracker(None), Recorder()]  # Recorder: no saved state, given {}
+    trainer = make_trainer(max_epochs=2, metric_writers=resumed)
+    trainer.train()
+    assert [w.loaded for w in resumed[:2]] == [{"run_id": "a"}, {"run_id": "b"}]
+    assert resumed[0].started[0] == trainer.start_iter == 8
+    assert resumed[0].started[1]["max_epochs"] == 2
+
+
 def test_resuming_drops_the_metrics_lines_of_repeated_iterations(make_trainer):
     make_trainer(max_epochs=1, log_period=4).train()
     path = os.path.join(make_trainer(max_epochs=1).work_dir, "metrics.jsonl")

@@ -36,7 +36,9 @@ class LoggerHook(HookBase):
     Args:
         period: Iterations between log points: the trainer's ``log_period`` (None), where the
             values it writes are flushed; another period is refused when training starts.
-        writers: More :class:`~trainer.writers.MetricWriter` objects (rank 0 only).
+        writers: More :class:`~trainer.writers.MetricWriter` objects, such as
+            :class:`~trainer.writers.MLflowWriter` and :class:`~trainer.writers.WandbWriter`
+            (rank 0 only; their state, a tracker's run id, goes in the checkpoints).
         tensorboard: Write TensorBoard files.
         metrics_jsonl: Write ``work_dir/metrics.jsonl``.
 
@@ -104,7 +106,10 @@ class LoggerHook(HookBase):
             if self._metrics_jsonl:
                 path = os.path.join(trainer.work_dir, "metrics.jsonl")
                 self._writers.append(JSONLinesWriter(path, trainer.start_iter))
-            self._writers += self._extra
+            if not trainer.progress.finished:  # a rerun of a finished run opens no tracked run
+                for extra in self._extra:  # each closed when training ends, once started
+                    extra.start(trainer, trainer.start_iter, config)
+                    self._writers.append(extra)
 
     def _log_start(self) -> None:
         """Say where training starts, or that the run is finished and how to start afresh."""
@@ -170,12 +175,28 @@ class LoggerHook(HookBase):
         logger.info("\n" + _summary_table(trainer, seconds, iters, self._evals, logs))
 
     def state_dict(self) -> dict[str, Any]:
-        """The evaluated metrics' final and best values (for the summary of a resumed run)."""
-        return {"evals": {"metrics": {name: dict(entry) for name, entry in self._evals.items()}}}
+        """The evaluated metrics' final and best values (for the summary of a resumed run), and
+        what your writers need to resume (a tracker's run id), by class name."""
+        writers = {key: writer.state_dict() for key, writer in self._writer_keys()}
+        evals = {name: dict(entry) for name, entry in self._evals.items()}
+        return {"evals": {"metrics": evals}, "writers": writers}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         self._evals = {name: dict(entry) for name, entry in state["evals"]["metrics"].items()}
+        saved = state["writers"]
+        for key, writer in self._writer_keys():
+            writer.load_state_dict(saved.get(key, {}))
+
+    def _writer_keys(self) -> list[tuple[str, MetricWriter]]:
+        """Your writers, each keyed by its class name (a second of a class: ``Name.1``...)."""
+        keys: list[tuple[str, MetricWriter]] = []
+        seen: dict[str, int] = {}
+        for writer in self._extra:
+            name = type(writer).__name__
+            keys.append((name if name not in seen else f"{name}.{seen[name]}", writer))
+            seen[name] = seen.get(name, 0) + 1
+        return keys
 
     def _write(self, log_point: bool, names: Optional[set[str]] = None) -> None:
         storage = self.trainer.metric_storage
