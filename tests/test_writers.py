@@ -59,7 +59,7 @@ def test_a_new_run_replaces_the_trainers_old_events_whatever_their_names_sort_as
     # TensorBoard reads event files in name order; an old run's file from this very second whose
     # counter sorts after the new one's (9 after 10) would be read last and its curves kept
     old = TensorBoardWriter(str(tmp_path))
-    for step in range(4):
+    for step in range(1, 5):
         old.write(None, step, {"loss": 1.0})
     old.close()
     (old_file,) = os.listdir(tmp_path)
@@ -68,11 +68,11 @@ def test_a_new_run_replaces_the_trainers_old_events_whatever_their_names_sort_as
     old_name = f"events.out.tfevents.{int(time.time()) + 1}.{socket.gethostname()}.{os.getpid()}"
     os.rename(tmp_path / old_file, tmp_path / f"{old_name}.z.trainer")
     new = TensorBoardWriter(str(tmp_path), start_iter=0)
-    new.write(None, 0, {"loss": 2.0})
+    new.write(None, 1, {"loss": 2.0})
     new.close()
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(0, 2.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 2.0)]
     assert len(os.listdir(tmp_path)) == 1  # the old file, left without events, is gone
 
 
@@ -80,20 +80,20 @@ def test_a_resumed_run_keeps_the_steps_before_it_and_other_writers_events(tmp_pa
     from torch.utils.tensorboard import SummaryWriter
 
     old = TensorBoardWriter(str(tmp_path))
-    for step in range(6):
+    for step in range(1, 7):  # steps count the iterations done
         old.write(None, step, {"loss": float(step)})
     old.close()
     own = SummaryWriter(str(tmp_path))  # a user's writer in the same folder
     own.add_histogram("weights", torch.arange(4.0), 5)
     own.close()
-    resumed = TensorBoardWriter(str(tmp_path), start_iter=4)
+    resumed = TensorBoardWriter(str(tmp_path), start_iter=3)  # after 3 iterations
     resumed.write(None, 4, {"loss": 40.0})
     resumed.write(None, 5, {"loss": 50.0})
     resumed.close()
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
     steps = [(e.step, e.value) for e in acc.Scalars("train/loss")]
-    assert steps == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
+    assert steps == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
     assert [e.step for e in acc.Histograms("weights")] == [5]
 
 
@@ -103,7 +103,7 @@ def test_files_a_resumed_run_rewrites_keep_the_permissions_open_gives(tmp_path):
     try:
         old = TensorBoardWriter(str(tmp_path / "tb"))
         rows = writers.JSONLinesWriter(str(tmp_path / "metrics.jsonl"))
-        for step in range(6):
+        for step in range(1, 7):
             old.write(None, step, {"loss": float(step)})
             rows.write(types.SimpleNamespace(cur_epoch=0), step, {"loss": float(step)})
         old.close()
@@ -122,21 +122,21 @@ def test_files_a_resumed_run_rewrites_keep_the_permissions_open_gives(tmp_path):
 def test_a_resumed_runs_event_file_sorts_after_the_old_ones(tmp_path):
     # TensorBoard reads event files in name order: the old steps must come first
     old = TensorBoardWriter(str(tmp_path))
-    for step in range(6):
+    for step in range(1, 7):  # steps count the iterations done
         old.write(None, step, {"loss": float(step)})
     old.close()
     (old_file,) = os.listdir(tmp_path)
     # as if made in this second, by this process, with a counter that sorts last
     old_name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.z"
     os.rename(tmp_path / old_file, tmp_path / f"{old_name}.trainer")
-    resumed = TensorBoardWriter(str(tmp_path), start_iter=4)
+    resumed = TensorBoardWriter(str(tmp_path), start_iter=3)
     resumed.write(None, 4, {"loss": 40.0})
     resumed.close()
     assert sorted(os.listdir(tmp_path))[0] == f"{old_name}.trainer"
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
     steps = [(e.step, e.value) for e in acc.Scalars("train/loss")]
-    assert steps == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+    assert steps == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
 
 
 def test_tensorboard_events_are_not_written_through_a_linked_folder(tmp_path):
