@@ -6,9 +6,10 @@ override ``train_one_iter``, and keep every feature.
 
 The override uses the trainer's public building blocks only: ``autocast()`` (bfloat16 on CPU,
 float16 on CUDA, where ``backward()`` scales the loss for the GradScaler), ``clip_and_step()``
-for each of the two optimizers, and ``log_losses()``, whose values are NaN-checked and averaged
-over ranks at log points. The discriminator's optimizer is checkpointed through
-``checkpointer.register``, so a killed run resumes exactly. Under torchrun the generator and
+for each of the two optimizers (which logs ``grad_norm`` and ``grad_norm/optimizer_d``), and
+``log_losses()``, whose values are NaN-checked and averaged over ranks at log points. The
+discriminator's optimizer is checkpointed through ``checkpointer.register``, so a killed run
+resumes exactly. Under torchrun the generator and
 the discriminator are each wrapped in DistributedDataParallel.
 """
 

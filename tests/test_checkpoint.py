@@ -126,7 +126,8 @@ def test_a_nan_under_a_tied_weights_second_name_is_refused(make_trainer, tmp_pat
 
 def test_a_non_finite_gradient_norm_fails_like_a_non_finite_loss(make_trainer):
     trainer = make_trainer(max_epochs=2, model=NaNGradientAt(5), clip_grad_norm=1.0)
-    expected = r"The gradient norm \(the loss was not\) became NaN or infinite at iteration 5 "
+    # the 6th iteration (cur_iter 5), named by its number
+    expected = r"The gradient norm \(the loss was not\) became NaN or infinite at iteration 6 "
     with pytest.raises(FloatingPointError, match=expected):
         trainer.train()
     assert not os.path.exists(trainer.ckpt_dir) or os.listdir(trainer.ckpt_dir) == []
@@ -603,7 +604,7 @@ def test_raising_max_iters_past_a_pass_that_max_iters_cut_says_what_is_skipped(t
     assert rerun.start_iter == 8
     assert (
         "ends a run whose max_iters ended its last pass after 5 iterations, 3 before the pass's "
-        "end: this run goes on with the next pass, at iteration 8, without those 3."
+        "end: this run goes on with the next pass, at iteration 9, without those 3."
     ) in caplog.text
     caplog.clear()
     build(tmp_path / "whole", max_epochs=1).train()  # a whole pass: nothing to say

@@ -270,7 +270,8 @@ def test_the_trainer_keeps_its_collectives_off_the_default_group(tmp_path, env):
 def test_a_nan_loss_on_one_rank_makes_every_rank_raise_at_that_iteration(tmp_path):
     out = run_train_worker(tmp_path, NAN_AT=5)
     for rank in (0, 1):
-        assert f"rank {rank} raised: Loss became NaN or infinite at iteration 5 (epoch 0)" in out
+        # cur_iter 5: the 6th iteration, of the first epoch (of 8)
+        assert f"rank {rank} raised: Loss became NaN or infinite at iteration 6 (epoch 1)" in out
 
 
 @pytest.mark.slow

@@ -216,7 +216,7 @@ def test_eval_hook_evaluates_a_stream_each_sample_once(make_trainer, num_workers
     rows = [json.loads(r) for r in open(os.path.join(trainer.work_dir, "metrics.jsonl"))]
     last = [r for r in rows if "index" in r][-1]  # after the last epoch: the final weights
     want = exact(trainer.model)
-    assert (last["iter"], last["index"], last["one"]) == (15, 4.5, 1.0)
+    assert (last["iter"], last["index"], last["one"]) == (16, 4.5, 1.0)  # after 16 iterations
     assert last["se"] == pytest.approx(want["se"], rel=1e-6)
 
 
@@ -241,11 +241,11 @@ def test_eval_hook_logs_exact_results_and_best_checkpoint_judges_them(
     trainer.train()
     rows = [json.loads(r) for r in open(os.path.join(trainer.work_dir, "metrics.jsonl"))]
     evals = [r for r in rows if "val_se" in r]
-    assert [r["iter"] for r in evals] == [7, 15, 23]
+    assert [r["iter"] for r in evals] == [8, 16, 24]  # after iterations 8, 16 and 24
     assert evals[-1]["val_se"] == pytest.approx(trainer.evaluate(loader, accuracy)["val_se"])
     events = EventAccumulator(trainer.tb_log_dir)
     events.Reload()
-    assert [e.step for e in events.Scalars("eval/val_se")] == [7, 15, 23]
+    assert [e.step for e in events.Scalars("eval/val_se")] == [8, 16, 24]
     assert re.search(r"\nval_se +final [\d.]+\n", caplog.text)  # the summary table's rows
     assert re.search(r"\nbest checkpoint +\S+/best\.pth\n", caplog.text)
     assert os.path.exists(os.path.join(trainer.ckpt_dir, "best.pth"))

@@ -140,7 +140,7 @@ def test_train_gan_killed_and_rerun_is_bit_exact(tmp_path):
     assert code == -signal.SIGKILL and not (tmp_path / "cut.pth").exists()
     code, err = gan(tmp_path / "cut", tmp_path / "cut.pth")
     assert code == 0, err[-3000:]
-    assert "Resumed from checkpoint" in err and "at iteration 64" in err
+    assert "Resumed from checkpoint" in err and "after iteration 64" in err
     full, cut = (torch.load(tmp_path / f"{n}.pth", weights_only=True) for n in ("full", "cut"))
     assert full.keys() == cut.keys() and all(torch.equal(full[k], cut[k]) for k in full)
     ckpt = torch.load(tmp_path / "cut" / "checkpoints" / "epoch_4.pth", weights_only=True)

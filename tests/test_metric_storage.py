@@ -4,6 +4,7 @@ NaN-checked there."""
 import io
 import math
 import os
+import re
 
 import numpy as np
 import pytest
@@ -102,17 +103,30 @@ def test_nan_loss_raises_at_the_next_log_point_naming_the_first_bad_iteration(ma
 
     trainer = make_trainer(model=NaNAt(5), max_iters=20, log_period=8, checkpoint_period=100)
     trainer.register_hook(Last())
-    with pytest.raises(FloatingPointError, match=r"NaN or infinite at iteration 5 \(epoch 0\)"):
+    # cur_iter 5 is iteration 6 of epoch 1, as the message names them
+    with pytest.raises(FloatingPointError, match=r"NaN or infinite at iteration 6 \(epoch 1\)"):
         trainer.train()
-    assert reached == list(range(7))  # raised at iteration 7, the log point
-    assert trainer.metric_storage["total_loss"].count == 5  # iterations 0-4 were recorded
+    assert reached == list(range(7))  # raised at iteration 8 (cur_iter 7), the log point
+    assert trainer.metric_storage["total_loss"].count == 5  # iterations 1-5 were recorded
+
+
+@pytest.mark.parametrize(
+    "index, named", [(0, "iteration 1 (epoch 1)"), (9, "iteration 10 (epoch 2)")]
+)
+def test_a_bad_loss_names_its_iteration_and_epoch_by_number_from_1(index, named):
+    """cur_iter 0 is the first iteration, of the first epoch; with 8 per epoch, cur_iter 9 is
+    the 10th iteration, the 2nd of epoch 2."""
+    storage = MetricStorage(epoch_len=8)
+    storage.add(index, {"loss": torch.tensor(math.nan)}, check_finite=True)
+    with pytest.raises(FloatingPointError, match=re.escape(f"at {named}: {{'loss': nan}}")):
+        storage.flush()
 
 
 def test_nan_loss_never_reaches_a_checkpoint(make_trainer):
     trainer = make_trainer(
         model=NaNAt(5), max_iters=20, log_period=10, checkpoint_period=2, checkpoint_by_epoch=False
     )
-    with pytest.raises(FloatingPointError, match="iteration 5"):
+    with pytest.raises(FloatingPointError, match="iteration 6"):
         trainer.train()
     saved = sorted(os.listdir(trainer.ckpt_dir))
     assert saved == ["iter_2.pth", "iter_4.pth", "latest.txt"]

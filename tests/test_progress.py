@@ -31,7 +31,7 @@ def test_a_changed_batch_size_maps_the_position_by_consumed_samples(make_trainer
     loader = tiny_loader(batch_size=8, shuffle=True)
     make_trainer(max_epochs=1, model=resumed, loader=loader).train(resume_from_checkpoint=mid_epoch)
     assert (
-        "epoch 0 stopped after 6 iterations = 24 samples, so this run goes on from iteration 3 "
+        "epoch 1 stopped after 6 iterations = 24 samples, so this run goes on with iteration 4 "
         "of 4 of that epoch" in caplog.text
     )
     assert len(resumed.seen) == 8 and resumed.seen == first.seen[24:]  # what the epoch had left
@@ -48,5 +48,5 @@ def test_a_changed_batch_size_at_an_epoch_end_needs_no_mapping(make_trainer, cap
     make_trainer(max_epochs=1).train()
     trainer = make_trainer(max_epochs=2, loader=tiny_loader(batch_size=8))
     trainer.train()
-    assert "1 processes x batches of 4 to 1 x 8, at the start of epoch 1" in caplog.text
+    assert "1 processes x batches of 4 to 1 x 8, at the start of epoch 2" in caplog.text
     assert (trainer.start_iter, trainer.cur_iter) == (4, 7)

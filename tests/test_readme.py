@@ -41,8 +41,8 @@ def test_the_usage_snippet_trains_in_work_dir_and_a_rerun_says_it_is_finished(tm
         "epoch_10.pth", "epoch_8.pth", "epoch_9.pth", "latest.txt",
     ]  # fmt: skip
     rows = [json.loads(line) for line in (work / "metrics.jsonl").read_text().splitlines()]
-    assert rows[-1]["iter"] == 319 and "total_loss" in rows[-1]
-    assert f"Start training from iteration 0 of 320 in {work}, afresh." in log
+    assert rows[-1]["iter"] == 320 and "total_loss" in rows[-1]  # after 320 iterations
+    assert f"Start training with iteration 1 of 320 in {work}, afresh." in log
     # the summary's paths are absolute, though work_dir was relative
     assert re.search(rf"last checkpoint +{re.escape(str(work))}/checkpoints/epoch_10\.pth\n", log)
     assert re.search(rf"logs +log\.txt, metrics\.jsonl, tb_logs in {re.escape(str(work))}\n", log)

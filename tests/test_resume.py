@@ -181,7 +181,7 @@ def test_elastic_restart_after_a_killed_worker_is_bit_exact(tmp_path, torchrun_r
     code, err = torchrun(tmp_path / "work", out, args=args, **faults)
     assert code == 0, failure_output(err)
     assert "failed (exitcode: -9) local_rank: 1" in err  # torchrun saw rank 1 killed
-    assert "Resumed from checkpoint" in err and "at iteration 6" in err  # saved every 3
+    assert "Resumed from checkpoint" in err and "after iteration 6" in err  # saved every 3
     assert_bit_equal(load(out), torchrun_reference)
 
 
@@ -199,8 +199,8 @@ def test_resume_with_one_process_instead_of_two_maps_the_data_position(tmp_path)
     code, err = run(work, tmp_path / "out.pth", DIST_SAMPLER=1, RECORD=record)
     assert code == 0, failure_output(err)
     assert (
-        "with 2 processes x batches of 4 to 1 x 4: epoch 1 stopped after 1 iterations = 8 "
-        "samples, so this run goes on from iteration 2 of 10 of that epoch" in err
+        "with 2 processes x batches of 4 to 1 x 4: epoch 2 stopped after 1 iterations = 8 "
+        "samples, so this run goes on with iteration 3 of 10 of that epoch" in err
     )
     seen = [int(i) for i in record.read_text().split()]
     # A DistributedSampler's order is torch.randperm seeded with seed + epoch, for any world
@@ -291,7 +291,7 @@ def test_fsdp2_sigkill_then_rerun_is_bit_exact(tmp_path, fsdp_run):
     assert code != 0 and not out.exists()
     code, err = torchrun(work, out, SHARD=1, CLIP=0.05)
     assert code == 0, failure_output(err)
-    assert "Resumed from checkpoint" in err and "at iteration 6" in err
+    assert "Resumed from checkpoint" in err and "after iteration 6" in err
     assert_bit_equal(load(out), load(fsdp_run / "out.pth"))
 
 
@@ -479,7 +479,7 @@ def test_a_second_ctrl_c_abandons_the_last_checkpoint_write_and_exits_130(
     code, err = run(work, out, CKPT_PERIOD=10, SHARDED_CKPT=int(sharded))
     assert code == 0, failure_output(err)
     assert "left by an interrupted checkpoint write" in err  # its temporary file, removed
-    assert f"Resumed from checkpoint {ckpt / 'epoch_2.pth'} at iteration 20" in err
+    assert f"Resumed from checkpoint {ckpt / 'epoch_2.pth'} after iteration 20" in err
     assert_bit_equal(load(out), reference())
 
 

@@ -320,7 +320,7 @@ def test_a_rank_killed_while_writing_leaves_the_last_checkpoint_and_reruns_bit_e
     assert ".iter_6.pth.tmp" in os.listdir(ckpt_dir) and "iter_6.pth" not in os.listdir(ckpt_dir)
     code, err = torchrun(work, out, SHARD=1, CLIP=0.05)
     assert code == 0, failure_output(err)
-    assert "Resumed from checkpoint" in err and "at iteration 3" in err
+    assert "Resumed from checkpoint" in err and "after iteration 3" in err
     assert "left by an interrupted checkpoint write" in err  # the partial folder
     assert_bit_equal(load(out), load(runs / "sharded.pth"))
     assert not [name for name in os.listdir(ckpt_dir) if name.endswith(".tmp")]
@@ -388,7 +388,7 @@ def test_killed_after_the_rename_before_the_pointer_resumes_as_latest_txt_says(t
     assert (work / "checkpoints" / "latest.txt").read_text() == "iter_3.pth"
     code, err = torchrun(work, out, SHARD=1, CLIP=0.05)
     assert code == 0, failure_output(err)
-    assert "Resumed from checkpoint" in err and "at iteration 3" in err  # latest.txt's
+    assert "Resumed from checkpoint" in err and "after iteration 3" in err  # latest.txt's
     assert_bit_equal(load(out), load(runs / "sharded.pth"))
 
 

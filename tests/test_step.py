@@ -1,16 +1,20 @@
 """The step's public building blocks: an override of ``train_one_iter`` written with them keeps
 every feature of the built-in step."""
 
+import json
+import logging
 import math
+import os
 import textwrap
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
 from trainer import HookBase, Trainer
 
-from conftest import RecordLR, TinyModel, build, tiny_loader
+from conftest import RecordLR, TinyModel, build, count_host_reads, tiny_loader
 
 
 class PublicStep(Trainer):
@@ -27,11 +31,10 @@ class PublicStep(Trainer):
                 with self.autocast():
                     loss = self.model(batch)
                 self.backward(loss / k if k > 1 else loss)
-        grad_norm = self.clip_and_step()
+        self.clip_and_step()  # logs grad_norm as the built-in step does
         if self.update:
             self.update_scaler()
         self.log_losses(total_loss=loss.detach())
-        self.log(self.cur_iter, reduce=True, grad_norm=grad_norm)
 
 
 def weights(trainer):
@@ -58,6 +61,8 @@ def test_an_override_with_the_public_methods_trains_as_the_built_in_step(
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert builtin.grad_scaler.state_dict() == override.grad_scaler.state_dict()
     assert override.metric_storage["grad_norm"].count == builtin.metric_storage["grad_norm"].count
+    norms = [t.metric_storage["grad_norm"].state_dict()["window"] for t in (builtin, override)]
+    assert norms[0] == norms[1]
 
 
 def test_losses_an_override_logs_are_nan_checked(make_trainer):
@@ -71,7 +76,7 @@ def test_losses_an_override_logs_are_nan_checked(make_trainer):
             self.log_losses(my_loss=bad)
 
     trainer = make_trainer(max_iters=8, log_period=4, checkpoint_period=100, cls=NaNAt3)
-    with pytest.raises(FloatingPointError, match=r"iteration 3 \(epoch 0\).*my_loss"):
+    with pytest.raises(FloatingPointError, match=r"iteration 4 \(epoch 1\).*my_loss"):
         trainer.train()
 
 
@@ -378,3 +383,144 @@ def test_an_override_steps_one_optimizer_twice_with_float16(make_trainer):
     trainer.train()
     # one scale update per step, none left for the trainer to make twice
     assert trainer.grad_scaler.state_dict()["_growth_tracker"] == 6
+
+
+class TwoOptimizersAndSchedules(Trainer):
+    """A GAN-like override (docs/loop.md): the weight steps with the trainer's optimizer, the bias
+    with a registered second one whose LR schedule the override steps per iteration."""
+
+    def __init__(self, model, loader, **kwargs):
+        weight_opt = torch.optim.SGD([model.linear.weight], lr=0.1, momentum=0.9)
+        super().__init__(model, weight_opt, None, loader, clip_grad_norm=0.5, **kwargs)
+        self.opt_b = torch.optim.SGD([model.linear.bias], lr=0.05, momentum=0.9)
+        self.sched_b = torch.optim.lr_scheduler.ExponentialLR(self.opt_b, gamma=0.5)
+        self.checkpointer.register("optimizer_b", self.opt_b)
+        self.checkpointer.register("lr_scheduler_b", self.sched_b)
+        self.norms = []  # (the weight's, the bias's): device tensors, read after training
+
+    def train_one_iter(self):
+        self.optimizer.zero_grad()
+        self.opt_b.zero_grad()
+        loss = self.model(self.next_batch())
+        self.backward(loss)
+        norms = (self.clip_and_step(self.opt_b), self.clip_and_step())
+        self.norms.append(norms)
+        self.log_losses(total_loss=loss.detach())
+        self.log(self.cur_iter, lr_b=self.sched_b.get_last_lr()[0])  # smoothed by default
+        self.sched_b.step()
+
+
+def two_optimizers(work_dir, hooks=(), **kwargs):
+    torch.manual_seed(0)
+    loader = list(tiny_loader())  # 8 batches; a list: no DataLoader seed read at a pass's start
+    trainer = TwoOptimizersAndSchedules(
+        TinyModel(), loader, work_dir=work_dir, log_period=4, **kwargs
+    )
+    trainer.register_hooks(list(hooks))
+    return trainer
+
+
+def rows(trainer):
+    with open(os.path.join(trainer.work_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_an_override_clipping_with_clip_and_step_logs_exact_grad_norms_without_a_sync(
+    tmp_path, monkeypatch, caplog
+):
+    reads = count_host_reads(monkeypatch)
+    per_iter = {}
+
+    class Reads(HookBase):
+        priority = 0  # first in every event: brackets train_one_iter and the log point
+
+        def before_iter(self):
+            self.start = len(reads)
+
+        def after_iter(self):
+            per_iter[self.trainer.cur_iter + 1] = len(reads) - self.start
+
+    caplog.set_level(logging.INFO, logger="trainer")
+    trainer = two_optimizers(tmp_path, [Reads()], max_epochs=1, checkpoint_period=0)
+    trainer.train()
+    monkeypatch.undo()
+    # no host read but at the log points, after iterations 4 and 8
+    assert {n: r for n, r in per_iter.items() if r} == {4: per_iter[4], 8: per_iter[8]}
+    norms = [(b.item(), w.item()) for b, w in trainer.norms]
+    lrs = [0.05 * 0.5**i for i in range(8)]
+    got = [
+        {k: v for k, v in r.items() if k not in ("data_time", "iter_time")} for r in rows(trainer)
+    ]
+    assert got == [
+        {"iter": n, "epoch": 1, "grad_norm": norms[n - 1][1],
+         "grad_norm/optimizer_b": norms[n - 1][0], "lr_b": lrs[n - 1], "lr": 0.1,
+         "total_loss": trainer.metric_storage["total_loss"].state_dict()["window"][n - 1]}
+        for n in (4, 8)
+    ]  # fmt: skip
+    assert max(w for _, w in norms) > 0.5  # it did clip
+    acc = EventAccumulator(trainer.tb_log_dir)
+    acc.Reload()
+    as_float32 = lambda x: torch.tensor(x, dtype=torch.float32).item()  # noqa: E731
+    assert [(e.step, e.value) for e in acc.Scalars("train/lr_b")] == [
+        (4, as_float32(lrs[3])), (8, as_float32(lrs[7]))
+    ]  # fmt: skip
+    assert [(e.step, e.value) for e in acc.Scalars("grad_norm/optimizer_b")] == [
+        (4, as_float32(norms[3][0])), (8, as_float32(norms[7][0]))
+    ]  # fmt: skip
+    # the console line shows lr_b smoothed: the mean of the window (all 8 values)
+    assert (
+        f"lr_b {sum(lrs) / 8:.4g}" in caplog.text and f"lr_b {sum(lrs[:4]) / 4:.4g}" in caplog.text
+    )
+
+
+@pytest.mark.parametrize("how", ["stop", "crash"])
+def test_a_second_schedule_stepped_by_an_override_resumes_bit_exact(tmp_path, how):
+    """Stopped after iteration 6 and continued, or crashed after iteration 14 (its log point 12
+    written) and resumed from epoch_1.pth: the weights, the second optimizer and the second
+    schedule's LR are those of an uninterrupted run, and the files show each step once with the
+    same values."""
+
+    class Interrupt(HookBase):
+        def after_iter(self):
+            if how == "stop" and self.trainer.cur_iter + 1 == 6:
+                self.trainer.stop()
+            if how == "crash" and self.trainer.cur_iter + 1 == 14:
+                raise KeyboardInterrupt
+
+    whole = two_optimizers(tmp_path / "whole", max_epochs=3)
+    whole.train()
+    cut = two_optimizers(tmp_path / "cut", [Interrupt()], max_epochs=3)
+    if how == "stop":
+        cut.train()
+    else:
+        with pytest.raises(SystemExit):
+            cut.train()
+    resumed = two_optimizers(tmp_path / "cut", max_epochs=3)
+    resumed.train(continue_after_stop=True)
+    assert resumed.start_iter == (6 if how == "stop" else 8)
+    a, b = weights(whole), weights(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert whole.sched_b.get_last_lr() == resumed.sched_b.get_last_lr() == [0.05 * 0.5**24]
+    assert whole.opt_b.param_groups[0]["lr"] == resumed.opt_b.param_groups[0]["lr"]
+    momenta = [t.opt_b.state[t.model.linear.bias]["momentum_buffer"] for t in (whole, resumed)]
+    assert torch.equal(*momenta)
+
+    def untimed(trainer):
+        times = {"data_time", "iter_time"}
+        return [{k: v for k, v in r.items() if k not in times} for r in rows(trainer)]
+
+    steps = [4, 6, 8, 12, 16, 20, 24] if how == "stop" else [4, 8, 12, 16, 20, 24]
+    assert [r["iter"] for r in rows(resumed)] == steps
+    if how == "stop":  # the stopped run wrote what it had logged since step 4, at its last step
+        row_6 = untimed(resumed).pop(1)
+        assert row_6["iter"] == 6 and row_6["lr_b"] == 0.05 * 0.5**5
+    assert [r for r in untimed(resumed) if r["iter"] != 6] == untimed(whole)
+    scalars = []
+    for trainer in (whole, resumed):
+        acc = EventAccumulator(trainer.tb_log_dir)
+        acc.Reload()
+        tags = [t for t in acc.Tags()["scalars"] if not t.startswith("time/")]
+        scalars.append({t: [(e.step, e.value) for e in acc.Scalars(t)] for t in tags})
+    assert [step for step, _ in scalars[1]["train/lr_b"]] == steps
+    resumed_but_6 = {t: [(s, v) for s, v in pairs if s != 6] for t, pairs in scalars[1].items()}
+    assert resumed_but_6 == scalars[0]

@@ -68,7 +68,7 @@ def test_a_new_run_replaces_the_trainers_old_events_whatever_their_names_sort_as
     # TensorBoard reads event files in name order; an old run's file from this very second whose
     # counter sorts after the new one's (9 after 10) would be read last and its curves kept
     old = TensorBoardWriter(str(tmp_path))
-    for step in range(4):
+    for step in range(1, 5):
         old.write(None, step, {"loss": 1.0})
     old.close()
     (old_file,) = os.listdir(tmp_path)
@@ -77,11 +77,11 @@ def test_a_new_run_replaces_the_trainers_old_events_whatever_their_names_sort_as
     old_name = f"events.out.tfevents.{int(time.time()) + 1}.{socket.gethostname()}.{os.getpid()}"
     os.rename(tmp_path / old_file, tmp_path / f"{old_name}.z.trainer")
     new = TensorBoardWriter(str(tmp_path), start_iter=0)
-    new.write(None, 0, {"loss": 2.0})
+    new.write(None, 1, {"loss": 2.0})
     new.close()
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
-    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(0, 2.0)]
+    assert [(e.step, e.value) for e in acc.Scalars("train/loss")] == [(1, 2.0)]
     assert len(os.listdir(tmp_path)) == 1  # the old file, left without events, is gone
 
 
@@ -89,20 +89,20 @@ def test_a_resumed_run_keeps_the_steps_before_it_and_other_writers_events(tmp_pa
     from torch.utils.tensorboard import SummaryWriter
 
     old = TensorBoardWriter(str(tmp_path))
-    for step in range(6):
+    for step in range(1, 7):  # steps count the iterations done
         old.write(None, step, {"loss": float(step)})
     old.close()
     own = SummaryWriter(str(tmp_path))  # a user's writer in the same folder
     own.add_histogram("weights", torch.arange(4.0), 5)
     own.close()
-    resumed = TensorBoardWriter(str(tmp_path), start_iter=4)
+    resumed = TensorBoardWriter(str(tmp_path), start_iter=3)  # after 3 iterations
     resumed.write(None, 4, {"loss": 40.0})
     resumed.write(None, 5, {"loss": 50.0})
     resumed.close()
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
     steps = [(e.step, e.value) for e in acc.Scalars("train/loss")]
-    assert steps == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
+    assert steps == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0), (5, 50.0)]
     assert [e.step for e in acc.Histograms("weights")] == [5]
 
 
@@ -112,7 +112,7 @@ def test_files_a_resumed_run_rewrites_keep_the_permissions_open_gives(tmp_path):
     try:
         old = TensorBoardWriter(str(tmp_path / "tb"))
         rows = writers.JSONLinesWriter(str(tmp_path / "metrics.jsonl"))
-        for step in range(6):
+        for step in range(1, 7):
             old.write(None, step, {"loss": float(step)})
             rows.write(types.SimpleNamespace(cur_epoch=0), step, {"loss": float(step)})
         old.close()
@@ -131,21 +131,21 @@ def test_files_a_resumed_run_rewrites_keep_the_permissions_open_gives(tmp_path):
 def test_a_resumed_runs_event_file_sorts_after_the_old_ones(tmp_path):
     # TensorBoard reads event files in name order: the old steps must come first
     old = TensorBoardWriter(str(tmp_path))
-    for step in range(6):
+    for step in range(1, 7):  # steps count the iterations done
         old.write(None, step, {"loss": float(step)})
     old.close()
     (old_file,) = os.listdir(tmp_path)
     # as if made in this second, by this process, with a counter that sorts last
     old_name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.z"
     os.rename(tmp_path / old_file, tmp_path / f"{old_name}.trainer")
-    resumed = TensorBoardWriter(str(tmp_path), start_iter=4)
+    resumed = TensorBoardWriter(str(tmp_path), start_iter=3)
     resumed.write(None, 4, {"loss": 40.0})
     resumed.close()
     assert sorted(os.listdir(tmp_path))[0] == f"{old_name}.trainer"
     acc = EventAccumulator(str(tmp_path))
     acc.Reload()
     steps = [(e.step, e.value) for e in acc.Scalars("train/loss")]
-    assert steps == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+    assert steps == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
 
 
 def test_tensorboard_events_are_not_written_through_a_linked_folder(tmp_path):
@@ -246,13 +246,13 @@ def test_mlflow_a_resumed_run_logs_to_the_same_run_repeating_the_steps_after_its
     client = MlflowClient(mlflow_store)
     experiment = client.get_experiment_by_name("tiny").experiment_id
     assert [run.info.run_id for run in client.search_runs([experiment])] == [first.run_id]
-    # MLflow keeps every value: steps 11 and 15, logged before the crash, have two each
-    after = [row for row in jsonl_rows(resumed) if row["iter"] >= resumed.start_iter]
+    # MLflow keeps every value: steps 12 and 16, logged before the crash, have two each
+    after = [row for row in jsonl_rows(resumed) if row["iter"] > resumed.start_iter]
     history = client.get_metric_history(first.run_id, "total_loss")
     assert [(m.step, m.value) for m in history] == [
         (row["iter"], row["total_loss"]) for row in before + after if "total_loss" in row
     ]
-    assert [m.step for m in history] == [3, 7, 11, 15, 11, 15, 19, 23]
+    assert [m.step for m in history] == [4, 8, 12, 16, 12, 16, 20, 24]
     assert history[2].value == history[4].value  # the resume is exact: the same loss again
     run = client.get_run(first.run_id)
     assert run.info.status == "FINISHED"
@@ -355,13 +355,13 @@ def test_wandb_a_resumed_run_continues_the_same_run_rewound_each_step_once(
         assert run["run_id"] == first.run_id and run["project"] == "tiny"
         logged = {k: v for k, v in run["config"]["update"].items() if k != "_wandb"}
         assert logged == config
-    # the first segment has each row the stopped run wrote, steps 11 and 15 (after the
+    # the first segment has each row the stopped run wrote, steps 12 and 16 (after the
     # checkpoint it resumes from) included
     assert history(start) == by_step(before)
-    # the resumed one rewinds the run to the step before its first and writes from there
+    # the resumed one rewinds the run to its checkpoint's step and writes the steps after it
     branch = records(rewound, "run")[0]["branch_point"]
-    assert branch == {"run": first.run_id, "metric": "_step", "value": resumed.start_iter - 1}
+    assert branch == {"run": first.run_id, "metric": "_step", "value": resumed.start_iter}
     kept = {step: row for step, row in history(start).items() if step <= branch["value"]}
-    assert list(kept) == [3, 7]
+    assert list(kept) == [4, 8]
     assert not set(kept) & set(history(rewound))
     assert {**kept, **history(rewound)} == by_step(jsonl_rows(resumed))

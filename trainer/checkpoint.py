@@ -131,6 +131,10 @@ class Checkpointer:
         extra = [obj for obj in self._extra.values() if isinstance(obj, Optimizer)]
         return [self._optimizer, *extra]
 
+    def name_of(self, obj: Any) -> str:
+        """The name ``obj`` was registered with (its class's name if it was not)."""
+        return next((n for n, o in self._extra.items() if o is obj), type(obj).__name__)
+
     def name(self) -> str:
         """The file name of a checkpoint taken now: ``epoch_{N}.pth`` at an epoch's end in
         epoch-based training, ``iter_{N}.pth`` otherwise (N epochs or iterations done)."""
@@ -447,7 +451,7 @@ class Checkpointer:
             return True
         self._load_state(data, path)
         self.last_path = path
-        logger.info(f"Resumed from checkpoint {path} at iteration {self._progress.start_iter}.")
+        logger.info(f"Resumed from checkpoint {path} after iteration {self._progress.start_iter}.")
         return True
 
     def _load_state(self, data: dict[str, Any], path: str) -> None:
@@ -486,7 +490,7 @@ class Checkpointer:
             logger.warning(
                 f"Checkpoint {path} ends a run whose max_iters ended its last pass after "
                 f"{saved['iters_done']} iterations, {cut} before the pass's end: this run goes on "
-                f"with the next pass, at iteration {progress.start_iter}, without those {cut}."
+                f"with the next pass, at iteration {progress.start_iter + 1}, without those {cut}."
             )
 
     def _read_weights(self, path: str) -> dict[str, Any]:

@@ -1,4 +1,4 @@
-"""Warmup on top of any ``torch.optim.lr_scheduler`` scheduler."""
+"""Warmup on top of any ``torch.optim.lr_scheduler`` scheduler, and the LRs that are logged."""
 
 import warnings
 from typing import Any, Optional
@@ -10,6 +10,13 @@ from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 from .misc import check_int
 
 _WARMUP_MODES = ("fix", "factor", "auto")
+
+
+def param_group_lrs(optimizer: Optimizer) -> dict[str, Any]:
+    """The LR of each parameter group of ``optimizer`` as the metrics logged: ``lr`` (the first
+    group), then ``lr/group1``, ``lr/group2``..."""
+    groups = optimizer.param_groups
+    return {"lr" if i == 0 else f"lr/group{i}": group["lr"] for i, group in enumerate(groups)}
 
 
 class LRWarmupScheduler:

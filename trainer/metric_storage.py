@@ -52,9 +52,10 @@ class MetricStorage(Mapping):
         return len(self._buffers)
 
     def update(self, iter: Optional[int] = None, smooth: bool = True, **values: float) -> None:
-        """Add one number per metric name, produced at iteration ``iter`` (None: count each
-        metric's updates). ``smooth``: whether :attr:`values_maybe_smooth` reports the window mean
-        or the latest value; a metric keeps the choice of its first update."""
+        """Add one number per metric name, produced at iteration index ``iter`` (``cur_iter``,
+        from 0; None: count each metric's updates). ``smooth``: whether
+        :attr:`values_maybe_smooth` reports the window mean or the latest value; a metric keeps
+        the choice of its first update."""
         for name, value in values.items():
             _check_metric(name, value)
             buffer = self._buffer(name, smooth)
@@ -81,7 +82,7 @@ class MetricStorage(Mapping):
         return self._buffers[name]
 
     def latest_iter(self, name: str) -> int:
-        """The iteration of the latest value of ``name``."""
+        """The iteration index (``cur_iter``, from 0) of the latest value of ``name``."""
         return self._latest_iter[name]
 
     def smoothed(self, name: str) -> bool:
@@ -194,9 +195,10 @@ class MetricStorage(Mapping):
         checked = [n for n, s in pending.items() if s.check_finite and n in at_first_bad]
         bad = [n for n in checked if not math.isfinite(at_first_bad[n])]
         what = "Loss" if set(bad) - {"grad_norm"} else "The gradient norm (the loss was not)"
-        epoch = f" (epoch {first_bad // self._epoch_len})" if self._epoch_len else ""
+        # named by number, from 1: iteration first_bad + 1 is the (first_bad + 1)-th trained
+        epoch = f" (epoch {first_bad // self._epoch_len + 1})" if self._epoch_len else ""
         raise FloatingPointError(
-            f"{what} became NaN or infinite at iteration {first_bad}{epoch}: "
+            f"{what} became NaN or infinite at iteration {first_bad + 1}{epoch}: "
             f"{at_first_bad}. Lower the LR, enable "
             "clip_grad_norm, or check the data of that iteration."
         )

@@ -14,9 +14,10 @@ Position = tuple[int, int]  # (epoch, iterations done in it): where training goe
 
 @dataclasses.dataclass
 class Progress:
-    """The counters of a run. ``epoch``, ``inner_iter`` and ``iter`` name the iteration running
-    (or the last one); ``position``, where a checkpoint taken now resumes, moves when an iteration
-    or an epoch ends. ``epoch_len`` is None for a loader without a length (epochs are its passes).
+    """The counters of a run. ``epoch``, ``inner_iter`` and ``iter`` are the indices (from 0) of
+    the iteration running (or the last one), whose number shown is the index + 1; ``position``,
+    where a checkpoint taken now resumes, moves when an iteration or an epoch ends.
+    ``epoch_len`` is None for a loader without a length (epochs are its passes).
     """
 
     epoch_len: Optional[int]
@@ -125,14 +126,14 @@ def map_position(
     if inner in (0, saved_len):  # between epochs: nothing to map
         logger.warning(
             f"Resuming {path} with {how}, at the {'start' if inner == 0 else 'end'} of "
-            f"epoch {epoch}: the data position needs no mapping."
+            f"epoch {epoch + 1}: the data position needs no mapping."
         )
         return epoch, 0 if inner == 0 else epoch_len
     samples = [w * b * accumulation if b else None for w, b in (before, now)]
     consumed = inner * samples[0] if samples[0] else None
     if consumed is None or samples[1] is None or consumed % samples[1]:
         raise RuntimeError(
-            f"Checkpoint {path!r} stopped in the middle of epoch {epoch} ({inner} of "
+            f"Checkpoint {path!r} stopped in the middle of epoch {epoch + 1} ({inner} of "
             f"{saved_len} iterations, {consumed or 'an unknown number of'} samples), and "
             f"this run changes from {how}: {samples[1] or 'an unknown number of'} samples "
             "per iteration cannot continue at that sample. Resume with the same number of "
@@ -141,8 +142,8 @@ def map_position(
         )
     new_inner = min(consumed // samples[1], epoch_len)
     logger.warning(
-        f"Resuming {path} with {how}: epoch {epoch} stopped after {inner} iterations = "
-        f"{consumed} samples, so this run goes on from iteration {new_inner} of "
+        f"Resuming {path} with {how}: epoch {epoch + 1} stopped after {inner} iterations = "
+        f"{consumed} samples, so this run goes on with iteration {new_inner + 1} of "
         f"{epoch_len} of that epoch. With a DistributedSampler (its order depends "
         "on seed and epoch only) these are exactly the samples not yet seen; the LR "
         "schedule goes on from its saved step."

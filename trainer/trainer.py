@@ -42,7 +42,7 @@ from .hooks import (
 )
 from .hooks.registry import HookRegistry
 from .logger import TRACEBACK_FOLLOWS, ensure_console_logging, log_to_file, rank_log_file
-from .lr_scheduler import LRWarmupScheduler
+from .lr_scheduler import LRWarmupScheduler, param_group_lrs
 from .metric_storage import MetricStorage
 from .misc import WorkDirLock, collect_env, unwrapped, wrappers
 from .preemption import WRITE_FAILED, Interrupt, Preemption
@@ -229,22 +229,22 @@ class Trainer:
 
     @property
     def cur_epoch(self) -> int:
-        """The current (or last) epoch, from 0."""
+        """The current (or last) epoch's index, from 0: the number shown is ``cur_epoch + 1``."""
         return self.progress.epoch
 
     @property
     def inner_iter(self) -> int:
-        """The current (or last finished) iteration within the epoch, from 0."""
+        """The index of the current (or last finished) iteration within the epoch, from 0."""
         return self.progress.inner_iter
 
     @property
     def cur_iter(self) -> int:
-        """The current (or last finished) iteration, from 0; -1 before the first."""
+        """The current (or last) iteration's index from 0 (-1 before any), shown as index + 1."""
         return self.progress.iter
 
     @property
     def start_iter(self) -> int:
-        """The iteration this :meth:`train` started (or resumed) from."""
+        """The iterations done when this :meth:`train` started (or resumed)."""
         return self.progress.start_iter
 
     @property
@@ -506,7 +506,7 @@ class Trainer:
             )
         if self.progress.stay_stopped(continue_after_stop):  # (LoggerHook tells other starts)
             logger.info(
-                f"The run was ended by stop() at iteration {self.start_iter}: not training "
+                f"The run was ended by stop() after iteration {self.start_iter}: not training "
                 "on. Pass train(continue_after_stop=True) to go on."
             )
 
@@ -520,8 +520,8 @@ class Trainer:
         self._data.data_time, self._period_start = 0.0, (now, it)
         # the period's own means, not smoothed: a logged time says what this period took
         self._storage.add(it, times, smooth=False, reduce=True)
-        # the LR this iteration used (LRUpdateHook changes it after the iteration)
-        self._storage.add(it, {"lr": self.lr}, smooth=False)
+        # each group's LR this iteration used (LRUpdateHook changes it after the iteration)
+        self._storage.add(it, param_group_lrs(self.optimizer), smooth=False)
         self._storage.flush(every_rank=True)
         self.progress.last_log_iter = it  # what hooks ask: is this iteration a log point
 
@@ -616,11 +616,24 @@ class Trainer:
         """``loss.backward()``, the loss scaled by the GradScaler with float16 AMP."""
         (self.grad_scaler.scale(loss) if self._scaling else loss).backward()
 
-    def clip_and_step(self, optimizer: Optional[Optimizer] = None) -> Optional[torch.Tensor]:
+    def clip_and_step(
+        self, optimizer: Optional[Optimizer] = None, *, name: Optional[str] = None
+    ) -> Optional[torch.Tensor]:
         """Unscale and clip (``clip_grad_norm``) the gradients of ``optimizer`` (the trainer's
         by default), then step it through the GradScaler. Returns the gradient norm before
-        clipping as a device tensor, or None without clipping."""
+        clipping as a device tensor, or None without clipping; logs it (no sync) as ``name``
+        (None: ``grad_norm``, for another optimizer ``grad_norm/<the name it's registered as>``)."""
         optimizer = self.optimizer if optimizer is None else optimizer
+        norm = self._clip_and_step(optimizer)
+        if norm is not None:  # on the device until the next log point: no sync
+            if name is None and optimizer is not self.optimizer:
+                name = f"grad_norm/{self._checkpointer.name_of(optimizer)}"
+            metric = {name or "grad_norm": norm}
+            self.log(self.cur_iter, reduce=True, check_finite=not self._scaling, **metric)
+        return norm
+
+    def _clip_and_step(self, optimizer: Optimizer) -> Optional[torch.Tensor]:
+        # (the built-in step logs the norm it returns: a CUDA graph replays what is in here)
         norm = None
         if self._clip_grad_norm > 0:
             self.grad_scaler.unscale_(optimizer)  # first, so the threshold means what it says
@@ -670,7 +683,7 @@ class Trainer:
         else:
             losses = self._accumulate(batches)  # 2. and 3. per micro-batch
         # 4. clip and step; float16 steps with inf or NaN gradients are skipped
-        grad_norm = self.clip_and_step()
+        grad_norm = self._clip_and_step(self.optimizer)
         if not self._scaling and grad_norm is None:
             return losses, _NO_METRICS  # the plain configuration: no other metric
         self.update_scaler()  # here, not after the iteration: a CUDA graph replays it

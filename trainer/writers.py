@@ -29,15 +29,19 @@ class MetricWriter:
 
     #: Only at log points (the console line), not for an evaluation's results.
     log_points_only = False
+    #: Gets the window mean of a smoothed metric (the console line) instead of the value logged.
+    smoothed = False
 
     def start(self, trainer: Any, start_iter: int, config: dict[str, Any]) -> None:
         """Called on rank 0 when training starts, before the first write: ``start_iter`` is the
-        first step this run writes (a resumed run writes the steps from it on again), ``config``
-        the run's settings as in ``work_dir/run.json``."""
+        number of iterations done before this run (it writes the steps after it, a resumed run
+        from ``start_iter + 1`` on again), ``config`` the run's settings as in
+        ``work_dir/run.json``."""
 
-    def write(self, trainer: Any, iter: int, metrics: dict[str, float]) -> None:
-        """Record ``metrics`` (the values new since the last call) at iteration ``iter``,
-        counted from 0 as ``trainer.cur_iter`` and TensorBoard's steps are."""
+    def write(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        """Record ``metrics`` (the values new since the last call) at ``step``: the number of
+        iterations done, ``trainer.cur_iter + 1`` (the evaluation after iteration 32 at step
+        32). ``LoggerHook`` passes it positionally."""
         raise NotImplementedError
 
     def flush(self) -> None:
@@ -67,7 +71,10 @@ def format_seconds(seconds: float) -> str:
 
 def tensorboard_tag(name: str, evaluated: bool) -> str:
     """The TensorBoard tag of metric ``name``: ``eval/`` for an evaluation's result, ``time/``
-    for a time, ``train/`` for the rest; a name with a ``/`` is its own tag."""
+    for a time, ``train/`` for the rest and the LRs of parameter groups (``train/lr/group1``);
+    another name with a ``/`` is its own tag."""
+    if is_group_lr(name):
+        return f"train/{name}"
     if "/" in name:
         return name
     if evaluated:
@@ -75,25 +82,32 @@ def tensorboard_tag(name: str, evaluated: bool) -> str:
     return f"time/{name}" if name.endswith("_time") else f"train/{name}"
 
 
+def is_group_lr(name: str) -> bool:
+    """Whether ``name`` is the LR of a parameter group after the first (``lr/group1``...),
+    which files get and the console line leaves out."""
+    return name.startswith("lr/group")
+
+
 class ConsoleWriter(MetricWriter):
-    """The log line: progress, ETA, LR, metrics (times with their units) and peak CUDA memory,
-    to the console and ``log.txt``.
+    """The log line: progress, ETA, LR (of the first parameter group), metrics (times with
+    their units) and peak CUDA memory, to the console and ``log.txt``.
 
     Args:
         start_time: ``time.perf_counter()`` when training started.
-        start_iter: The iteration it started from.
+        start_iter: The iterations done before it started.
     """
 
     log_points_only = True
+    smoothed = True
 
     def __init__(self, start_time: float, start_iter: int) -> None:
         self._start_time = start_time
         self._start_iter = start_iter
 
-    def write(self, trainer: Any, iter: int, metrics: dict[str, float]) -> None:
+    def write(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
         if not logger.isEnabledFor(logging.INFO):
             return  # the line would go nowhere: no need to format it
-        done, epoch, inner = iter + 1, trainer.cur_epoch + 1, trainer.inner_iter + 1
+        done, epoch, inner = step, trainer.cur_epoch + 1, trainer.inner_iter + 1
         eta = time_left(time.perf_counter() - self._start_time, done - self._start_iter,
                         trainer.max_iters - done)  # fmt: skip
         if trainer.max_epochs is None:  # a stream: its passes have no known length
@@ -105,6 +119,7 @@ class ConsoleWriter(MetricWriter):
         parts += [
             f"{name} {format_seconds(value) if name.endswith('_time') else f'{value:.4g}'}"
             for name, value in lr_first
+            if not is_group_lr(name)
         ]
         device = next(trainer.model.parameters()).device
         if device.type == "cuda":  # reads the allocator's counters: no device sync
@@ -114,12 +129,12 @@ class ConsoleWriter(MetricWriter):
 
 class TensorBoardWriter(MetricWriter):
     """Scalars in TensorBoard event files under ``log_dir`` (tagged by :func:`tensorboard_tag`)
-    ending in ``.trainer``: a run from ``start_iter`` drops their events from that step on, and
-    changes no other event file.
+    ending in ``.trainer``: a run that starts after ``start_iter`` iterations drops their events
+    of later steps (those it writes again), and changes no other event file.
 
     Args:
         log_dir: Where the event files go.
-        start_iter: The iteration this run starts from.
+        start_iter: The iterations done before this run (``trainer.start_iter``).
         handoff_secs: Seconds between hand-overs to ``SummaryWriter``.
         eval_names: The names of evaluation results (read at each write).
     """
@@ -140,7 +155,7 @@ class TensorBoardWriter(MetricWriter):
             SummaryWriter, log_dir=log_dir, max_queue=1000, filename_suffix=_SUFFIX
         )
         if os.path.isdir(log_dir):  # a rerun's or a resumed run's
-            self._writer = _rewind_event_files(log_dir, start_iter, new_writer)
+            self._writer = _rewind_event_files(log_dir, start_iter + 1, new_writer)
         else:
             self._writer = new_writer()
         # Events reach the SummaryWriter in batches: each hand-over wakes its thread, which
@@ -150,13 +165,13 @@ class TensorBoardWriter(MetricWriter):
         self._events: list[tuple[Any, int, float]] = []  # (summary, step, wall time)
         self._eval_names = eval_names
 
-    def write(self, trainer: Any, iter: int, metrics: dict[str, float]) -> None:
+    def write(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
         evaluated = self._eval_names
         values = [
             self._summary.Value(tag=tensorboard_tag(name, name in evaluated), simple_value=value)
             for name, value in metrics.items()
         ]
-        self._events.append((self._summary(value=values), iter, time.time()))
+        self._events.append((self._summary(value=values), step, time.time()))
         if time.monotonic() >= self._next_handoff:
             self._hand_over()
 
@@ -180,16 +195,17 @@ class TensorBoardWriter(MetricWriter):
 
 
 class JSONLinesWriter(MetricWriter):
-    """A flushed line ``{"iter": ..., "epoch": ..., <metric>: ...}`` per write in ``path`` (``iter``
-    from 0, ``epoch`` from 1). A run from ``start_iter`` drops the lines from that iteration on."""
+    """A flushed line ``{"iter": ..., "epoch": ..., <metric>: ...}`` per write in ``path``:
+    ``iter`` is the step (iterations done), ``epoch`` the number of the epoch it is in (from 1).
+    A run that starts after ``start_iter`` iterations drops the lines of later steps."""
 
     def __init__(self, path: str, start_iter: int = 0) -> None:
         if os.path.isfile(path) and not os.path.islink(path):
-            _keep_lines_before(path, start_iter)
+            _keep_lines_up_to(path, start_iter)
         self._file = open_no_follow(path, append=True)
 
-    def write(self, trainer: Any, iter: int, metrics: dict[str, float]) -> None:
-        record = {"iter": iter, "epoch": trainer.cur_epoch + 1, **metrics}
+    def write(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        record = {"iter": step, "epoch": trainer.cur_epoch + 1, **metrics}
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
@@ -212,7 +228,7 @@ class _TrackerWriter(MetricWriter):
 
 
 class MLflowWriter(_TrackerWriter):
-    """Metrics to an MLflow run, each write's ``iter`` as the step, and the run's settings
+    """Metrics to an MLflow run, each write's ``step`` as its step, and the run's settings
     (``work_dir/run.json``) as its params. The run's id is saved in the checkpoints: a resumed
     run logs to the same run. MLflow keeps every value logged, so the steps that the stopped run
     had logged after its last checkpoint have two values each; its params cannot change, so
@@ -278,9 +294,9 @@ class MLflowWriter(_TrackerWriter):
         for i in range(0, len(items), 100):  # MLflow takes at most 100 params a call
             client.log_batch(self.run_id, params=items[i : i + 100])
 
-    def write(self, trainer: Any, iter: int, metrics: dict[str, float]) -> None:
+    def write(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
         now = int(time.time() * 1000)  # MLflow's timestamps are in milliseconds
-        batch = [self._metric(name, value, now, iter) for name, value in metrics.items()]
+        batch = [self._metric(name, value, now, step) for name, value in metrics.items()]
         self._client.log_batch(self.run_id, metrics=batch)
 
     def close(self) -> None:
@@ -290,11 +306,11 @@ class MLflowWriter(_TrackerWriter):
 
 
 class WandbWriter(_TrackerWriter):
-    """Metrics to a Weights & Biases run, each write's ``iter`` as W&B's step, and the run's
+    """Metrics to a Weights & Biases run, each write's ``step`` as W&B's step, and the run's
     settings (``work_dir/run.json``) in its config; its files go in ``work_dir`` unless ``dir``
     says otherwise. The run's id is saved in the checkpoints: a resumed run continues the same
-    run, rewound (``wandb.init(resume_from=...)``) to the step before the first one it writes,
-    so each step shows once. Needs ``pip install "hooktrainer[wandb]"``.
+    run, rewound (``wandb.init(resume_from=...)``) to the checkpoint's step, the one before the
+    first it writes, so each step shows once. Needs ``pip install "hooktrainer[wandb]"``.
 
     Args:
         **init_kwargs: ``wandb.init``'s arguments (``project``, ``name``, ``mode``, ``config``
@@ -325,15 +341,16 @@ class WandbWriter(_TrackerWriter):
         kwargs = {"dir": trainer.work_dir, **self._kwargs}
         kwargs["config"] = {**config, **self._kwargs.get("config", {})}
         if self._resume_id is not None:
-            # W&B keeps the steps up to the one named and goes on from the next
+            # W&B keeps the steps up to the one named (those the checkpoint covers), and this
+            # run goes on from the next
             kwargs.pop("id", None)
-            kwargs["resume_from"] = f"{self._resume_id}?_step={max(start_iter - 1, 0)}"
+            kwargs["resume_from"] = f"{self._resume_id}?_step={start_iter}"
             self._resume_id = None
         self._run = self._wandb.init(**kwargs)
         self.run_id = self._run.id
 
-    def write(self, trainer: Any, iter: int, metrics: dict[str, float]) -> None:
-        self._run.log(metrics, step=iter)
+    def write(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        self._run.log(metrics, step=step)
 
     def close(self) -> None:
         if self._run is not None:
@@ -405,14 +422,14 @@ def _drop_events_from(log_dir: str, step: int) -> None:
         atomic_write(path, write)
 
 
-def _keep_lines_before(path: str, start_iter: int) -> None:
-    """Keep the lines of ``metrics.jsonl`` before iteration ``start_iter``."""
+def _keep_lines_up_to(path: str, start_iter: int) -> None:
+    """Keep the lines of ``metrics.jsonl`` of steps up to ``start_iter`` (iterations done)."""
     with open(path, encoding="utf-8") as f:
         lines = f.readlines()
     kept = []
     for line in lines:
         try:
-            if json.loads(line)["iter"] < start_iter:
+            if json.loads(line)["iter"] <= start_iter:
                 kept.append(line)
         except (ValueError, KeyError, TypeError):
             break  # a line cut short by a crash, and whatever follows it

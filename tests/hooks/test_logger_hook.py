@@ -11,11 +11,11 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from trainer import HookBase
+from trainer import HookBase, Trainer
 from trainer.hooks import EvalHook
 from trainer.writers import MetricWriter
 
-from conftest import FakeClock, Tick, communicate, cpu_env
+from conftest import FakeClock, Tick, TinyModel, communicate, cpu_env, tiny_loader
 
 
 def read_scalars(log_dir):
@@ -32,11 +32,12 @@ def test_tensorboard_scalars_are_written_at_log_points(make_trainer):
     # grouped: training, evaluation and times apart
     assert set(scalars) == {"train/lr", "train/total_loss", "time/data_time", "time/iter_time",
                             "eval/val_acc"}  # fmt: skip
-    assert [step for step, _ in scalars["train/total_loss"]] == [3, 7, 11, 15]
-    assert scalars["eval/val_acc"] == [(7, 0.25), (15, 0.5)]
-    assert scalars["train/lr"][-1] == (15, pytest.approx(0.05))  # StepLR halves after epoch 1
-    last = trainer.metric_storage["total_loss"].avg
-    assert scalars["train/total_loss"][-1][1] == pytest.approx(last, rel=1e-6)
+    # at the steps that count the iterations done: the evaluation after iteration 8 at step 8
+    assert [step for step, _ in scalars["train/total_loss"]] == [4, 8, 12, 16]
+    assert scalars["eval/val_acc"] == [(8, 0.25), (16, 0.5)]
+    assert scalars["train/lr"][-1] == (16, pytest.approx(0.05))  # StepLR halves after epoch 1
+    # the value logged at the log point's iteration, not the console's window mean
+    assert scalars["train/total_loss"][-1][1] == trainer.metric_storage["total_loss"].latest
 
 
 def test_console_and_log_file_lines(make_trainer, caplog, tmp_path):
@@ -91,11 +92,11 @@ def test_metrics_go_to_metrics_jsonl_and_to_your_writers(make_trainer):
     trainer.train()
     lines = [json.loads(line) for line in open(os.path.join(trainer.work_dir, "metrics.jsonl"))]
     pairs = [(r["iter"], r["epoch"]) for r in lines]
-    assert pairs == [(3, 1), (7, 1), (7, 1), (11, 2), (15, 2), (15, 2)]
+    assert pairs == [(4, 1), (8, 1), (8, 1), (12, 2), (16, 2), (16, 2)]
     assert lines[1].keys() == {"iter", "epoch", "lr", "total_loss", "data_time", "iter_time"}
-    assert lines[2] == {"iter": 7, "epoch": 1, "val_acc": 0.25}  # the epoch-end evaluation
+    assert lines[2] == {"iter": 8, "epoch": 1, "val_acc": 0.25}  # the epoch-end evaluation
     assert all("lr" in line for line in lines if "val_acc" not in line)  # log points, whole
-    assert lines[-2]["total_loss"] == pytest.approx(trainer.metric_storage["total_loss"].avg)
+    assert lines[-2]["total_loss"] == trainer.metric_storage["total_loss"].latest
     assert [(it, names) for it, names in recorder.calls] == [
         (r["iter"], sorted(set(r) - {"iter", "epoch"})) for r in lines
     ]
@@ -142,11 +143,11 @@ def test_resuming_drops_the_metrics_lines_of_repeated_iterations(make_trainer):
     make_trainer(max_epochs=1, log_period=4).train()
     path = os.path.join(make_trainer(max_epochs=1).work_dir, "metrics.jsonl")
     with open(path, "a") as f:  # as if the run had gone on after its checkpoint, then died
-        f.write(json.dumps({"iter": 11, "epoch": 2, "total_loss": 123.0}) + "\n")
-        f.write('{"iter": 12, "ep')  # cut short
+        f.write(json.dumps({"iter": 12, "epoch": 2, "total_loss": 123.0}) + "\n")
+        f.write('{"iter": 16, "ep')  # cut short
     make_trainer(max_epochs=2, log_period=4).train()
     lines = [json.loads(line) for line in open(path)]
-    assert [r["iter"] for r in lines] == [3, 7, 11, 15]
+    assert [r["iter"] for r in lines] == [4, 8, 12, 16]
     assert all(r.get("total_loss") != 123.0 for r in lines)
 
 
@@ -179,7 +180,7 @@ def test_logged_times_are_each_periods_own_mean(make_trainer, caplog, monkeypatc
     trainer.register_hook(CompileFirst())
     trainer.train()
     # the clock moves after each log point's reading: (10 + 1 + 1) / 4, then 4 / 4
-    expected = [(3, 3.0), (7, 1.0), (11, 1.0), (15, 1.0)]
+    expected = [(4, 3.0), (8, 1.0), (12, 1.0), (16, 1.0)]
     assert read_scalars(trainer.tb_log_dir)["time/iter_time"] == expected
     with open(os.path.join(trainer.work_dir, "metrics.jsonl")) as f:
         assert [(r["iter"], r["iter_time"]) for r in map(json.loads, f)] == expected
@@ -243,7 +244,7 @@ def test_rerunning_a_finished_run_writes_no_metric_again(make_trainer):
     lines, scalars = jsonl_iters(first), read_scalars(first.tb_log_dir)
     rerun = make_trainer(max_epochs=2, log_period=4)
     rerun.train()  # resumes at the end: nothing to train, nothing new to write
-    assert jsonl_iters(rerun) == lines == [3, 7, 11, 15]
+    assert jsonl_iters(rerun) == lines == [4, 8, 12, 16]
     assert read_scalars(rerun.tb_log_dir) == scalars
 
 
@@ -259,9 +260,9 @@ def test_a_resumed_run_replaces_the_steps_it_repeats(make_trainer, tmp_path):
     resumed = make_trainer(max_epochs=2, log_period=4)
     resumed.train()
     assert resumed.start_iter == 8
-    assert jsonl_iters(resumed) == [3, 7, 11, 15]
+    assert jsonl_iters(resumed) == [4, 8, 12, 16]
     scalars = read_scalars(resumed.tb_log_dir)
-    assert [step for step, _ in scalars["train/total_loss"]] == [3, 7, 11, 15]
+    assert [step for step, _ in scalars["train/total_loss"]] == [4, 8, 12, 16]
     assert scalars["train/total_loss"] == read_scalars(whole.tb_log_dir)["train/total_loss"]
 
 
@@ -270,9 +271,9 @@ def test_a_fresh_run_in_the_same_work_dir_does_not_mix_with_the_old_curves(make_
     fresh = make_trainer(max_epochs=1, log_period=4, lr=0.01)
     fresh.train(auto_resume=False)
     scalars = read_scalars(fresh.tb_log_dir)
-    assert [step for step, _ in scalars["train/total_loss"]] == [3, 7]
-    assert scalars["train/lr"] == [(3, pytest.approx(0.01)), (7, pytest.approx(0.01))]
-    assert jsonl_iters(fresh) == [3, 7]
+    assert [step for step, _ in scalars["train/total_loss"]] == [4, 8]
+    assert scalars["train/lr"] == [(4, pytest.approx(0.01)), (8, pytest.approx(0.01))]
+    assert jsonl_iters(fresh) == [4, 8]
 
 
 def test_the_run_settings_go_to_run_json_and_tensorboard(make_trainer, tmp_path):
@@ -309,7 +310,7 @@ class OwnWriter(HookBase):
 
     def after_epoch(self):
         weight = self.trainer.model_or_module.linear.weight.detach()
-        self.writer.add_histogram("weights", weight, self.trainer.cur_iter)
+        self.writer.add_histogram("weights", weight, self.trainer.cur_iter + 1)  # iterations done
 
     def after_train(self):
         self.writer.close()
@@ -324,9 +325,9 @@ def test_your_own_events_in_tb_logs_survive_fresh_and_resumed_runs(make_trainer)
     resumed.train()
     acc = EventAccumulator(resumed.tb_log_dir, size_guidance={"histograms": 0})  # keep all
     acc.Reload()
-    assert [e.step for e in acc.Histograms("weights")] == [7, 15, 23]
+    assert [e.step for e in acc.Histograms("weights")] == [8, 16, 24]
     steps = [step for step, _ in read_scalars(resumed.tb_log_dir)["train/total_loss"]]
-    assert steps == [3, 7, 11, 15, 19, 23]
+    assert steps == [4, 8, 12, 16, 20, 24]
 
 
 KILLED_AT_AN_EPOCH_END = """
@@ -365,7 +366,7 @@ def test_tensorboard_keeps_every_log_point_once_after_a_kill(make_trainer, tmp_p
     whole = make_trainer(max_epochs=5, log_period=2, work_dir=tmp_path / "whole")
     whole.train()
     losses = read_scalars(resumed.tb_log_dir)["train/total_loss"]
-    assert [step for step, _ in losses] == list(range(1, 40, 2))  # every log point, once
+    assert [step for step, _ in losses] == list(range(2, 41, 2))  # every log point, once
     assert losses == read_scalars(whole.tb_log_dir)["train/total_loss"]
 
 
@@ -433,3 +434,26 @@ def test_nothing_to_train_names_the_run_and_its_other_settings(make_trainer, cap
         "iter_6.pth after 6 of 6 iterations, since train() resumes"
     ) in caplog.text
     assert (Path(work) / "run.json").read_text() == saved  # still the run that trained
+
+
+def test_each_parameter_groups_lr_is_logged_exactly(tmp_path, caplog):
+    """lr for the first group, lr/group1 for the second: the LR each used at the log point's
+    iteration, in metrics.jsonl and TensorBoard; the console line shows lr alone."""
+    caplog.set_level(logging.INFO, logger="trainer")
+    model = TinyModel()
+    groups = [{"params": [model.linear.weight]}, {"params": [model.linear.bias], "lr": 0.01}]
+    optimizer = torch.optim.SGD(groups, lr=0.1)
+    schedule = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)  # per iteration
+    trainer = Trainer(model, optimizer, schedule, tiny_loader(), max_epochs=1, by_epoch=False,
+                      log_period=4, work_dir=tmp_path)  # fmt: skip
+    trainer.train()
+    expected = {4: (0.1 * 0.5**3, 0.01 * 0.5**3), 8: (0.1 * 0.5**7, 0.01 * 0.5**7)}
+    lines = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+    assert {r["iter"]: (r["lr"], r["lr/group1"]) for r in lines} == expected
+    scalars = read_scalars(trainer.tb_log_dir)
+    as_float32 = lambda x: torch.tensor(x, dtype=torch.float32).item()  # noqa: E731
+    assert scalars["train/lr"] == [(n, as_float32(lrs[0])) for n, lrs in expected.items()]
+    assert scalars["train/lr/group1"] == [(n, as_float32(lrs[1])) for n, lrs in expected.items()]
+    console = [r.getMessage() for r in caplog.records if r.getMessage().startswith("epoch 1/1")]
+    assert len(console) == 2 and "  lr 0.0125  " in console[0]
+    assert not any("group1" in line for line in console)

@@ -10,7 +10,7 @@ def test_writes_a_trace_of_the_window(make_trainer):
     trainer = make_trainer(max_epochs=1)
     trainer.register_hook(ProfilerHook(start_iter=2, num_iters=3))
     trainer.train()
-    path = os.path.join(trainer.work_dir, "profiler", "rank0_iter2-4.pt.trace.json")
+    path = os.path.join(trainer.work_dir, "profiler", "rank0_iter3-5.pt.trace.json")  # 3 to 5
     with open(path) as f:
         events = json.load(f)["traceEvents"]
     names = {e.get("name", "") for e in events}
@@ -21,7 +21,7 @@ def test_a_run_ending_inside_the_window_still_writes(make_trainer):
     trainer = make_trainer(max_epochs=1)  # 8 iterations
     trainer.register_hook(ProfilerHook(start_iter=6, num_iters=10))
     trainer.train()
-    assert os.listdir(os.path.join(trainer.work_dir, "profiler")) == ["rank0_iter6-7.pt.trace.json"]
+    assert os.listdir(os.path.join(trainer.work_dir, "profiler")) == ["rank0_iter7-8.pt.trace.json"]
 
 
 def test_bad_window_is_refused():

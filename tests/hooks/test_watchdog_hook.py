@@ -22,7 +22,7 @@ def test_a_hanging_iteration_dumps_every_stack_once(make_trainer, caplog):
     trainer.train()
     dumps = [r.getMessage() for r in caplog.records if "Stacks of every thread" in r.getMessage()]
     assert len(dumps) == 1, dumps
-    assert dumps[0].startswith("Rank 0: iteration 6 has run for")
+    assert dumps[0].startswith("Rank 0: iteration 7 has run for")  # cur_iter 6: the 7th
     assert "in stall_here" in dumps[0] and "Thread MainThread" in dumps[0]
 
 

@@ -42,7 +42,7 @@ class HookBase:
 
         >>> class PrintLR(HookBase):
         ...     def after_epoch(self):
-        ...         print(f"epoch {self.trainer.cur_epoch}: lr={self.trainer.lr}")
+        ...         print(f"epoch {self.trainer.cur_epoch + 1}: lr={self.trainer.lr}")
     """
 
     priority: int = Priority.NORMAL

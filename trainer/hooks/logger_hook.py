@@ -27,11 +27,12 @@ logger = logging.getLogger(__name__)
 
 
 class LoggerHook(HookBase):
-    """Writes the metrics new at each log point: the console line on every rank (to its
-    console and log file), and on rank 0 TensorBoard (``trainer.tb_log_dir``),
-    ``work_dir/metrics.jsonl`` and your ``writers``; an evaluation's results, in a row of their
-    own. Rank 0 writes the run's settings (``trainer.run_config``) to ``work_dir/run.json`` and
-    TensorBoard; every rank logs a summary table at the end.
+    """Writes the metrics new at each log point, at the step ``cur_iter + 1``: the console line
+    on every rank (to its console and log file), and on rank 0 TensorBoard
+    (``trainer.tb_log_dir``), ``work_dir/metrics.jsonl`` and your ``writers``; an evaluation's
+    results, in a row of their own. Files get each metric's value logged last, the console line
+    the window mean of a smoothed one. Rank 0 writes the run's settings (``trainer.run_config``)
+    to ``work_dir/run.json`` and TensorBoard; every rank logs a summary table at the end.
 
     Args:
         period: Iterations between log points: the trainer's ``log_period`` (None), where the
@@ -71,6 +72,7 @@ class LoggerHook(HookBase):
         self._metrics_jsonl = metrics_jsonl
         self._writers: list[MetricWriter] = []
         self._written: dict[str, int] = {}  # metric -> values already written
+        self._resumed_written: Optional[dict[str, int]] = None  # the checkpoint's _written
         self._train_start: Optional[float] = None  # when its before_train ran
         self._evals: dict[str, dict[str, Any]] = {}  # evaluated metrics' final and best values
 
@@ -86,7 +88,11 @@ class LoggerHook(HookBase):
             )
         self._log_start()
         self._train_start = time.perf_counter()
-        self._written = {name: buffer.count for name, buffer in trainer.metric_storage.items()}
+        # a resumed run writes what its checkpoint had not written yet (at later steps)
+        written, self._resumed_written = self._resumed_written, None
+        if written is None:
+            written = {name: buffer.count for name, buffer in trainer.metric_storage.items()}
+        self._written = written
         self._writers = [ConsoleWriter(self._train_start, trainer.start_iter)]
         if is_main_process():
             # the settings, and the hooks in run order (the options they take are theirs)
@@ -101,7 +107,8 @@ class LoggerHook(HookBase):
                 writer = TensorBoardWriter(
                     trainer.tb_log_dir, trainer.start_iter, eval_names=self._evals
                 )
-                writer.write_text("run", _markdown_table(config), trainer.start_iter)
+                if not trainer.progress.finished:  # at the first step it writes (or drops)
+                    writer.write_text("run", _markdown_table(config), trainer.start_iter + 1)
                 self._writers.append(writer)
             if self._metrics_jsonl:
                 path = os.path.join(trainer.work_dir, "metrics.jsonl")
@@ -114,7 +121,7 @@ class LoggerHook(HookBase):
     def _log_start(self) -> None:
         """Say where training starts, or that the run is finished and how to start afresh."""
         trainer, progress = self.trainer, self.trainer.progress
-        done, last = f"{trainer.start_iter} of {trainer.max_iters}", trainer.checkpointer.last_path
+        last = trainer.checkpointer.last_path
         if progress.finished and not progress.stopped:  # a stopped run: the trainer says so
             after = f"after {trainer.start_iter} of {trainer.max_iters} iterations"
             if trainer.train_by_epoch:
@@ -130,7 +137,8 @@ class LoggerHook(HookBase):
             )
         elif not progress.stopped:
             origin = f"resuming {last}" if trainer.start_iter > 0 and last is not None else "afresh"
-            logger.info(f"Start training from iteration {done} in {trainer.work_dir}, {origin}.")
+            first = f"iteration {trainer.start_iter + 1} of {trainer.max_iters}"
+            logger.info(f"Start training with {first} in {trainer.work_dir}, {origin}.")
 
     def after_iter_period(self) -> int:
         """Every log point: every ``log_period``-th iteration, and the last."""
@@ -141,10 +149,13 @@ class LoggerHook(HookBase):
         self._write(log_point=True)
 
     def before_save_checkpoint(self) -> None:
-        """Write this iteration's log point, if it is one, and flush the writers: a kill after the
-        save loses no row that the resumed run will not write again."""
-        if self.trainer.progress.last_log_iter == self.trainer.cur_iter:
-            self._write(log_point=True)
+        """Write this iteration's log point, if it is one (at a stop's save, what is left), and
+        flush the writers: a kill after the save loses no row that the resumed run will not
+        write again, and a continued stop writes none twice."""
+        progress = self.trainer.progress
+        log_point = progress.last_log_iter == self.trainer.cur_iter
+        if log_point or progress.stopped:
+            self._write(log_point)
         for writer in self._writers:
             writer.flush()
 
@@ -176,15 +187,18 @@ class LoggerHook(HookBase):
 
     def state_dict(self) -> dict[str, Any]:
         """The evaluated metrics' final and best values (for the summary of a resumed run), and
-        what your writers need to resume (a tracker's run id), by class name."""
+        how many values of each metric were written (a resumed run writes the others), and what
+        your writers need to resume (a tracker's run id), by class name."""
         writers = {key: writer.state_dict() for key, writer in self._writer_keys()}
         evals = {name: dict(entry) for name, entry in self._evals.items()}
-        return {"evals": {"metrics": evals}, "writers": writers}
+        return {"evals": {"metrics": evals}, "written": dict(self._written), "writers": writers}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         self._evals = {name: dict(entry) for name, entry in state["evals"]["metrics"].items()}
-        saved = state["writers"]
+        written = state.get("written")
+        self._resumed_written = None if written is None else dict(written)
+        saved = state.get("writers", {})
         for key, writer in self._writer_keys():
             writer.load_state_dict(saved.get(key, {}))
 
@@ -199,17 +213,23 @@ class LoggerHook(HookBase):
         return keys
 
     def _write(self, log_point: bool, names: Optional[set[str]] = None) -> None:
+        """Write the metrics logged since the last write, at the step ``cur_iter + 1``: the
+        value logged last (the console line: the window mean of a smoothed metric)."""
         storage = self.trainer.metric_storage
-        fresh = {}
-        for name, buffer in storage.items():
-            if (names is None or name in names) and buffer.count > self._written.get(name, 0):
-                self._written[name] = buffer.count
-                fresh[name] = storage.value_maybe_smooth(name)
+        fresh = [
+            name
+            for name, buffer in storage.items()
+            if (names is None or name in names) and buffer.count > self._written.get(name, 0)
+        ]
         if not fresh:
             return
+        logged = {name: storage[name].latest for name in fresh}
+        shown = {name: storage.value_maybe_smooth(name) for name in fresh}
+        self._written.update((name, storage[name].count) for name in fresh)
+        step = self.trainer.cur_iter + 1
         for writer in self._writers:
             if log_point or not writer.log_points_only:
-                writer.write(self.trainer, self.trainer.cur_iter, fresh)
+                writer.write(self.trainer, step, shown if writer.smoothed else logged)
 
 
 # run.json keys that are not the run's settings: the seed (random unless set, and a resume

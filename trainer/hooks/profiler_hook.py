@@ -14,13 +14,14 @@ logger = logging.getLogger(__name__)
 
 
 class ProfilerHook(HookBase):
-    """Runs ``torch.profiler`` over ``num_iters`` iterations from iteration ``start_iter``
-    (counted from 0) and writes a Chrome-format trace that Perfetto (ui.perfetto.dev),
-    ``chrome://tracing`` and TensorBoard's profiler plugin open:
-    ``work_dir/profiler/rank{R}_iter{A}-{B}.pt.trace.json``. Every rank writes its own.
+    """Runs ``torch.profiler`` over ``num_iters`` iterations after the first ``start_iter`` ones
+    (those of ``cur_iter`` ``start_iter`` on) and writes a Chrome-format trace that Perfetto
+    (ui.perfetto.dev), ``chrome://tracing`` and TensorBoard's profiler plugin open:
+    ``work_dir/profiler/rank{R}_iter{A}-{B}.pt.trace.json``, iterations A to B counted from 1.
+    Every rank writes its own.
 
     Args:
-        start_iter: The first profiled iteration; after a few warm ones is best.
+        start_iter: The iterations before the profiled ones; a few warm ones are best.
         num_iters: How many iterations to profile.
         profiler_kwargs: More ``torch.profiler.profile`` arguments (``record_shapes``,
             ``profile_memory``, ``with_stack``...). CUDA activity is recorded when there is a GPU.
@@ -43,7 +44,7 @@ class ProfilerHook(HookBase):
         self._profiler: Any = None
 
     def before_iter(self) -> None:
-        """Start profiling at ``start_iter``."""
+        """Start profiling after ``start_iter`` iterations."""
         if self.trainer.cur_iter == self._start:
             activities = [torch.profiler.ProfilerActivity.CPU]
             if torch.cuda.is_available():
@@ -67,7 +68,7 @@ class ProfilerHook(HookBase):
         profiler.__exit__(None, None, None)
         folder = os.path.join(self.trainer.work_dir, "profiler")
         os.makedirs(folder, exist_ok=True)
-        last = self.trainer.cur_iter
-        path = os.path.join(folder, f"rank{get_rank()}_iter{self._start}-{last}.pt.trace.json")
+        first, last = self._start + 1, self.trainer.cur_iter + 1  # numbers, from 1
+        path = os.path.join(folder, f"rank{get_rank()}_iter{first}-{last}.pt.trace.json")
         profiler.export_chrome_trace(path)
-        logger.info(f"Wrote the profile of iterations {self._start}-{last} to {path}.")
+        logger.info(f"Wrote the profile of iterations {first}-{last} to {path}.")

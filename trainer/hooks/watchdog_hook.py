@@ -91,7 +91,7 @@ class WatchdogHook(HookBase):
             if running > max(self._min_seconds, self._factor * median):
                 dumped = iteration
                 logger.warning(
-                    f"Rank {get_rank()}: iteration {iteration} has run for {running:.1f} s, "
+                    f"Rank {get_rank()}: iteration {iteration + 1} has run for {running:.1f} s, "
                     f"{running / median:.0f}x the recent median of {median:.3g} s. Stacks of "
                     f"every thread:\n{_all_stacks()}"
                 )
