@@ -367,10 +367,8 @@ class Trainer:
                     if is_main_process():
                         being = f", {writing} being written" if writing else ""
                         where += f" (last checkpoint on disk: {last or 'none'}{being})"
-                    logger.exception(
-                        f"Training failed {where}: {type(e).__name__}: {e}",
-                        extra={TRACEBACK_FOLLOWS: True},
-                    )
+                    failed = f"Training failed {where}: {type(e).__name__}: {e}"
+                    logger.exception(failed, extra={TRACEBACK_FOLLOWS: True})
                 raise
             finally:  # the last checkpoint is on disk when after_train runs and train() ends
                 with self._checkpointer.on_disk():
