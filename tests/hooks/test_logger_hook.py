@@ -388,11 +388,17 @@ def test_a_resume_with_other_settings_names_them_in_one_warning(make_trainer, ca
     resumed.train()
     assert warnings_of(caplog) == [
         f"Resuming the run in {work} with settings that differ from its run.json: max_epochs 1 "
-        "-> 3, log_period 4 -> 2, clip_grad_norm 0.0 -> 1.0, base_lrs [0.1] -> [0.01], hooks "
-        "+Idle. To start a new run, pass another work_dir or train(auto_resume=False)."
+        "-> 3, log_period 4 -> 2, clip_grad_norm 0.0 -> 1.0, base_lrs stays [0.1] (given "
+        "[0.01]: the checkpoint restores it), hooks +Idle. To start a new run, pass another "
+        "work_dir or train(auto_resume=False)."
     ]
-    # run.json now holds the settings of the run that trained last
-    assert json.loads((Path(work) / "run.json").read_text())["log_period"] == 2
+    # run.json now holds the settings the resumed run trained with: the LR its checkpoint
+    # restored, which the logged LR shows, and the rest as given
+    config = json.loads((Path(work) / "run.json").read_text())
+    assert (config["log_period"], config["base_lrs"]) == (2, [0.1])
+    rows = [json.loads(line) for line in open(Path(work) / "metrics.jsonl")]
+    # the tiny trainer's schedule halves the LR each epoch: from 0.1, not from the 0.01 given
+    assert sorted({row["lr"] for row in rows if "lr" in row}) == [0.025, 0.05, 0.1]
 
 
 def test_a_resume_that_only_trains_longer_says_so_calmly(make_trainer, caplog):
@@ -427,7 +433,8 @@ def test_nothing_to_train_names_the_run_and_its_other_settings(make_trainer, cap
     make_trainer(max_iters=6, lr=0.5).train()  # a new script, the same work_dir
     assert warnings_of(caplog) == [
         f"Resuming the run in {work} with settings that differ from its run.json: base_lrs "
-        "[0.1] -> [0.5]. To start a new run, pass another work_dir or train(auto_resume=False)."
+        "stays [0.1] (given [0.5]: the checkpoint restores it). To start a new run, pass "
+        "another work_dir or train(auto_resume=False)."
     ]
     assert (
         f"Nothing to train: {work} holds a finished run, resumed from {work}/checkpoints/"

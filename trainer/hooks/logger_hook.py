@@ -99,7 +99,7 @@ class LoggerHook(HookBase):
             config = {**trainer.run_config, "hooks": trainer.hooks.info()}
             path = os.path.join(trainer.work_dir, "run.json")
             if trainer.start_iter > 0:  # resumed: the run's own settings are in its run.json
-                _log_changes(trainer.work_dir, _read_run_json(path), config)
+                config = _log_changes(trainer.work_dir, _read_run_json(path), config)
             if not trainer.progress.finished:  # what it holds is what was trained
                 with open_no_follow(path, append=False) as f:
                     json.dump(config, f, indent=2)
@@ -238,6 +238,9 @@ class LoggerHook(HookBase):
 _NOT_SETTINGS = ("seed", "torch", "work_dir")
 # Drawn only on a terminal: it comes and goes with where the output goes.
 _TERMINAL_HOOKS = ("ProgressBarHook",)
+# Settings a resumed run takes from its checkpoint, whatever was given: the optimizer's and the
+# scheduler's state hold the LRs.
+_RESTORED = ("base_lrs",)
 
 
 def _read_run_json(path: str) -> Optional[dict[str, Any]]:
@@ -253,12 +256,15 @@ def _read_run_json(path: str) -> Optional[dict[str, Any]]:
     return saved if isinstance(saved, dict) else None
 
 
-def _log_changes(work_dir: str, saved: Optional[dict[str, Any]], now: dict[str, Any]) -> None:
-    """Log, in one line, how the settings ``now`` differ from those the resumed run saved: a
-    warning, or a calm line when only a larger ``max_epochs`` or ``max_iters`` (the usual way to
-    train longer) differs."""
+def _log_changes(
+    work_dir: str, saved: Optional[dict[str, Any]], now: dict[str, Any]
+) -> dict[str, Any]:
+    """Log, in one line, how the settings ``now`` differ from those the resumed run saved (a
+    warning, or a calm line when only a larger ``max_epochs`` or ``max_iters``, the usual way to
+    train longer, differs), and return the settings it trains with: ``now``, but for those its
+    checkpoint restores."""
     if saved is None:
-        return
+        return now
     changes, longer = [], True
     for key in [k for k in now if k not in _NOT_SETTINGS] + [k for k in saved if k not in now]:
         old, new = saved.get(key), now.get(key)
@@ -268,22 +274,27 @@ def _log_changes(work_dir: str, saved: Optional[dict[str, Any]], now: dict[str, 
                 continue
             gone, added = [h for h in old if h not in new], [h for h in new if h not in old]
             changes.append(f"hooks {', '.join([f'+{h}' for h in added] + [f'-{h}' for h in gone])}")
-        elif old != new:
-            changes.append(f"{key} {json.dumps(old)} -> {json.dumps(new)}")
-        else:
+        elif old == new:
             continue
+        elif key in _RESTORED:
+            changes.append(f"{key} stays {json.dumps(old)} (given {json.dumps(new)}: the "
+                           "checkpoint restores it)")  # fmt: skip
+        else:
+            changes.append(f"{key} {json.dumps(old)} -> {json.dumps(new)}")
         raised = isinstance(old, int) and isinstance(new, int) and new > old
         longer &= key in ("max_epochs", "max_iters") and raised
+    used = {**now, **{key: saved[key] for key in _RESTORED if key in saved}}
     if not changes:
-        return
+        return used
     if longer:
         logger.info(f"Resuming the run in {work_dir} to train longer: {', '.join(changes)}.")
-        return
+        return used
     logger.warning(
         f"Resuming the run in {work_dir} with settings that differ from its run.json: "
         f"{', '.join(changes)}. To start a new run, pass another work_dir or "
         "train(auto_resume=False)."
     )
+    return used
 
 
 def _hook_names(hooks: Any) -> list[str]:
