@@ -122,6 +122,34 @@ def test_a_bad_loss_names_its_iteration_and_epoch_by_number_from_1(index, named)
         storage.flush()
 
 
+@pytest.mark.parametrize(
+    "bad, named, fix",
+    [
+        (["loss"], "Loss", "Lower the LR, enable clip_grad_norm, or check"),
+        (["grad_norm"], "The gradient norm (the loss was not)", "Lower the LR, or check"),
+        (
+            ["grad_norm/optimizer_d"],
+            "The gradient norm grad_norm/optimizer_d (the loss was not)",
+            "Lower the LR, or check",
+        ),
+        (
+            ["loss", "grad_norm/optimizer_d"],
+            "Loss",
+            "Lower the LR, enable clip_grad_norm, or check",
+        ),
+    ],
+)
+def test_a_bad_gradient_norm_of_any_optimizer_is_named_as_a_norm(bad, named, fix):
+    storage = MetricStorage()
+    values = {"loss": 1.0, "grad_norm": 2.0, "grad_norm/optimizer_d": 3.0}
+    values.update((name, math.nan) for name in bad)
+    storage.add(2, {k: torch.tensor(v) for k, v in values.items()}, check_finite=True)
+    expected = f"{named} became NaN or infinite at iteration 3: "
+    with pytest.raises(FloatingPointError, match=re.escape(expected)) as error:
+        storage.flush()
+    assert str(error.value).endswith(f"{fix} the data of that iteration.")
+
+
 def test_nan_loss_never_reaches_a_checkpoint(make_trainer):
     trainer = make_trainer(
         model=NaNAt(5), max_iters=20, log_period=10, checkpoint_period=2, checkpoint_by_epoch=False

@@ -194,13 +194,17 @@ class MetricStorage(Mapping):
             self.extend(name, [iters[i] for i in keep], [values[i] for i in keep], series.smooth)
         checked = [n for n, s in pending.items() if s.check_finite and n in at_first_bad]
         bad = [n for n in checked if not math.isfinite(at_first_bad[n])]
-        what = "Loss" if set(bad) - {"grad_norm"} else "The gradient norm (the loss was not)"
+        # clip_and_step's norms: grad_norm, and grad_norm/<name> for other optimizers
+        norms = [n for n in bad if n == "grad_norm" or n.startswith("grad_norm/")]
+        what, fix = "Loss", "Lower the LR, enable clip_grad_norm, or check"
+        if len(norms) == len(bad):  # clipping is on: what is left is the LR and the data
+            named = "" if norms == ["grad_norm"] else f" {', '.join(norms)}"
+            what, fix = f"The gradient norm{named} (the loss was not)", "Lower the LR, or check"
         # named by number, from 1: iteration first_bad + 1 is the (first_bad + 1)-th trained
         epoch = f" (epoch {first_bad // self._epoch_len + 1})" if self._epoch_len else ""
         raise FloatingPointError(
             f"{what} became NaN or infinite at iteration {first_bad + 1}{epoch}: "
-            f"{at_first_bad}. Lower the LR, enable "
-            "clip_grad_norm, or check the data of that iteration."
+            f"{at_first_bad}. {fix} the data of that iteration."
         )
 
 
