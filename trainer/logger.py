@@ -5,6 +5,7 @@ import contextlib
 import logging
 import os
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -35,12 +36,15 @@ class _ConsoleHandler(logging.StreamHandler):
         if record.exc_info and getattr(record, TRACEBACK_FOLLOWS, False):
             record = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None})
         line = live_line
-        drawn = line.text if line is not None and line.stream is self.stream else ""
-        if drawn:
+        if line is None or line.stream is not self.stream:
+            super().emit(record)
+            return
+        with line.lock:  # a record from another thread (a save's) waits for a redraw to end
+            drawn = line.text
             line.erase()
-        super().emit(record)
-        if drawn:
-            line.show(drawn)  # the live line again, below the record
+            super().emit(record)
+            if drawn:
+                line.show(drawn)  # the live line again, below the record
 
 
 def _console_handler() -> logging.Handler:
@@ -174,25 +178,30 @@ class LiveLine:
     def __init__(self, stream: Any) -> None:
         self.stream = stream
         self.text = ""
+        # held while the line or a record is written: records come from other threads too
+        self.lock = threading.RLock()
 
     def show(self, text: str) -> None:
         """Draw ``text`` over the line."""
-        self.text = text
-        self.stream.write("\r" + text + "\x1b[K")
-        self.stream.flush()
+        with self.lock:
+            self.text = text
+            self.stream.write("\r" + text + "\x1b[K")
+            self.stream.flush()
 
     def finish(self) -> None:
         """End the line where it is: the next one starts below it."""
-        if self.text:
-            self.stream.write("\n")
-            self.stream.flush()
-            self.text = ""
+        with self.lock:
+            if self.text:
+                self.stream.write("\n")
+                self.stream.flush()
+                self.text = ""
 
     def erase(self) -> None:
         """Clear the line and forget it: nothing is drawn again until :meth:`show`."""
-        if self.text:
-            self.stream.write("\r\x1b[K")
-        self.text = ""
+        with self.lock:
+            if self.text:
+                self.stream.write("\r\x1b[K")
+            self.text = ""
 
 
 def draws_safely_on(stream: Any) -> bool:

@@ -2,6 +2,7 @@ import io
 import logging
 import os
 import re
+import threading
 
 from trainer.hooks import ProgressBarHook
 from trainer.hooks.progress_bar_hook import LiveLine
@@ -105,3 +106,50 @@ def test_a_log_line_clears_the_bar_and_draws_it_again_below(monkeypatch):
         "\repoch 1 [##--] 2/4\x1b[K\n"  # the bar again, then ended
     )
     assert drawn_lines(terminal.getvalue()) == ["a log line", "epoch 1 [##--] 2/4", ""]
+
+
+class HeldTerminal(Terminal):
+    """A terminal whose write of a record's text waits until ``go`` is set."""
+
+    def __init__(self, record):
+        super().__init__()
+        self.record, self.writing, self.go = record, threading.Event(), threading.Event()
+
+    def write(self, text):
+        if text.startswith(self.record):
+            self.writing.set()
+            assert self.go.wait(timeout=60)
+        return super().write(text)
+
+
+def test_a_record_from_another_thread_is_never_drawn_over_by_the_bar(monkeypatch):
+    """A checkpoint's "Saved ... (on disk)" comes from the writer thread: while it is written,
+    the bar's redraw from the training thread waits, so the record keeps a line of its own."""
+    terminal = HeldTerminal("saved")
+    monkeypatch.setattr("sys.stderr", terminal)
+    handler = _console_handler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    log = logging.getLogger("trainer.test_bar")
+    log.addHandler(handler)
+    line = LiveLine(terminal)
+    monkeypatch.setattr("trainer.logger.live_line", line)
+    try:
+        line.show("epoch 1 [#---] 1/4")
+        writer = threading.Thread(target=log.warning, args=("saved",))
+        writer.start()
+        assert terminal.writing.wait(timeout=60)  # the record is being written
+        redraw = threading.Thread(target=line.show, args=("epoch 1 [##--] 2/4",))
+        redraw.start()
+        redraw.join(timeout=0.2)  # it cannot end while the record is written
+        terminal.go.set()
+        writer.join()
+        redraw.join()
+        line.finish()
+    finally:
+        log.removeHandler(handler)
+    assert terminal.getvalue() == (
+        "\repoch 1 [#---] 1/4\x1b[K"  # the bar
+        "\r\x1b[Ksaved\n"  # cleared, the record
+        "\repoch 1 [#---] 1/4\x1b[K"  # the bar again below it
+        "\repoch 1 [##--] 2/4\x1b[K\n"  # then the redraw, which waited
+    )
