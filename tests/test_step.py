@@ -464,7 +464,7 @@ def test_an_override_clipping_with_clip_and_step_logs_exact_grad_norms_without_a
     assert [(e.step, e.value) for e in acc.Scalars("train/lr_b")] == [
         (4, as_float32(lrs[3])), (8, as_float32(lrs[7]))
     ]  # fmt: skip
-    assert [(e.step, e.value) for e in acc.Scalars("grad_norm/optimizer_b")] == [
+    assert [(e.step, e.value) for e in acc.Scalars("train/grad_norm/optimizer_b")] == [
         (4, as_float32(norms[3][0])), (8, as_float32(norms[7][0]))
     ]  # fmt: skip
     # the console line shows lr_b smoothed: the mean of the window (all 8 values)

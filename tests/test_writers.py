@@ -14,8 +14,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from trainer import writers
-from trainer.hooks import EvalHook
-from trainer.writers import MLflowWriter, TensorBoardWriter, WandbWriter
+from trainer.hooks import EvalHook, HookBase
+from trainer.writers import MLflowWriter, TensorBoardWriter, WandbWriter, tensorboard_tag
 
 from conftest import load
 
@@ -365,3 +365,33 @@ def test_wandb_a_resumed_run_continues_the_same_run_rewound_each_step_once(
     assert list(kept) == [4, 8]
     assert not set(kept) & set(history(rewound))
     assert {**kept, **history(rewound)} == by_step(jsonl_rows(resumed))
+
+
+@pytest.mark.parametrize(
+    "name, evaluated, tag",
+    [
+        ("total_loss", False, "train/total_loss"),
+        ("lr", False, "train/lr"),
+        ("lr/group1", False, "train/lr/group1"),
+        ("grad_norm/optimizer_d", False, "train/grad_norm/optimizer_d"),
+        ("iter_time", False, "time/iter_time"),
+        ("acc", True, "eval/acc"),
+        ("media/loss", False, "media/loss"),  # a name of yours with a / is its own tag
+        ("val/acc", True, "val/acc"),
+    ],
+)
+def test_one_rule_tags_every_metric(name, evaluated, tag):
+    assert tensorboard_tag(name, evaluated) == tag
+
+
+def test_the_console_line_leaves_out_only_the_lrs_of_other_groups(make_trainer, caplog):
+    class Logs(HookBase):
+        def after_iter(self):
+            self.log(self.trainer.cur_iter, **{"lr/group_b": 0.5, "lr/group2x": 0.25}, smooth=False)
+
+    trainer = make_trainer(max_iters=4, log_period=4, by_epoch=False)
+    trainer.register_hook(Logs())
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        trainer.train()
+    (line,) = [m for m in caplog.messages if m.startswith("epoch") and "iter 4/4" in m]
+    assert "  lr/group_b 0.5" in line and "  lr/group2x 0.25" in line

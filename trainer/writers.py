@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Collection
 from typing import Any, Callable, Optional
@@ -69,23 +70,21 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
 
 
+# The trainer's metrics per parameter group or optimizer: lr/group1, grad_norm/optimizer_d...
+_PER_GROUP = ("lr/", "grad_norm/")
+_GROUP_LR = re.compile(r"lr/group[0-9]+")  # an LR the console line leaves out
+
+
 def tensorboard_tag(name: str, evaluated: bool) -> str:
     """The TensorBoard tag of metric ``name``: ``eval/`` for an evaluation's result, ``time/``
-    for a time, ``train/`` for the rest and the LRs of parameter groups (``train/lr/group1``);
-    another name with a ``/`` is its own tag."""
-    if is_group_lr(name):
-        return f"train/{name}"
-    if "/" in name:
+    for a time, ``train/`` for the rest, the trainer's metrics per parameter group or optimizer
+    included (``train/lr/group1``, ``train/grad_norm/optimizer_d``); another name with a ``/``
+    is its own tag."""
+    if "/" in name and not name.startswith(_PER_GROUP):
         return name
     if evaluated:
         return f"eval/{name}"
     return f"time/{name}" if name.endswith("_time") else f"train/{name}"
-
-
-def is_group_lr(name: str) -> bool:
-    """Whether ``name`` is the LR of a parameter group after the first (``lr/group1``...),
-    which files get and the console line leaves out."""
-    return name.startswith("lr/group")
 
 
 class ConsoleWriter(MetricWriter):
@@ -119,7 +118,7 @@ class ConsoleWriter(MetricWriter):
         parts += [
             f"{name} {format_seconds(value) if name.endswith('_time') else f'{value:.4g}'}"
             for name, value in lr_first
-            if not is_group_lr(name)
+            if not _GROUP_LR.fullmatch(name)
         ]
         device = next(trainer.model.parameters()).device
         if device.type == "cuda":  # reads the allocator's counters: no device sync
