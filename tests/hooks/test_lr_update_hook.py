@@ -89,8 +89,8 @@ def test_a_plateau_metric_that_never_came_is_warned_about(make_trainer, caplog):
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert warnings == [
         "LRUpdateHook(plateau_metric='val_los') watches 'val_los', but the evaluation after "
-        "epoch 1 gave only: val_loss; ReduceLROnPlateau never steps. Pass the name of one of "
-        "those."
+        "epoch 1 gave only: val_loss; ReduceLROnPlateau never steps. Set plateau_metric to "
+        "one of those."
     ]
 
 

@@ -52,7 +52,7 @@ def warned_before_evaluation(caplog, n: int) -> bool:
 def best_warning(when: str, names: str) -> str:
     return (
         f"BestCheckpointHook watches 'val_acc', but {when} gave only: {names}; no best.pth is "
-        "written. Pass the name of one of those."
+        "written. Set metric to one of those."
     )
 
 
@@ -66,7 +66,7 @@ def test_a_misnamed_metric_is_warned_about_once_after_the_first_evaluation(make_
     trainer.train()
     assert warnings_of(caplog) == [  # in the hooks' order
         "EarlyStoppingHook watches 'val_acc', but the evaluation after epoch 1 gave only: acc, "
-        "loss; it never stops training early. Pass the name of one of those.",
+        "loss; it never stops training early. Set metric to one of those.",
         best_warning("the evaluation after epoch 1", "acc, loss"),
     ]
     assert warned_before_evaluation(caplog, 2)  # by the end of epoch 1
@@ -153,7 +153,7 @@ def test_a_metric_logged_with_trainer_log_is_not_judged_and_the_warning_says_so(
     trainer.train()
     assert warnings_of(caplog) == [
         "BestCheckpointHook watches 'val_acc', but the evaluation after epoch 1 gave only: acc; "
-        "no best.pth is written. Pass the name of one of those, or return 'val_acc' from an "
+        "no best.pth is written. Set metric to one of those, or return 'val_acc' from an "
         "EvalHook's function: BestCheckpointHook judges evaluation results, not values logged "
         "with trainer.log."
     ]
@@ -182,11 +182,11 @@ def test_a_resumed_run_knows_the_names_of_the_run_it_resumes(make_trainer, caplo
     run(2, "top1_acc")
     assert warnings_of(caplog) == [
         "BestCheckpointHook watches 'top1_acc', but the evaluations up to epoch 2 gave only: "
-        "acc, top1; no best.pth is written. Pass the name of one of those."
+        "acc, top1; no best.pth is written. Set metric to one of those."
     ]
     caplog.clear()
-    run(3, "top1_acc")  # judged after epoch 3, whose evaluations do not include top1
+    run(3, "top1_acc")  # judged after epoch 3, whose evaluation gave acc: top1 came before
     assert warnings_of(caplog) == [
-        "BestCheckpointHook watches 'top1_acc', but the evaluation after epoch 3 gave only: "
-        "acc, top1; no best.pth is written. Pass the name of one of those."
+        "BestCheckpointHook watches 'top1_acc', but the evaluations so far gave only: "
+        "acc, top1; no best.pth is written. Set metric to one of those."
     ]

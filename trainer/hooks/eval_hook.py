@@ -151,7 +151,7 @@ class EvalHook(HookBase):
             name
             for hook in self.trainer.hooks
             if isinstance(hook, EvalHook) and hook is not self
-            for name in hook._names
+            for name in hook.names
         }
         others = {*TRAINER_METRICS, *evaluated} | {
             name for name in storage if name not in self._names

@@ -37,7 +37,7 @@ class LRUpdateHook(HookBase):
         if plateau_metric is not None:
             self._arrival = MetricArrival(
                 f"{self.class_name}(plateau_metric={plateau_metric!r})", plateau_metric,
-                "ReduceLROnPlateau never steps", logged=True,
+                "ReduceLROnPlateau never steps", logged=True, argument="plateau_metric",
             )  # fmt: skip
 
     def before_train(self) -> None:

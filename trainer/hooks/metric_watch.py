@@ -114,14 +114,19 @@ class MetricArrival:
         consequence: What the hook does without it (``"no best.pth is written"``).
         logged: The metric also counts when it is in ``trainer.metric_storage`` (logged with
             ``trainer.log``), for a hook that reads it there.
+        argument: The hook's argument that names the metric.
 
     Example::
 
         >>> arrival = MetricArrival("BestCheckpointHook", "val_acc", "no best.pth is written")
     """
 
-    def __init__(self, owner: str, metric: str, consequence: str, logged: bool = False) -> None:
+    def __init__(
+        self, owner: str, metric: str, consequence: str, logged: bool = False,
+        argument: str = "metric",
+    ) -> None:  # fmt: skip
         self.owner, self.metric, self.consequence, self.logged = owner, metric, consequence, logged
+        self.argument = argument
         self._names: set[str] = set()  # the names evaluated in this run
         self._last: Optional[tuple[int, int]] = None  # (epochs, iterations) done at the last one
         self._evaluations = 0  # the iterations after which evaluations ran
@@ -157,8 +162,8 @@ class MetricArrival:
             self._done = True
             logger.warning(
                 f"{self.owner} watches {self.metric!r}, but {self._evaluated(trainer)} gave only: "
-                f"{', '.join(sorted(names))}; {self.consequence}. Pass the name of one of those"
-                f"{self._hint(storage)}."
+                f"{', '.join(sorted(names))}; {self.consequence}. Set {self.argument} to one of "
+                f"those{self._hint(storage)}."
             )
         elif not names and ended and trainer.progress.finished:  # not failed early
             self._done = True
@@ -176,8 +181,8 @@ class MetricArrival:
 
     def _evaluated(self, trainer: Any) -> str:
         """Which evaluations the warning speaks of."""
-        if self._last is None:  # only those of the run resumed
-            return "the evaluations"
+        if self._last is None or trainer.start_iter > 0:  # those of the run resumed too
+            return "the evaluations so far"
         epochs, iters = self._last
         when = f"epoch {epochs}" if trainer.train_by_epoch else f"iteration {iters}"
         if self._evaluations == 1:
