@@ -174,8 +174,9 @@ def test_every_public_hook_and_helper_imports_from_the_package():
     # the hooks module's every name, and the process-group helpers the docs use
     assert set(hooks.__all__) <= set(trainer.__all__)
     assert {"init_distributed", "destroy_distributed"} <= set(trainer.__all__)
-    for name in trainer.__all__:
-        assert getattr(trainer, name) is getattr(
-            hooks if name in hooks.__all__ else trainer, name
-        ), name
+    for name in trainer.__all__:  # each the object its own module defines
+        obj = getattr(trainer, name)
+        home = importlib.import_module(obj.__module__)
+        assert home.__name__.startswith("trainer.") and getattr(home, name) is obj, name
+        assert name not in hooks.__all__ or getattr(hooks, name) is obj, name
     assert len(set(trainer.__all__)) == len(trainer.__all__)
