@@ -25,7 +25,8 @@ class EMAHook(HookBase):
         decay: The weight of the old average, in [0, 1).
         period: Iterations between updates (the last iteration of training updates too).
 
-    Example::
+    Example (``accuracy``, a ``metric_fn`` as on the evaluation page, and ``val_loader``
+    yours)::
 
         def accuracy_ema(model, batch):  # a name of its own for the average's accuracy
             return {"acc_ema": accuracy(model, batch)["acc"]}
