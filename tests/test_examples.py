@@ -2,6 +2,7 @@
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,13 +30,22 @@ def final_accuracy(output):
     return float(re.search(r"Final test accuracy: ([\d.]+)", output).group(1))
 
 
-def test_train_digits_reaches_95_percent(tmp_path):
-    script = os.path.join(ROOT, "examples", "train_digits.py")
-    output = run([sys.executable, script, "--work-dir", str(tmp_path)], cwd=tmp_path)
+def test_train_digits_reaches_95_percent_and_readmes_commands_pass_after_each_other(tmp_path):
+    """README's first command in a copy of the checkout: the example trains into its default
+    work_dir/digits there; the docs' tests (part of README's second command, which check that
+    nothing writes into the checkout) still pass beside it; rerun, it finds its run finished."""
+    checkout = tmp_path / "checkout"
+    shutil.copytree(ROOT, checkout, ignore=shutil.ignore_patterns(
+        ".git", "work_dir*", "site", "build", "*.egg-info", "__pycache__", ".*_cache", ".venv",
+    ))  # fmt: skip
+    script = os.path.join("examples", "train_digits.py")
+    output = run([sys.executable, script], cwd=checkout)
     assert final_accuracy(output) >= 0.95
-    assert os.path.isfile(tmp_path / "checkpoints" / "epoch_15.pth")
+    assert os.path.isfile(checkout / "work_dir" / "digits" / "checkpoints" / "epoch_15.pth")
+    docs = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow"]
+    assert " passed" in run(docs + ["tests/test_docs.py"], cwd=checkout)  # else run() fails
     # rerunning resumes the finished run instead of training again
-    again = run([sys.executable, script, "--work-dir", str(tmp_path)], cwd=tmp_path)
+    again = run([sys.executable, script], cwd=checkout)
     assert "Nothing to train: " in again and "after 15 of 15 epochs (675 iterations), " in again
     assert final_accuracy(again) == final_accuracy(output)
 
