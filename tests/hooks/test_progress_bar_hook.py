@@ -1,3 +1,4 @@
+import contextlib
 import io
 import logging
 import os
@@ -85,8 +86,9 @@ def test_on_a_terminal_the_bar_is_a_default_hook_that_unregisters(make_trainer, 
     assert not any("ProgressBarHook" in h for h in trainer.hooks.info())
 
 
-def test_a_log_line_clears_the_bar_and_draws_it_again_below(monkeypatch):
-    terminal = Terminal()
+@contextlib.contextmanager
+def drawing_on(terminal, monkeypatch):
+    """(a logger printing on ``terminal`` through the console handler, the live line there)"""
     monkeypatch.setattr("sys.stderr", terminal)
     handler = _console_handler()
     handler.setFormatter(logging.Formatter("%(message)s"))
@@ -95,11 +97,17 @@ def test_a_log_line_clears_the_bar_and_draws_it_again_below(monkeypatch):
     line = LiveLine(terminal)
     monkeypatch.setattr("trainer.logger.live_line", line)
     try:
+        yield log, line
+    finally:
+        log.removeHandler(handler)
+
+
+def test_a_log_line_clears_the_bar_and_draws_it_again_below(monkeypatch):
+    terminal = Terminal()
+    with drawing_on(terminal, monkeypatch) as (log, line):
         line.show("epoch 1 [##--] 2/4")
         log.warning("a log line")
         line.finish()
-    finally:
-        log.removeHandler(handler)
     assert terminal.getvalue() == (
         "\repoch 1 [##--] 2/4\x1b[K"  # the bar
         "\r\x1b[Ka log line\n"  # cleared, the log line
@@ -126,14 +134,7 @@ def test_a_record_from_another_thread_is_never_drawn_over_by_the_bar(monkeypatch
     """A checkpoint's "Saved ... (on disk)" comes from the writer thread: while it is written,
     the bar's redraw from the training thread waits, so the record keeps a line of its own."""
     terminal = HeldTerminal("saved")
-    monkeypatch.setattr("sys.stderr", terminal)
-    handler = _console_handler()
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    log = logging.getLogger("trainer.test_bar")
-    log.addHandler(handler)
-    line = LiveLine(terminal)
-    monkeypatch.setattr("trainer.logger.live_line", line)
-    try:
+    with drawing_on(terminal, monkeypatch) as (log, line):
         line.show("epoch 1 [#---] 1/4")
         writer = threading.Thread(target=log.warning, args=("saved",))
         writer.start()
@@ -145,8 +146,6 @@ def test_a_record_from_another_thread_is_never_drawn_over_by_the_bar(monkeypatch
         writer.join()
         redraw.join()
         line.finish()
-    finally:
-        log.removeHandler(handler)
     assert terminal.getvalue() == (
         "\repoch 1 [#---] 1/4\x1b[K"  # the bar
         "\r\x1b[Ksaved\n"  # cleared, the record
