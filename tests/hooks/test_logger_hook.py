@@ -464,3 +464,24 @@ def test_each_parameter_groups_lr_is_logged_exactly(tmp_path, caplog):
     console = [r.getMessage() for r in caplog.records if r.getMessage().startswith("epoch 1/1")]
     assert len(console) == 2 and "  lr 0.0125  " in console[0]
     assert not any("group1" in line for line in console)
+
+
+def test_what_a_hook_logs_in_after_iter_is_written_at_that_iterations_step(make_trainer):
+    """Tensors, reduced and NaN-checked values a hook logs after the log point's transfer are
+    that iteration's: written at its step, once, not at the next log point's."""
+
+    class Counts(HookBase):
+        def after_iter(self):
+            it = self.trainer.cur_iter
+            done = float(it + 1)
+            self.trainer.log(it, smooth=False, plain=done, tensor=torch.tensor(done))
+            self.trainer.log(it, smooth=False, reduce=True, reduced=done)
+            self.trainer.log(it, smooth=False, check_finite=True, checked=torch.tensor(done))
+
+    trainer = make_trainer(max_iters=10, by_epoch=False, log_period=4)
+    trainer.register_hook(Counts())
+    trainer.train()
+    rows = [json.loads(line) for line in open(Path(trainer.work_dir) / "metrics.jsonl")]
+    names = ("plain", "tensor", "reduced", "checked")
+    logged = [(row["iter"], *(row[n] for n in names)) for row in rows if "plain" in row]
+    assert logged == [(step, *[float(step)] * 4) for step in (4, 8, 10)]

@@ -216,6 +216,8 @@ class LoggerHook(HookBase):
         """Write the metrics logged since the last write, at the step ``cur_iter + 1``: the
         value logged last (the console line: the window mean of a smoothed metric)."""
         storage = self.trainer.metric_storage
+        if log_point:  # what hooks logged on the device after the log point's transfer, in
+            storage.flush(every_rank=True)  # their after_iter: none most often, then no sync
         fresh = [
             name
             for name, buffer in storage.items()
