@@ -451,7 +451,8 @@ class Checkpointer:
             return True
         self._load_state(data, path)
         self.last_path = path
-        logger.info(f"Resumed from checkpoint {path} after iteration {self._progress.start_iter}.")
+        done = self._progress.resumed_iters  # the checkpoint's, which max_iters may cut
+        logger.info(f"Resumed from checkpoint {path} after iteration {done}.")
         return True
 
     def _load_state(self, data: dict[str, Any], path: str) -> None:

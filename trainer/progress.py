@@ -26,6 +26,7 @@ class Progress:
     inner_iter: int = 0
     iter: int = -1
     start_iter: int = 0
+    resumed_iters: int = 0  # the resumed checkpoint's iterations (start_iter: at most max_iters)
     epoch_start: int = 0  # the iterations done before the current epoch
     position: Position = (0, 0)
     stopped: bool = False  # Trainer.stop was called (or the resumed checkpoint remembers it)
@@ -73,6 +74,7 @@ class Progress:
         stream; with a length they follow from the position)."""
         self.position = position
         self.saved = (position, stopped)
+        self.resumed_iters = iters_done  # as the checkpoint counts them (its world size's)
         if self.epoch_len is not None:
             iters_done = position[0] * self.epoch_len + position[1]
         self.start_iter = min(self.max_iters, iters_done)

@@ -485,3 +485,24 @@ def test_what_a_hook_logs_in_after_iter_is_written_at_that_iterations_step(make_
     names = ("plain", "tensor", "reduced", "checked")
     logged = [(row["iter"], *(row[n] for n in names)) for row in rows if "plain" in row]
     assert logged == [(step, *[float(step)] * 4) for step in (4, 8, 10)]
+
+
+def test_a_rerun_asking_for_fewer_epochs_than_its_run_did_changes_no_file(make_trainer, caplog):
+    make_trainer(max_epochs=4).train()  # 8 iterations per epoch
+    work = Path(make_trainer().work_dir)
+    files = {path: path.read_bytes() for path in work.rglob("*") if path.is_file()}
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="trainer"):
+        make_trainer(max_epochs=3).train()
+    after = {path: path.read_bytes() for path in work.rglob("*") if path.is_file()}
+    assert after.keys() - files.keys() <= {work / "log.txt"}  # the log grows; nothing else
+    assert {p: b for p, b in after.items() if p.name != "log.txt"} == {
+        p: b for p, b in files.items() if p.name != "log.txt"
+    }
+    assert f"Resumed from checkpoint {work}/checkpoints/epoch_4.pth after iteration 32." in (
+        caplog.messages
+    )
+    assert (
+        f"Nothing to train: {work} holds a finished run, resumed from {work}/checkpoints/"
+        "epoch_4.pth after 4 epochs (32 iterations), more than max_epochs=3 asks, since "
+    ) in caplog.text

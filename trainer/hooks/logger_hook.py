@@ -100,34 +100,40 @@ class LoggerHook(HookBase):
             path = os.path.join(trainer.work_dir, "run.json")
             if trainer.start_iter > 0:  # resumed: the run's own settings are in its run.json
                 config = _log_changes(trainer.work_dir, _read_run_json(path), config)
-            if not trainer.progress.finished:  # what it holds is what was trained
-                with open_no_follow(path, append=False) as f:
-                    json.dump(config, f, indent=2)
-            if self._tensorboard:
-                writer = TensorBoardWriter(
-                    trainer.tb_log_dir, trainer.start_iter, eval_names=self._evals
-                )
-                if not trainer.progress.finished:  # at the first step it writes (or drops)
-                    writer.write_text("run", _markdown_table(config), trainer.start_iter + 1)
-                self._writers.append(writer)
-            if self._metrics_jsonl:
-                path = os.path.join(trainer.work_dir, "metrics.jsonl")
-                self._writers.append(JSONLinesWriter(path, trainer.start_iter))
-            if not trainer.progress.finished:  # a rerun of a finished run opens no tracked run
-                for extra in self._extra:  # each closed when training ends, once started
-                    extra.start(trainer, trainer.start_iter, config)
-                    self._writers.append(extra)
+            if not trainer.progress.finished:  # a rerun of a finished run changes no file
+                self._open_files(config)
+
+    def _open_files(self, config: dict[str, Any]) -> None:
+        """On rank 0 of a run that trains: write ``run.json``, and open the file writers and
+        yours, which drop the steps after the checkpoint's (the run writes them again)."""
+        trainer = self.trainer
+        with open_no_follow(os.path.join(trainer.work_dir, "run.json"), append=False) as f:
+            json.dump(config, f, indent=2)
+        if self._tensorboard:
+            log_dir, evals = trainer.tb_log_dir, self._evals
+            writer = TensorBoardWriter(log_dir, trainer.start_iter, eval_names=evals)
+            writer.write_text("run", _markdown_table(config), trainer.start_iter + 1)
+            self._writers.append(writer)
+        if self._metrics_jsonl:
+            path = os.path.join(trainer.work_dir, "metrics.jsonl")
+            self._writers.append(JSONLinesWriter(path, trainer.start_iter))
+        for extra in self._extra:  # each closed when training ends, once started
+            extra.start(trainer, trainer.start_iter, config)
+            self._writers.append(extra)
 
     def _log_start(self) -> None:
         """Say where training starts, or that the run is finished and how to start afresh."""
         trainer, progress = self.trainer, self.trainer.progress
         last = trainer.checkpointer.last_path
         if progress.finished and not progress.stopped:  # a stopped run: the trainer says so
-            after = f"after {trainer.start_iter} of {trainer.max_iters} iterations"
+            done = progress.resumed_iters  # the checkpoint's: it may hold more than max_iters
+            unit, count, most, extra = "iterations", done, trainer.max_iters, ""
             if trainer.train_by_epoch:
-                epochs = progress.position[0]
-                after = f"after {epochs} of {trainer.max_epochs} epochs ({trainer.start_iter} " \
-                    "iterations)"  # fmt: skip
+                unit, count, most = "epochs", progress.position[0], trainer.max_epochs
+                extra = f" ({done} iterations)"
+            after = f"after {count} of {most} {unit}{extra}"
+            if done > trainer.max_iters:
+                after = f"after {count} {unit}{extra}, more than max_{unit}={most} asks"
             logger.info(
                 f"Nothing to train: {trainer.work_dir} holds a finished run, resumed from {last} "
                 f"{after}, since train() resumes the run in its work_dir (auto_resume=True). To "
