@@ -5,6 +5,7 @@ import json
 import logging
 import math
 import os
+import re
 import textwrap
 
 import pytest
@@ -471,6 +472,23 @@ def test_an_override_clipping_with_clip_and_step_logs_exact_grad_norms_without_a
     assert (
         f"lr_b {sum(lrs) / 8:.4g}" in caplog.text and f"lr_b {sum(lrs[:4]) / 4:.4g}" in caplog.text
     )
+
+
+def test_clip_and_step_refuses_an_optimizer_no_checkpoint_holds(tmp_path):
+    class Unregistered(TwoOptimizersAndSchedules):
+        def __init__(self, model, loader, **kwargs):
+            super().__init__(model, loader, **kwargs)
+            self.opt_b = torch.optim.SGD([model.linear.bias], lr=0.05)  # in place of the one
+            # registered: nothing would resume it, and two such would log one grad_norm/SGD
+
+    torch.manual_seed(0)
+    trainer = Unregistered(TinyModel(), list(tiny_loader()), work_dir=tmp_path, max_iters=2)
+    with pytest.raises(ValueError, match=re.escape(
+        "This SGD is not the trainer's and not registered with trainer.checkpointer.register("
+        "name, obj), so no checkpoint holds its state and a resume would not be exact; register "
+        "it once, where you create it"
+    )):  # fmt: skip
+        trainer.train()
 
 
 @pytest.mark.parametrize("how", ["stop", "crash"])

@@ -132,8 +132,16 @@ class Checkpointer:
         return [self._optimizer, *extra]
 
     def name_of(self, obj: Any) -> str:
-        """The name ``obj`` was registered with (its class's name if it was not)."""
-        return next((n for n, o in self._extra.items() if o is obj), type(obj).__name__)
+        """The name ``obj`` was registered with; a ValueError if it was not."""
+        for name, registered in self._extra.items():
+            if registered is obj:
+                return name
+        raise ValueError(
+            f"This {type(obj).__name__} is not the trainer's and not registered with "
+            "trainer.checkpointer.register(name, obj), so no checkpoint holds its state and a "
+            "resume would not be exact; register it once, where you create it (as "
+            "docs/loop.md's GAN does with its second optimizer)."
+        )
 
     def name(self) -> str:
         """The file name of a checkpoint taken now: ``epoch_{N}.pth`` at an epoch's end in

@@ -617,16 +617,17 @@ class Trainer:
     def clip_and_step(
         self, optimizer: Optional[Optimizer] = None, *, name: Optional[str] = None
     ) -> Optional[torch.Tensor]:
-        """Unscale and clip (``clip_grad_norm``) the gradients of ``optimizer`` (the trainer's
-        by default), then step it through the GradScaler. Returns the gradient norm before
-        clipping as a device tensor, or None without clipping; logs it (no sync) as ``name``
-        (None: ``grad_norm``, for another optimizer ``grad_norm/<the name it's registered as>``)."""
+        """Unscale, clip (``clip_grad_norm``) and step through the GradScaler ``optimizer``: the
+        trainer's, or one registered with ``checkpointer.register`` (else a ValueError). Returns
+        the norm before clipping (a device tensor), or None without clipping, and logs it (no
+        sync) as ``name``: ``grad_norm``, or ``grad_norm/<registered name>`` for another."""
         optimizer = self.optimizer if optimizer is None else optimizer
+        default = "grad_norm"
+        if optimizer is not self.optimizer:  # in the checkpoints, so that it resumes exactly
+            default = f"grad_norm/{self._checkpointer.name_of(optimizer)}"
         norm = self._clip_and_step(optimizer)
         if norm is not None:  # on the device until the next log point: no sync
-            if name is None and optimizer is not self.optimizer:
-                name = f"grad_norm/{self._checkpointer.name_of(optimizer)}"
-            metric = {name or "grad_norm": norm}
+            metric = {name or default: norm}
             self.log(self.cur_iter, reduce=True, check_finite=not self._scaling, **metric)
         return norm
 
