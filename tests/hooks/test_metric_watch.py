@@ -5,6 +5,8 @@ import pytest
 from trainer.hooks import BestCheckpointHook, EarlyStoppingHook, EvalHook, HookBase, Priority
 from trainer.hooks.metric_watch import MetricWatch, infer_mode
 
+from conftest import load
+
 
 @pytest.mark.parametrize(
     "names, mode",
@@ -190,3 +192,17 @@ def test_a_resumed_run_knows_the_names_of_the_run_it_resumes(make_trainer, caplo
         "BestCheckpointHook watches 'top1_acc', but the evaluations so far gave only: "
         "acc, top1; no best.pth is written. Set metric to one of those."
     ]
+
+
+def test_an_eval_hook_that_returns_none_does_not_hold_the_warning_back(make_trainer, caplog):
+    """An EvalHook that only saves images, say, returns None: it has evaluated all the same."""
+    trainer = make_trainer(max_epochs=3)
+    trainer.register_hooks([
+        EvalHook(1, lambda: {"val_loss": 0.5}), EvalHook(1, lambda: None),
+        BestCheckpointHook("val_acc"),
+    ])  # fmt: skip
+    trainer.train()
+    assert warnings_of(caplog) == [best_warning("the evaluation after epoch 1", "val_loss")]
+    assert warned_before_evaluation(caplog, 2)
+    state = load(os.path.join(trainer.ckpt_dir, "epoch_3.pth"))["hooks"]
+    assert state["EvalHook_1"] == {"names": [], "evaluated": True}

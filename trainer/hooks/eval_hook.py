@@ -78,20 +78,27 @@ class EvalHook(HookBase):
         self._eval_func = eval_func
         self._data_loader, self._metric_fn = data_loader, metric_fn
         self._names: set[str] = set()  # the names of its results, in the runs it resumes too
+        self._evaluated = False  # in this run or one it resumes (results or None)
 
     @property
     def names(self) -> set[str]:
         """The names of its results so far (in the run it resumes too); empty until it has
-        evaluated."""
+        evaluated, and for a function that returns None."""
         return set(self._names)
 
+    @property
+    def evaluated(self) -> bool:
+        """Whether it has evaluated (in the run it resumes too), whatever it returned."""
+        return self._evaluated
+
     def state_dict(self) -> dict[str, Any]:
-        """The names of the results so far, so that a resumed run tells them from others."""
-        return {"names": sorted(self._names)}
+        """The names of the results so far, so that a resumed run tells them from others, and
+        whether it evaluated."""
+        return {"names": sorted(self._names), "evaluated": self._evaluated}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
-        self._names = set(state["names"])
+        self._names, self._evaluated = set(state["names"]), state["evaluated"]
 
     def after_iter_period(self) -> int:
         """In iteration-based training, every ``period``-th iteration (and the last); in
@@ -118,6 +125,7 @@ class EvalHook(HookBase):
             )
         else:
             results = self._call_eval_func()
+        self._evaluated = True
         if results is None:
             return
         self._refuse_clashes(results)

@@ -153,7 +153,7 @@ class MetricArrival:
         for hook in trainer.hooks:  # their names include those of the run they resume
             if isinstance(hook, EvalHook):
                 names |= hook.names
-                pending |= not hook.names
+                pending |= not hook.evaluated
         storage = trainer.metric_storage
         if self.metric in names or (self.logged and self.metric in storage):
             self._done = True
