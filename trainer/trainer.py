@@ -358,6 +358,7 @@ class Trainer:
                 self._after_failure()
                 raise
             except Exception as e:
+                self.progress.failed = True  # progress.outcome, for the hooks' after_train
                 self._after_failure()
                 # the traceback in this rank's log file; on the console Python prints it, once
                 where = "as it started"
@@ -472,7 +473,7 @@ class Trainer:
 
     def _start(self, path: Optional[str], auto_resume: bool, continue_after_stop: bool) -> None:
         self._hooks.start()  # this run's hook times, and which events each hook handles
-        self.progress.data_seconds = 0.0
+        self.progress.data_seconds, self.progress.failed = 0.0, False  # this train()'s
         logger.info(f"Environment:\n{collect_env()}")
         logger.info(f"Hooks: {self._hooks.info()}")
         args.warn_unoptimized(self.model_or_module, self._checkpointer.optimizers)
