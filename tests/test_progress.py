@@ -1,8 +1,11 @@
 """Progress, and the mapping of a resume position to another world or batch size."""
 
 import os
+import signal
 
 import pytest
+
+from trainer import HookBase
 
 from conftest import Recording, tiny_loader
 
@@ -50,3 +53,35 @@ def test_a_changed_batch_size_at_an_epoch_end_needs_no_mapping(make_trainer, cap
     trainer.train()
     assert "1 processes x batches of 4 to 1 x 8, at the start of epoch 2" in caplog.text
     assert (trainer.start_iter, trainer.cur_iter) == (4, 7)
+
+
+def test_outcome_says_how_each_train_ended(make_trainer):
+    """What the hooks' after_train read (the trackers mark their runs with it)."""
+
+    class Outcomes(HookBase):
+        def __init__(self):
+            self.ends = iter(["error", "SIGTERM", None])
+            self.end, self.outcomes = None, []
+
+        def before_train(self):
+            self.end = next(self.ends)
+
+        def after_iter(self):
+            if self.trainer.cur_iter + 1 == 10 and self.end == "error":
+                raise RuntimeError("a bug")
+            if self.trainer.cur_iter + 1 == 12 and self.end == "SIGTERM":
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        def after_train(self):
+            self.outcomes.append(self.trainer.progress.outcome)
+
+    trainer = make_trainer(max_epochs=2)  # a checkpoint after each epoch of 8 iterations
+    hook = Outcomes()
+    trainer.register_hook(hook)
+    with pytest.raises(RuntimeError, match="a bug"):
+        trainer.train()
+    with pytest.raises(SystemExit):  # each train() of this trainer resumes the last checkpoint
+        trainer.train()
+    trainer.train()
+    assert hook.outcomes == ["failed", "killed", "finished"]
+    assert trainer.progress.outcome == "finished"

@@ -1,11 +1,14 @@
 import glob
+import io
 import json
 import logging
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import types
 
@@ -13,8 +16,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from trainer import writers
-from trainer.hooks import EvalHook, HookBase
+from trainer import HookBase, Priority, writers
+from trainer.hooks import EvalHook, ProgressBarHook
 from trainer.writers import MLflowWriter, TensorBoardWriter, WandbWriter, tensorboard_tag
 
 from conftest import load
@@ -189,10 +192,22 @@ def mlflow_store(tmp_path, monkeypatch):
     return (tmp_path / "mlruns").as_uri()
 
 
-def train_with(make_trainer, writer, max_epochs):
+def warnings(caplog):
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def mlflow_history(client, run_id, name):
+    """``(step, value)`` of metric ``name`` in the order written: by timestamp, then step (the
+    writes reach MLflow in the background, not necessarily in order)."""
+    history = client.get_metric_history(run_id, name)
+    return [(m.step, m.value) for m in sorted(history, key=lambda m: (m.timestamp, m.step))]
+
+
+def train_with(make_trainer, writer, max_epochs, *hooks):
     """A tiny run with ``writer``, logging every 4 iterations and evaluating after each epoch."""
     trainer = make_trainer(max_epochs=max_epochs, log_period=4, metric_writers=[writer])
     trainer.register_hook(EvalHook(1, lambda: {"val_acc": 0.25 * (trainer.cur_epoch + 1)}))
+    trainer.register_hooks(list(hooks))
     trainer.train()
     return trainer
 
@@ -220,8 +235,7 @@ def test_mlflow_gets_the_settings_and_every_row_of_metrics_jsonl(make_trainer, m
     names = {name for row in rows for name in row} - {"iter", "epoch"}
     assert names == {"total_loss", "lr", "data_time", "iter_time", "val_acc"}
     for name in names:
-        history = client.get_metric_history(writer.run_id, name)
-        assert [(m.step, m.value) for m in history] == [
+        assert mlflow_history(client, writer.run_id, name) == [
             (row["iter"], row[name]) for row in rows if name in row
         ]
 
@@ -248,16 +262,20 @@ def test_mlflow_a_resumed_run_logs_to_the_same_run_repeating_the_steps_after_its
     assert [run.info.run_id for run in client.search_runs([experiment])] == [first.run_id]
     # MLflow keeps every value: steps 12 and 16, logged before the crash, have two each
     after = [row for row in jsonl_rows(resumed) if row["iter"] > resumed.start_iter]
-    history = client.get_metric_history(first.run_id, "total_loss")
-    assert [(m.step, m.value) for m in history] == [
+    history = mlflow_history(client, first.run_id, "total_loss")
+    assert history == [
         (row["iter"], row["total_loss"]) for row in before + after if "total_loss" in row
     ]
-    assert [m.step for m in history] == [4, 8, 12, 16, 12, 16, 20, 24]
-    assert history[2].value == history[4].value  # the resume is exact: the same loss again
+    assert [step for step, _ in history] == [4, 8, 12, 16, 12, 16, 20, 24]
+    assert history[2] == history[4]  # the resume is exact: the same loss again
     run = client.get_run(first.run_id)
     assert run.info.status == "FINISHED"
     assert run.data.params["max_epochs"] == "2"  # params cannot change
-    assert f"MLflow run {first.run_id} keeps its first values of ['max_epochs']" in caplog.text
+    assert warnings(caplog) == [
+        f"MLflow run {first.run_id} keeps max_epochs=2 (now 3): MLflow's params cannot change; "
+        f"{resumed.work_dir}/run.json has the new values; train(auto_resume=False) or another "
+        "work_dir starts a new tracked run."
+    ]
     # a rerun of the finished run: nothing to train, no tracked run opened, the id kept
     rerun_writer = MLflowWriter(mlflow_store, experiment_name="tiny")
     rerun = train_with(make_trainer, rerun_writer, max_epochs=3)
@@ -267,15 +285,215 @@ def test_mlflow_a_resumed_run_logs_to_the_same_run_repeating_the_steps_after_its
     assert len(client.get_metric_history(first.run_id, "total_loss")) == 8
 
 
+def test_mlflow_a_relaunch_warns_of_no_change_that_is_not_a_setting(
+    make_trainer, mlflow_store, tmp_path, caplog
+):
+    # What differs between launches of one run (LoggerHook does not compare it either): the
+    # seed of a script that sets none, the torch version of another machine, a moved work_dir,
+    # a progress bar drawn on a terminal
+    from mlflow.tracking import MlflowClient
+
+    first = MLflowWriter(mlflow_store, experiment_name="tiny")
+    stopped = train_with(make_trainer, first, max_epochs=2)
+    with open(os.path.join(stopped.work_dir, "run.json")) as f:
+        first_config = json.load(f)
+    as_if_crashed_before_the_last_checkpoint(stopped)
+    os.rename(stopped.work_dir, tmp_path / "moved")
+    resumed_writer = MLflowWriter(mlflow_store, experiment_name="tiny")
+    resumed = make_trainer(
+        work_dir=tmp_path / "moved", max_epochs=2, log_period=4, metric_writers=[resumed_writer]
+    )
+    resumed.register_hook(EvalHook(1, lambda: {"val_acc": 0.25 * (resumed.cur_epoch + 1)}))
+    resumed.register_hook(ProgressBarHook(stream=io.StringIO()))
+    # as another launch records them (build() seeds every trainer of the tests alike)
+    resumed.run_config.update(seed=first_config["seed"] + 1, torch="9.9.9")
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        resumed.train()
+    assert resumed.start_iter == 8 and resumed_writer.run_id == first.run_id
+    assert warnings(caplog) == []
+    # the params are the first launch's settings; run.json has this one's
+    params = MlflowClient(mlflow_store).get_run(first.run_id).data.params
+    assert params == as_params(first_config)
+    with open(tmp_path / "moved" / "run.json") as f:
+        config = json.load(f)
+    assert (config["seed"], config["torch"]) == (first_config["seed"] + 1, "9.9.9")
+    assert config["work_dir"] == str(tmp_path / "moved") != first_config["work_dir"]
+
+
+class EndAt(HookBase):
+    """Ends training after the log point of iteration ``n`` (it runs after LoggerHook), as
+    ``how`` says: an error, a preemption signal, Ctrl-C or ``stop()``."""
+
+    priority = Priority.LOGGER + 5
+
+    def __init__(self, n, how):
+        self.n, self.how = n, how
+
+    def after_iter(self):
+        if self.trainer.cur_iter + 1 != self.n:
+            return
+        if self.how == "error":
+            raise RuntimeError("a bug in a hook")
+        if self.how == "SIGTERM":
+            os.kill(os.getpid(), signal.SIGTERM)  # the trainer saves, then exits with 143
+        elif self.how == "Ctrl-C":
+            raise KeyboardInterrupt  # as the handler raises it; the trainer exits with 130
+        elif self.how == "stop":
+            self.trainer.stop()
+
+
+ENDINGS = [  # how training ends, what train() raises, the MLflow status, W&B's exit code
+    ("error", RuntimeError, "FAILED", 1),
+    ("SIGTERM", SystemExit, "KILLED", 255),
+    ("Ctrl-C", SystemExit, "KILLED", 255),
+    ("stop", None, "FINISHED", 0),
+    ("the end", None, "FINISHED", 0),
+]
+
+
+@pytest.mark.parametrize("how, raises, status, exit_code", ENDINGS)
+def test_trackers_mark_their_runs_as_training_ended(
+    make_trainer, mlflow_store, monkeypatch, how, raises, status, exit_code
+):
+    # W&B's own run in the slow test below; here, the exit code the writer passes to it
+    import wandb
+    from mlflow.tracking import MlflowClient
+
+    class Run:
+        id = "run1"
+        exit_codes = []
+
+        def log(self, metrics, step):
+            pass
+
+        def finish(self, exit_code=None):
+            self.exit_codes.append(exit_code)
+
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: Run())
+    mlflow_writer = MLflowWriter(mlflow_store, experiment_name="tiny")
+    wandb_writer = WandbWriter(project="tiny", mode="offline")
+    trainer = make_trainer(max_epochs=2, log_period=4, metric_writers=[mlflow_writer, wandb_writer])
+    trainer.register_hook(EndAt(6, how))
+    if raises is None:
+        trainer.train()
+    else:
+        with pytest.raises(raises):
+            trainer.train()
+    client = MlflowClient(mlflow_store)
+    assert client.get_run(mlflow_writer.run_id).info.status == status
+    assert Run.exit_codes == [exit_code]
+    rows = jsonl_rows(trainer)  # what was logged before the end is there
+    assert mlflow_history(client, mlflow_writer.run_id, "total_loss") == [
+        (row["iter"], row["total_loss"]) for row in rows if "total_loss" in row
+    ]
+
+
+def test_mlflow_writes_in_the_background_and_a_checkpoint_waits_for_the_writes(
+    make_trainer, mlflow_store, monkeypatch
+):
+    """A write does not wait for MLflow's store (a server's round trip); the flush before each
+    checkpoint does, so that a checkpoint covers no step that MLflow lacks."""
+    from mlflow.store.tracking.file_store import FileStore
+    from mlflow.tracking import MlflowClient
+    from mlflow.utils.async_logging.run_operations import RunOperations
+
+    # MLflow's store holds the metrics it gets until the first wait for a write
+    waited, on_main_thread = threading.Event(), []
+    store_log_batch, wait = FileStore.log_batch, RunOperations.wait
+
+    def held_log_batch(self, run_id, metrics, params, tags):
+        if metrics and threading.current_thread() is threading.main_thread():
+            on_main_thread.append([m.step for m in metrics])  # training waits for it
+        elif metrics:
+            assert waited.wait(timeout=60), "no wait for the writes"
+        return store_log_batch(self, run_id, metrics, params, tags)
+
+    def first_waiting(self):
+        waited.set()
+        return wait(self)
+
+    monkeypatch.setattr(FileStore, "log_batch", held_log_batch)
+    monkeypatch.setattr(RunOperations, "wait", first_waiting)
+    client = MlflowClient(mlflow_store)
+    seen = {}
+
+    class Look(HookBase):
+        priority = Priority.LOGGER + 5  # after LoggerHook has written, and flushed at a save
+
+        def after_iter(self):
+            if self.trainer.cur_iter + 1 == 8:  # the 2nd log point: both written, none stored
+                seen["written"] = mlflow_history(client, writer.run_id, "total_loss")
+
+        def before_save_checkpoint(self):
+            seen.setdefault("saved", []).append(
+                (self.trainer.cur_iter + 1, mlflow_history(client, writer.run_id, "total_loss"))
+            )
+
+    writer = MLflowWriter(mlflow_store, experiment_name="tiny")
+    trainer = make_trainer(max_epochs=2, log_period=4, metric_writers=[writer])
+    trainer.register_hook(Look())
+    trainer.train()
+    rows = [(row["iter"], row["total_loss"]) for row in jsonl_rows(trainer) if "total_loss" in row]
+    assert on_main_thread == []
+    assert seen["written"] == []
+    assert seen["saved"] == [(8, rows[:2]), (16, rows)]  # each checkpoint's steps are stored
+    assert mlflow_history(client, writer.run_id, "total_loss") == rows
+
+
+def test_mlflow_an_error_of_a_write_in_the_background_fails_training(
+    make_trainer, mlflow_store, monkeypatch
+):
+    from mlflow.exceptions import MlflowException
+    from mlflow.store.tracking.file_store import FileStore
+    from mlflow.tracking import MlflowClient
+
+    store_log_batch = FileStore.log_batch
+
+    def failing_log_batch(self, run_id, metrics, params, tags):
+        if any(m.step == 8 for m in metrics):
+            raise MlflowException("the server said no")
+        return store_log_batch(self, run_id, metrics, params, tags)
+
+    monkeypatch.setattr(FileStore, "log_batch", failing_log_batch)
+    writer = MLflowWriter(mlflow_store, experiment_name="tiny")
+    trainer = make_trainer(max_epochs=2, log_period=4, metric_writers=[writer])
+    with pytest.raises(MlflowException, match="the server said no"):
+        trainer.train()
+    assert trainer.cur_iter + 1 == 8  # surfaced at the save after it, before the checkpoint
+    assert not os.path.exists(os.path.join(trainer.ckpt_dir, "epoch_1.pth"))
+    assert MlflowClient(mlflow_store).get_run(writer.run_id).info.status == "FAILED"
+
+
 def test_tracker_writers_refuse_bad_arguments_and_name_the_extra_to_install(monkeypatch):
-    with pytest.raises(TypeError, match="MLflowWriter's experiment_name must be a str, got 3"):
+    with pytest.raises(TypeError) as error:
         MLflowWriter("file:./mlruns", experiment_name=3)
-    with pytest.raises(TypeError, match="MLflowWriter's tracking_uri must be a str or None"):
+    assert str(error.value) == (
+        "MLflowWriter's experiment_name must be the experiment's name as a str; got 3 (int). "
+        "Pass experiment_name='digits'."
+    )
+    with pytest.raises(TypeError) as error:
         MLflowWriter(tracking_uri=pathlib.Path("mlruns"))
-    with pytest.raises(TypeError, match="WandbWriter got resume='allow': leave it out"):
+    assert str(error.value) == (
+        "MLflowWriter's tracking_uri must be a URI as a str, or None for MLFLOW_TRACKING_URI; "
+        "got PosixPath('mlruns') (PosixPath). Pass tracking_uri='http://localhost:5000' or "
+        "'file:./mlruns' (a folder's: Path(...).as_uri())."
+    )
+    with pytest.raises(TypeError, match=r"MLflowWriter's run_name must be a str, or None .*; got "
+                       r"\['a'\] \(list\)\. Pass run_name="):  # fmt: skip
+        MLflowWriter(run_name=["a"])
+    with pytest.raises(TypeError) as error:
         WandbWriter(project="p", resume="allow")
-    with pytest.raises(TypeError, match=r"WandbWriter's config must be a dict, got \['a'\]"):
+    assert str(error.value) == (
+        "WandbWriter takes wandb.init's arguments but resume, resume_from and fork_from; got "
+        "resume='allow'. Leave it out: a resumed run continues the W&B run of its checkpoint by "
+        "itself, and train(auto_resume=False) starts a new one."
+    )
+    with pytest.raises(TypeError) as error:
         WandbWriter(config=["a"])
+    assert str(error.value) == (
+        "WandbWriter's config must be a dict of settings, added to run.json's in the W&B run's "
+        "config; got ['a'] (list). Pass config={'name': value, ...}."
+    )
     for name in ("mlflow", "mlflow.entities", "mlflow.tracking", "wandb"):
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed
     with pytest.raises(ImportError, match=r'pip install "hooktrainer\[mlflow\]"'):
@@ -335,13 +553,17 @@ def test_wandb_a_resumed_run_continues_the_same_run_rewound_each_step_once(
         monkeypatch.setenv(name, str(tmp_path / name.lower()))
     settings = wandb.Settings(console="off", silent=True)
     first = WandbWriter(project="tiny", mode="offline", settings=settings)
-    stopped = train_with(make_trainer, first, max_epochs=2)
-    before = jsonl_rows(stopped)
-    with open(os.path.join(stopped.work_dir, "run.json")) as f:
+    # it fails after logging step 16, its last checkpoint being epoch 1's (step 8)
+    with pytest.raises(RuntimeError, match="a bug in a hook"):
+        train_with(make_trainer, first, 2, EndAt(16, "error"))
+    work_dir = str(tmp_path / "work")
+    with open(os.path.join(work_dir, "metrics.jsonl")) as f:
+        before = by_step(json.loads(line) for line in f)
+    assert list(before) == [4, 8, 12, 16]
+    with open(os.path.join(work_dir, "run.json")) as f:
         first_config = json.load(f)
-    as_if_crashed_before_the_last_checkpoint(stopped)
     second = WandbWriter(project="tiny", mode="offline", settings=settings)
-    resumed = train_with(make_trainer, second, max_epochs=3)
+    resumed = train_with(make_trainer, second, 3)
     assert resumed.start_iter == 8 and second.run_id == first.run_id
     with open(os.path.join(resumed.work_dir, "run.json")) as f:
         second_config = json.load(f)
@@ -355,14 +577,19 @@ def test_wandb_a_resumed_run_continues_the_same_run_rewound_each_step_once(
         assert run["run_id"] == first.run_id and run["project"] == "tiny"
         logged = {k: v for k, v in run["config"]["update"].items() if k != "_wandb"}
         assert logged == config
-    # the first segment has each row the stopped run wrote, steps 12 and 16 (after the
+    # the failed run's exit code, and the resumed run's
+    assert [exit.get("exit_code", 0) for exit in records(start, "exit")] == [1]
+    assert [exit.get("exit_code", 0) for exit in records(rewound, "exit")] == [0]
+    # the first segment has each row the failed run wrote, steps 12 and 16 (after the
     # checkpoint it resumes from) included
-    assert history(start) == by_step(before)
-    # the resumed one rewinds the run to its checkpoint's step and writes the steps after it
+    assert history(start) == before
+    # Rewound to step N, W&B keeps the steps before N and the run goes on from N (W&B's docs,
+    # runs/rewind): the resumed run keeps its checkpoint's step and writes from the next
     branch = records(rewound, "run")[0]["branch_point"]
-    assert branch == {"run": first.run_id, "metric": "_step", "value": resumed.start_iter}
-    kept = {step: row for step, row in history(start).items() if step <= branch["value"]}
-    assert list(kept) == [4, 8]
+    assert branch == {"run": first.run_id, "metric": "_step", "value": resumed.start_iter + 1}
+    kept = {step: row for step, row in history(start).items() if step < branch["value"]}
+    assert list(kept) == [4, 8]  # 8: the checkpoint's log point and evaluation
+    assert kept[resumed.start_iter] == before[8] and "val_acc" in kept[8]
     assert not set(kept) & set(history(rewound))
     assert {**kept, **history(rewound)} == by_step(jsonl_rows(resumed))
 

@@ -33,6 +33,7 @@ class Progress:
     saved: tuple[Position, bool] = ((-1, -1), False)  # the last checkpoint's position and stop
     last_log_iter: int = -1  # the last iteration that was a log point
     data_seconds: float = 0.0  # waiting for batches in this train(), up to the last log point
+    failed: bool = False  # an exception ended this train()
 
     def begin_epoch(self, epoch: int) -> int:
         """Enter ``epoch``; returns the iterations of it already done (when resuming)."""
@@ -51,6 +52,15 @@ class Progress:
     def finished(self) -> bool:
         """Whether training is over: stopped, or every iteration and its epoch's end done."""
         return self.stopped or (self.iter + 1 >= self.max_iters and self.position[1] == 0)
+
+    @property
+    def outcome(self) -> str:
+        """How ``train()`` ended, for the hooks' ``after_train``: ``"failed"`` (an exception
+        ended it), ``"finished"`` (every iteration done, or :meth:`Trainer.stop`), else
+        ``"killed"`` (a preemption signal or Ctrl-C ended it early)."""
+        if self.failed:
+            return "failed"
+        return "finished" if self.finished else "killed"
 
     def end_epoch(self) -> None:
         self.position = (self.epoch + 1, 0)

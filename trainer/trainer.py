@@ -358,6 +358,7 @@ class Trainer:
                 self._after_failure()
                 raise
             except Exception as e:
+                self.progress.failed = True  # progress.outcome, for the hooks' after_train
                 self._after_failure()
                 # the traceback in this rank's log file; on the console Python prints it, once
                 where = "as it started"
@@ -472,7 +473,7 @@ class Trainer:
 
     def _start(self, path: Optional[str], auto_resume: bool, continue_after_stop: bool) -> None:
         self._hooks.start()  # this run's hook times, and which events each hook handles
-        self.progress.data_seconds = 0.0
+        self.progress.data_seconds, self.progress.failed = 0.0, False  # this train()'s
         logger.info(f"Environment:\n{collect_env()}")
         logger.info(f"Hooks: {self._hooks.info()}")
         args.warn_unoptimized(self.model_or_module, self._checkpointer.optimizers)
@@ -503,10 +504,8 @@ class Trainer:
                 "new model, optimizer and Trainer."
             )
         if self.progress.stay_stopped(continue_after_stop):  # (LoggerHook tells other starts)
-            logger.info(
-                f"The run was ended by stop() after iteration {self.start_iter}: not training "
-                "on. Pass train(continue_after_stop=True) to go on."
-            )
+            ended = f"The run was ended by stop() after iteration {self.start_iter}"
+            logger.info(f"{ended}: not training on. Pass train(continue_after_stop=True) to go on.")
 
     def _log_point(self, it: int) -> None:
         """Every ``log_period`` iterations and at the last: the period's times per iteration,

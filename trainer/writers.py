@@ -26,7 +26,10 @@ class MetricWriter:
     """Receives metrics from ``LoggerHook``: override :meth:`write`, and :meth:`close` if the
     writer holds a resource (see docs/logging.md). Writers of your own run on rank 0 only; what
     :meth:`state_dict` returns is saved in the checkpoints (rank 0's) and given back to
-    :meth:`load_state_dict` on resume, before :meth:`start`."""
+    :meth:`load_state_dict` on resume, before :meth:`start`. A writer that records how training
+    ended (as the trackers mark their runs) reads ``trainer.progress.outcome`` in :meth:`close`:
+    ``"finished"``, ``"failed"`` or ``"killed"``, keeping ``trainer.progress`` from
+    :meth:`start`."""
 
     #: Only at log points (the console line), not for an evaluation's results.
     log_points_only = False
@@ -49,7 +52,8 @@ class MetricWriter:
         """Put what was written on disk; called before every checkpoint is saved."""
 
     def close(self) -> None:
-        """Flush and release what the writer holds; called when training ends."""
+        """Flush and release what the writer holds; called when training ends, however it ends
+        (``trainer.progress.outcome`` says how)."""
 
     def state_dict(self) -> dict[str, Any]:
         """What a resumed run needs of this writer, as plain data; empty for most writers."""
@@ -212,11 +216,42 @@ class JSONLinesWriter(MetricWriter):
         self._file.close()
 
 
+# run.json keys that are not the run's settings, which a resumed run does not compare (LoggerHook
+# and MLflowWriter alike): the seed (random unless set, and a resume restores every RNG from the
+# checkpoint), the torch version (the machine's), the work_dir (the same folder, perhaps moved).
+NOT_SETTINGS = ("seed", "torch", "work_dir")
+# Drawn only on a terminal: it comes and goes with where the output goes.
+_TERMINAL_HOOKS = ("ProgressBarHook",)
+
+
+def hook_names(hooks: Any) -> list[str]:
+    """The class names in run.json's ``hooks`` (``"EvalHook (priority 60)"``), those of hooks
+    drawn only on a terminal left out."""
+    names = [str(h).split(" (")[0] for h in hooks] if isinstance(hooks, list) else []
+    return [name for name in names if name not in _TERMINAL_HOOKS]
+
+
+def settings_to_compare(config: dict[str, Any]) -> dict[str, Any]:
+    """What a resumed run compares of run.json's ``config`` with the stopped run's: every key but
+    :data:`NOT_SETTINGS`, the hooks as their class names (:func:`hook_names`), sorted (their
+    order aside)."""
+    settings = {key: value for key, value in config.items() if key not in NOT_SETTINGS}
+    if "hooks" in settings:
+        settings["hooks"] = sorted(hook_names(settings["hooks"]))
+    return settings
+
+
+def _as_param(value: Any) -> str:
+    """A setting as a tracker's param: a string as it is, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 class _TrackerWriter(MetricWriter):
     """A writer to a tracker's run, whose id the checkpoints keep for a resumed run to go on."""
 
     run_id: Optional[str] = None  # the run written to
     _resume_id: Optional[str] = None  # the checkpoint's: the run the next start goes on with
+    _progress: Any = None  # the trainer's, from start: how training ended, at close
 
     def state_dict(self) -> dict[str, Any]:
         run_id = self._resume_id or self.run_id  # not started (a finished run): the saved one
@@ -228,11 +263,14 @@ class _TrackerWriter(MetricWriter):
 
 class MLflowWriter(_TrackerWriter):
     """Metrics to an MLflow run, each write's ``step`` as its step, and the run's settings
-    (``work_dir/run.json``) as its params. The run's id is saved in the checkpoints: a resumed
-    run logs to the same run. MLflow keeps every value logged, so the steps that the stopped run
-    had logged after its last checkpoint have two values each; its params cannot change, so
-    settings that differ on resume keep their first values there (with a warning).
-    Needs ``pip install "hooktrainer[mlflow]"``.
+    (``work_dir/run.json``) as its params. Writes go to MLflow in the background: training
+    waits for them only before each checkpoint is saved and when it ends, where an error of
+    theirs is raised. The run's id is saved in the checkpoints: a resumed run logs to the same
+    run. MLflow keeps every value logged, so the steps that the stopped run had logged after its
+    last checkpoint have two values each; its params cannot change, so they keep the first
+    launch's values (a setting that differs on resume, with a warning). When training ends, the
+    run's status says how: ``FINISHED`` (to the end, or ``stop()``), ``FAILED`` (an error) or
+    ``KILLED`` (a preemption signal or Ctrl-C). Needs ``pip install "hooktrainer[mlflow]"``.
 
     Args:
         tracking_uri: Where MLflow keeps its runs: a tracking server's URL, ``file:./mlruns``
@@ -242,20 +280,26 @@ class MLflowWriter(_TrackerWriter):
         run_name: The run's name; None: MLflow makes one up.
     """
 
+    _STATUS = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}  # by outcome
+    _MAX_PENDING = 100  # writes in flight before the oldest is waited for (long done by then)
+
     def __init__(
         self,
         tracking_uri: Optional[str] = None,
         experiment_name: str = "Default",
         run_name: Optional[str] = None,
     ) -> None:
-        for name, value, optional in (
-            ("tracking_uri", tracking_uri, True),
-            ("experiment_name", experiment_name, False),
-            ("run_name", run_name, True),
-        ):
-            if not isinstance(value, str) and not (optional and value is None):
-                expected = "a str or None" if optional else "a str"
-                raise TypeError(f"MLflowWriter's {name} must be {expected}, got {value!r}.")
+        for name, value, expected, example in (
+            ("tracking_uri", tracking_uri, "a URI as a str, or None for MLFLOW_TRACKING_URI",
+             "'http://localhost:5000' or 'file:./mlruns' (a folder's: Path(...).as_uri())"),
+            ("experiment_name", experiment_name, "the experiment's name as a str", "'digits'"),
+            ("run_name", run_name, "a str, or None for a name MLflow makes up", "'lr0.1'"),
+        ):  # fmt: skip
+            if not isinstance(value, str) and not (value is None and name != "experiment_name"):
+                raise TypeError(
+                    f"MLflowWriter's {name} must be {expected}; got {value!r} "
+                    f"({type(value).__name__}). Pass {name}={example}."
+                )
         try:  # an optional extra: imported by the runs that use it
             from mlflow.entities import Metric, Param
             from mlflow.tracking import MlflowClient
@@ -266,10 +310,12 @@ class MLflowWriter(_TrackerWriter):
         self._metric, self._param, self._client_class = Metric, Param, MlflowClient
         self._uri, self._experiment, self._run_name = tracking_uri, experiment_name, run_name
         self._client: Any = None
+        self._pending: list[Any] = []  # the writes in flight (MLflow's RunOperations)
 
     def start(self, trainer: Any, start_iter: int, config: dict[str, Any]) -> None:
         client = self._client = self._client_class(self._uri)
-        params = {k: v if isinstance(v, str) else json.dumps(v) for k, v in config.items()}
+        self._progress = trainer.progress
+        params = {key: _as_param(value) for key, value in config.items()}
         if self._resume_id is None:
             experiment = client.get_experiment_by_name(self._experiment)
             experiment_id = (
@@ -279,37 +325,77 @@ class MLflowWriter(_TrackerWriter):
             )
             self.run_id = client.create_run(experiment_id, run_name=self._run_name).info.run_id
         else:
-            self.run_id, self._resume_id = self._resume_id, None
-            logged = client.get_run(self.run_id).data.params
-            changed = [k for k in params if k in logged and logged[k] != params[k]]
-            if changed:
-                logger.warning(
-                    f"MLflow run {self.run_id} keeps its first values of {changed} as params "
-                    f"(MLflow's params cannot change); {trainer.work_dir}/run.json has the new."
-                )
-            params = {k: v for k, v in params.items() if k not in logged}
-            client.update_run(self.run_id, status="RUNNING")
+            params = self._reopen(trainer.work_dir, config, params)
         items = [self._param(key, value) for key, value in params.items()]
-        for i in range(0, len(items), 100):  # MLflow takes at most 100 params a call
-            client.log_batch(self.run_id, params=items[i : i + 100])
+        client.log_batch(self.run_id, params=items)  # once (MlflowClient splits it in 100s)
+
+    def _reopen(
+        self, work_dir: str, config: dict[str, Any], params: dict[str, str]
+    ) -> dict[str, str]:
+        """Go on with the checkpoint's run: warn of the settings that differ from its params
+        (compared as LoggerHook compares run.json), and return the params it lacks."""
+        client, self.run_id, self._resume_id = self._client, self._resume_id, None
+        logged = client.get_run(self.run_id).data.params
+        old: dict[str, Any] = dict(logged)
+        if "hooks" in old:  # logged as JSON
+            try:
+                old["hooks"] = json.loads(old["hooks"])
+            except ValueError:
+                pass
+        before, now = settings_to_compare(old), settings_to_compare(config)
+        changed = [
+            f"{key}={_as_param(before[key])} (now {_as_param(value)})"
+            for key, value in now.items()
+            if key in before and _as_param(before[key]) != _as_param(value)
+        ]
+        if changed:
+            logger.warning(
+                f"MLflow run {self.run_id} keeps {', '.join(changed)}: MLflow's params cannot "
+                f"change; {work_dir}/run.json has the new values; train(auto_resume=False) or "
+                "another work_dir starts a new tracked run."
+            )
+        client.update_run(self.run_id, status="RUNNING")
+        return {key: value for key, value in params.items() if key not in logged}
 
     def write(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
         now = int(time.time() * 1000)  # MLflow's timestamps are in milliseconds
         batch = [self._metric(name, value, now, step) for name, value in metrics.items()]
-        self._client.log_batch(self.run_id, metrics=batch)
+        # in the background: a server's round trip would hold training up at every log point
+        operations = self._client.log_batch(self.run_id, metrics=batch, synchronous=False)
+        if operations is not None:  # None: nothing to write
+            self._pending.append(operations)
+        if len(self._pending) > self._MAX_PENDING:
+            self._pending.pop(0).wait()
+
+    def flush(self) -> None:
+        """Wait for the writes in flight, raising the error of one that failed."""
+        pending, self._pending = self._pending, []
+        for operations in pending:
+            operations.wait()
 
     def close(self) -> None:
-        if self._client is not None:
-            self._client.set_terminated(self.run_id)
-            self._client = None
+        if self._client is None:
+            return
+        client, self._client = self._client, None
+        status = self._STATUS[self._progress.outcome]
+        try:
+            self.flush()
+        except Exception:
+            status = "FAILED"  # the error ends training: some metrics are missing
+            raise
+        finally:
+            client.set_terminated(self.run_id, status=status)
 
 
 class WandbWriter(_TrackerWriter):
     """Metrics to a Weights & Biases run, each write's ``step`` as W&B's step, and the run's
     settings (``work_dir/run.json``) in its config; its files go in ``work_dir`` unless ``dir``
     says otherwise. The run's id is saved in the checkpoints: a resumed run continues the same
-    run, rewound (``wandb.init(resume_from=...)``) to the checkpoint's step, the one before the
-    first it writes, so each step shows once. Needs ``pip install "hooktrainer[wandb]"``.
+    run, rewound (``wandb.init(resume_from=...)``) to the first step it writes: W&B keeps the
+    steps before it (the checkpoint's included) and drops the later ones, so each step shows
+    once. When training ends, the run finishes with exit code 0 (to the end, or ``stop()``), 1
+    (an error) or 255 (a preemption signal or Ctrl-C), W&B's own codes: W&B shows the last two
+    as failed. Needs ``pip install "hooktrainer[wandb]"``.
 
     Args:
         **init_kwargs: ``wandb.init``'s arguments (``project``, ``name``, ``mode``, ``config``
@@ -317,16 +403,25 @@ class WandbWriter(_TrackerWriter):
             resumes the run itself.
     """
 
+    # W&B's exit codes (its own for an uncaught exception and a Ctrl-C), by outcome
+    _EXIT_CODE = {"finished": 0, "failed": 1, "killed": 255}
+
     def __init__(self, **init_kwargs: Any) -> None:
         taken = [name for name in ("resume", "resume_from", "fork_from") if name in init_kwargs]
         if taken:
             raise TypeError(
-                f"WandbWriter got {taken[0]}={init_kwargs[taken[0]]!r}: leave it out, the writer "
-                "continues the run of the checkpoint it resumes from by itself."
+                f"WandbWriter takes wandb.init's arguments but resume, resume_from and "
+                f"fork_from; got {taken[0]}={init_kwargs[taken[0]]!r}. Leave it out: a resumed "
+                "run continues the W&B run of its checkpoint by itself, and "
+                "train(auto_resume=False) starts a new one."
             )
         config = init_kwargs.get("config", {})
         if not isinstance(config, dict):
-            raise TypeError(f"WandbWriter's config must be a dict, got {config!r}.")
+            raise TypeError(
+                f"WandbWriter's config must be a dict of settings, added to run.json's in the "
+                f"W&B run's config; got {config!r} ({type(config).__name__}). Pass "
+                "config={'name': value, ...}."
+            )
         try:  # an optional extra: imported by the runs that use it
             import wandb
         except ImportError as e:
@@ -337,13 +432,14 @@ class WandbWriter(_TrackerWriter):
         self._run: Any = None
 
     def start(self, trainer: Any, start_iter: int, config: dict[str, Any]) -> None:
+        self._progress = trainer.progress
         kwargs = {"dir": trainer.work_dir, **self._kwargs}
         kwargs["config"] = {**config, **self._kwargs.get("config", {})}
         if self._resume_id is not None:
-            # W&B keeps the steps up to the one named (those the checkpoint covers), and this
-            # run goes on from the next
+            # Rewound to step N, W&B keeps the steps before N and the run goes on from N: the
+            # steps up to the checkpoint's (start_iter: its log point, its evaluation) stay
             kwargs.pop("id", None)
-            kwargs["resume_from"] = f"{self._resume_id}?_step={start_iter}"
+            kwargs["resume_from"] = f"{self._resume_id}?_step={start_iter + 1}"
             self._resume_id = None
         self._run = self._wandb.init(**kwargs)
         self.run_id = self._run.id
@@ -353,8 +449,8 @@ class WandbWriter(_TrackerWriter):
 
     def close(self) -> None:
         if self._run is not None:
-            self._run.finish()
-            self._run = None
+            run, self._run = self._run, None
+            run.finish(exit_code=self._EXIT_CODE[self._progress.outcome])
 
 
 # What a rerun or a resumed run finds: it drops what it will write again, and its new

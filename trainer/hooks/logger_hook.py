@@ -13,6 +13,7 @@ from tabulate import tabulate
 from ..distributed import is_main_process
 from ..logger import open_no_follow
 from ..misc import check_int
+from ..writers import NOT_SETTINGS as _NOT_SETTINGS  # shared with MLflowWriter's comparison
 from ..writers import (
     ConsoleWriter,
     JSONLinesWriter,
@@ -20,6 +21,7 @@ from ..writers import (
     TensorBoardWriter,
     format_seconds,
 )
+from ..writers import hook_names as _hook_names
 from .hookbase import HookBase, Priority
 from .metric_watch import record_results
 
@@ -240,12 +242,6 @@ class LoggerHook(HookBase):
                 writer.write(self.trainer, step, shown if writer.smoothed else logged)
 
 
-# run.json keys that are not the run's settings: the seed (random unless set, and a resume
-# restores every RNG from the checkpoint), the torch version (the machine's), the work_dir (the
-# same folder, perhaps moved).
-_NOT_SETTINGS = ("seed", "torch", "work_dir")
-# Drawn only on a terminal: it comes and goes with where the output goes.
-_TERMINAL_HOOKS = ("ProgressBarHook",)
 # Settings a resumed run takes from its checkpoint, whatever was given: the optimizer's and the
 # scheduler's state hold the LRs.
 _RESTORED = ("base_lrs",)
@@ -303,12 +299,6 @@ def _log_changes(
         "train(auto_resume=False)."
     )
     return used
-
-
-def _hook_names(hooks: Any) -> list[str]:
-    """The class names in run.json's ``hooks`` (``"EvalHook (priority 60)"``)."""
-    names = [str(h).split(" (")[0] for h in hooks] if isinstance(hooks, list) else []
-    return [name for name in names if name not in _TERMINAL_HOOKS]
 
 
 def _markdown_table(config: dict[str, Any]) -> str:
