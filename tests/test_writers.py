@@ -622,3 +622,20 @@ def test_the_console_line_leaves_out_only_the_lrs_of_other_groups(make_trainer, 
         trainer.train()
     (line,) = [m for m in caplog.messages if m.startswith("epoch") and "iter 4/4" in m]
     assert "  lr/group_b 0.5" in line and "  lr/group2x 0.25" in line
+
+
+@pytest.mark.slow  # W&B starts its service process (wandb-core), and the reader is another
+def test_two_wandb_writers_keep_a_run_each(make_trainer, tmp_path, monkeypatch):
+    import wandb
+
+    for name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):  # not in $HOME
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
+    settings = wandb.Settings(console="off", silent=True)
+    a, b = (WandbWriter(project=p, mode="offline", settings=settings) for p in ("a", "b"))
+    trainer = make_trainer(max_epochs=1, log_period=4, metric_writers=[a, b])
+    trainer.train()
+    assert a.run_id != b.run_id
+    segments = wandb_segments(trainer.work_dir)
+    runs = sorted((run["project"], run["run_id"]) for s in segments for run in records(s, "run"))
+    assert runs == [("a", a.run_id), ("b", b.run_id)]
+    assert [sorted(history(s)) for s in segments] == [[4, 8], [4, 8]]

@@ -390,12 +390,13 @@ class MLflowWriter(_TrackerWriter):
 class WandbWriter(_TrackerWriter):
     """Metrics to a Weights & Biases run, each write's ``step`` as W&B's step, and the run's
     settings (``work_dir/run.json``) in its config; its files go in ``work_dir`` unless ``dir``
-    says otherwise. The run's id is saved in the checkpoints: a resumed run continues the same
-    run, rewound (``wandb.init(resume_from=...)``) to the first step it writes: W&B keeps the
-    steps before it (the checkpoint's included) and drops the later ones, so each step shows
-    once. When training ends, the run finishes with exit code 0 (to the end, or ``stop()``), 1
-    (an error) or 255 (a preemption signal or Ctrl-C), W&B's own codes: W&B shows the last two
-    as failed. Needs ``pip install "hooktrainer[wandb]"``.
+    says otherwise. Each writer has a run of its own (``reinit="create_new"``), beside any
+    other. The run's id is saved in the checkpoints: a resumed run continues the same run,
+    rewound (``wandb.init(resume_from=...)``) to the first step it writes: W&B keeps the steps
+    before it (the checkpoint's included) and drops the later ones, so each step shows once.
+    When training ends, the run finishes with exit code 0 (to the end, or ``stop()``), 1 (an
+    error) or 255 (a preemption signal or Ctrl-C), W&B's own codes: W&B shows the last two as
+    failed. Needs ``pip install "hooktrainer[wandb]"``.
 
     Args:
         **init_kwargs: ``wandb.init``'s arguments (``project``, ``name``, ``mode``, ``config``
@@ -433,7 +434,8 @@ class WandbWriter(_TrackerWriter):
 
     def start(self, trainer: Any, start_iter: int, config: dict[str, Any]) -> None:
         self._progress = trainer.progress
-        kwargs = {"dir": trainer.work_dir, **self._kwargs}
+        # a run of its own, beside another WandbWriter's or your script's wandb.init
+        kwargs = {"dir": trainer.work_dir, "reinit": "create_new", **self._kwargs}
         kwargs["config"] = {**config, **self._kwargs.get("config", {})}
         if self._resume_id is not None:
             # Rewound to step N, W&B keeps the steps before N and the run goes on from N: the
