@@ -62,3 +62,25 @@ def test_the_test_command_is_what_ci_runs():
     command = re.search(r"```bash\n(.*?)\n```", section, re.DOTALL).group(1)
     with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
         assert command in f.read().splitlines()
+
+
+def test_readmes_counts_of_tests_are_what_pytest_collects():
+    """README says how many tests run in-process (and need a GPU) and how many are slow: the
+    counts pytest collects, so that adding or removing tests keeps README true."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = f.read()
+    in_process, gpu = map(int, re.search(
+        r"the (\d+) in-process tests \((\d+) of them need a GPU", readme
+    ).groups())  # fmt: skip
+    slow = int(re.search(r"the (\d+) marked slow", readme).group(1))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "-m", "not slow", "tests"],
+        cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ids = [line for line in proc.stdout.splitlines() if "::" in line]
+    collected = re.search(r"(\d+)/(\d+) tests collected \((\d+) deselected\)", proc.stdout)
+    assert (in_process, slow) == (int(collected.group(1)), int(collected.group(3)))
+    assert in_process == len(ids)
+    assert gpu == len([i for i in ids if i.startswith("tests/test_cuda.py::")])
