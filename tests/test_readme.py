@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import communicate, cpu_env
+from conftest import communicate, cpu_env, popen
 
 pytestmark = pytest.mark.slow  # runs the snippet as a script, twice
 
@@ -23,7 +23,7 @@ def usage_snippet():
 
 
 def run(script, cwd):
-    proc = subprocess.Popen(
+    proc = popen(
         [sys.executable, str(script)], cwd=cwd, env=cpu_env(), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

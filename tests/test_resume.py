@@ -23,6 +23,7 @@ from conftest import (
     communicate,
     cpu_env,
     failure_output,
+    popen,
     save_checkpoint_file,
     torchrun_command,
 )
@@ -33,7 +34,7 @@ WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "resume_worker
 def start(work_dir, out, **env):
     full_env = cpu_env(WORK_DIR=str(work_dir), OUT=str(out), MODE="epoch")
     full_env.update({k: str(v) for k, v in env.items()})
-    return subprocess.Popen(
+    return popen(
         [sys.executable, WORKER], env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
@@ -50,9 +51,7 @@ def start_torchrun(work_dir, out, *, args=(), **env):
     cmd = torchrun_command("--nproc_per_node", "2", *args, WORKER)
     full_env = cpu_env(WORK_DIR=str(work_dir), OUT=str(out), MODE="epoch")
     full_env.update({k: str(v) for k, v in env.items()})
-    return subprocess.Popen(
-        cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    return popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def torchrun(work_dir, out, *, args=(), **env):
