@@ -298,6 +298,9 @@ def communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
             _signal_tree(proc.pid, signal.SIGKILL)
             _, err = proc.communicate()
         _signal_tree(proc.pid, signal.SIGKILL)  # workers torchrun left behind, if any
+        # faulthandler's list of each process's extension modules (a forked one has torch's
+        # and scikit-learn's) would push stacks out of the tail
+        err = "\n".join(s for s in err.splitlines() if not s.startswith("Extension modules:"))
         pytest.fail(
             f"{proc.args} did not end within {timeout} s. Its processes' stacks at that moment "
             f"(faulthandler, on SIGABRT), from the end of its stderr:\n{err[-12000:]}"

@@ -269,13 +269,24 @@ def _run(argv):
 
 
 if __name__ == "__main__":
-    # what every child would import first; the torchrun launcher's modules but not
-    # torch.distributed.run itself, which runs as __main__
+    # What the children import, each costing them from half a second to two: torch, trainer,
+    # torch._dynamo (a torch optimizer's constructor imports it), FSDP2 and DCP (the sharded
+    # tests), the torchrun launcher's modules (not torch.distributed.run itself, which runs as
+    # __main__), scikit-learn (the examples).
     import torch
-    import torch.distributed.elastic.multiprocessing  # noqa: F401
+    import torch._dynamo  # noqa: F401
+    import torch.distributed.checkpoint.state_dict  # noqa: F401
+    import torch.distributed.elastic.multiprocessing.errors  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
     import torch.distributed.launcher.api  # noqa: F401
 
     import trainer  # noqa: F401
+
+    try:
+        import sklearn.datasets  # noqa: F401
+        import sklearn.model_selection  # noqa: F401
+    except ImportError:  # the examples extra is not installed: their tests skip
+        pass
 
     threads = torch.get_num_threads()
     job = _serve(sys.argv[1])
