@@ -460,8 +460,9 @@ def readme_torchrun_recipe_with_fsdp2():
         "            fully_shard(block)\n"
         "        fully_shard(model)\n",
     ).replace(
-        train,
-        train + "    full = get_model_state_dict(model, options=StateDictOptions("
+        train,  # 2 epochs of 2 iterations, not 10: what ends badly is the exit, not the training
+        train.replace("max_epochs=10", "max_epochs=2")
+        + "    full = get_model_state_dict(model, options=StateDictOptions("
         "full_state_dict=True, cpu_offload=True))\n"
         "    if rank == 0:\n"
         "        torch.save(full, 'weights.pth')\n",
