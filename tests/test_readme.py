@@ -58,3 +58,31 @@ def test_the_test_command_is_what_ci_runs():
     command = re.search(r"```bash\n(.*?)\n```", section, re.DOTALL).group(1)
     with open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8") as f:
         assert command in f.read().splitlines()
+
+
+def collected(*args):
+    """How many tests pytest collects with ``args``, and their ids."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0",
+         "-p", "no:cacheprovider", *args],
+        cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ids = [line for line in proc.stdout.splitlines() if "::" in line]
+    return len(ids), ids
+
+
+def test_the_counts_of_tests_readme_states_are_the_collected_ones():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        readme = " ".join(f.read().split())
+    stated = re.search(
+        r"the (\d+) in-process tests \((\d+) of them need a GPU and skip without one\).*?"
+        r"\(the (\d+) marked slow start processes",
+        readme,
+    )
+    assert stated, "README no longer states the counts of tests as this test reads them"
+    in_process, gpu_only, slow = map(int, stated.groups())
+    total, ids = collected()
+    slow_total, _ = collected("-m", "slow")
+    assert (in_process, slow) == (total - slow_total, slow_total)
+    assert gpu_only == sum(i.startswith("tests/test_cuda.py::") for i in ids)  # skip without one
