@@ -38,6 +38,8 @@ setup(
         "dev": [
             "pytest>=7",
             "pytest-timeout",
+            # pytest -n 2 (pyproject's addopts): the slow tests wait on processes, side by side
+            "pytest-xdist>=3",
             "ruff",
             "mypy",
             # lint-imports: the layers contract in pyproject.toml (tests/test_layout.py)

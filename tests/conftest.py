@@ -4,10 +4,13 @@ import glob
 import logging
 import os
 import platform
+import select
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
@@ -17,6 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from trainer import HookBase, Trainer, checksum
 from trainer.hooks import CheckpointHook, EvalHook, LoggerHook, LRUpdateHook
+
+import forkserver
 
 
 class TinyModel(nn.Module):
@@ -299,6 +304,9 @@ def communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
             _signal_tree(proc.pid, signal.SIGKILL)
             _, err = proc.communicate()
         _signal_tree(proc.pid, signal.SIGKILL)  # workers torchrun left behind, if any
+        # faulthandler's list of each process's extension modules (a forked one has torch's
+        # and scikit-learn's) would push stacks out of the tail
+        err = "\n".join(s for s in err.splitlines() if not s.startswith("Extension modules:"))
         pytest.fail(
             f"{proc.args} did not end within {timeout} s. Its processes' stacks at that moment "
             f"(faulthandler, on SIGABRT), from the end of its stderr:\n{err[-12000:]}"
@@ -318,14 +326,24 @@ def _signal(pid: int, signum: int) -> None:
 
 
 def _process_tree(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
+    """``root`` and the processes under it, those that the fork server started for a process
+    (see ``popen``) counted as that process's children."""
+    parents: dict[int, int] = {}
     for stat in glob.glob("/proc/[0-9]*/stat"):
         try:
             with open(stat) as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+                parents[int(stat.split("/")[2])] = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
-        children.setdefault(ppid, []).append(int(stat.split("/")[2]))
+    if _forkserver is not None:
+        with open(forkserver.children_file(_forkserver_socket)) as f:
+            for line in f:
+                child, requester = map(int, line.split())
+                if parents.get(child) == _forkserver.pid:  # still the server's: not a reused pid
+                    parents[child] = requester
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
     tree, todo = [], [root]
     while todo:
         pid = todo.pop()
@@ -356,3 +374,37 @@ def torchrun_command(*args: str) -> list[str]:
     29500: a torchrun that an earlier test (or another job on the machine) left running can
     neither block nor be joined by this one."""
     return [sys.executable, "-m", "torch.distributed.run", "--master-port", str(free_port()), *args]
+
+
+_forkserver = None  # the fork server's process, started by the first popen
+_forkserver_socket = ""
+
+
+def popen(cmd, **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen(cmd, **kwargs)``; ``[sys.executable, script or -m module, ...]``
+    forked by tests/forkserver.py, which has torch and trainer imported already (a torchrun
+    launcher's workers too), instead of a fresh interpreter that spends about 2 s of CPU
+    importing torch. ``TRAINER_TEST_FORKSERVER=0`` starts fresh interpreters."""
+    global _forkserver, _forkserver_socket
+    if os.environ.get("TRAINER_TEST_FORKSERVER") == "0":
+        return subprocess.Popen(cmd, **kwargs)
+    if _forkserver is None:
+        _forkserver_socket = os.path.join(tempfile.mkdtemp(prefix="trainer-tests-"), "socket")
+        env = cpu_env()
+        env.pop("OMP_NUM_THREADS", None)  # the default; a child sets the number it is given
+        _forkserver = subprocess.Popen(
+            [sys.executable, forkserver.__file__, _forkserver_socket], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, env=env,
+        )  # fmt: skip
+        if not select.select([_forkserver.stdout], [], [], 120)[0]:
+            pytest.fail("the fork server (tests/forkserver.py) did not start within 120 s")
+        assert _forkserver.stdout.readline() == b"ready\n", "the fork server failed to start"
+        os.environ[forkserver.ENV_SOCKET] = _forkserver_socket
+    return forkserver.ForkedPopen(cmd, **kwargs)
+
+
+def pytest_unconfigure(config):
+    if _forkserver is not None:  # its standard input closed, it exits
+        _forkserver.stdin.close()
+        _forkserver.wait(timeout=30)
+        shutil.rmtree(os.path.dirname(_forkserver_socket), ignore_errors=True)

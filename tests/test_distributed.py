@@ -22,7 +22,7 @@ from trainer.distributed import (
 )
 from trainer.misc import WorkDirLock
 
-from conftest import communicate, cpu_env, torchrun_command
+from conftest import communicate, cpu_env, popen, torchrun_command
 
 
 def test_single_process_fallbacks(monkeypatch):
@@ -68,7 +68,7 @@ torch.distributed.destroy_process_group()
 
 def torchrun(args, timeout, env=None):
     cmd = torchrun_command("--nproc_per_node", "2", *args)
-    proc = subprocess.Popen(cmd, stdout=PIPE, stderr=PIPE, text=True, env=env or cpu_env())
+    proc = popen(cmd, stdout=PIPE, stderr=PIPE, text=True, env=env or cpu_env())
     stdout, stderr = communicate(proc, timeout)
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
@@ -461,8 +461,9 @@ def readme_torchrun_recipe_with_fsdp2():
         "            fully_shard(block)\n"
         "        fully_shard(model)\n",
     ).replace(
-        train,
-        train + "    full = get_model_state_dict(model, options=StateDictOptions("
+        train,  # 2 epochs of 2 iterations, not 10: what ends badly is the exit, not the training
+        train.replace("max_epochs=10", "max_epochs=2")
+        + "    full = get_model_state_dict(model, options=StateDictOptions("
         "full_state_dict=True, cpu_offload=True))\n"
         "    if rank == 0:\n"
         "        torch.save(full, 'weights.pth')\n",
@@ -500,7 +501,7 @@ def test_fsdp2_runs_of_the_documented_recipe_end_with_status_0(tmp_path):
         cwd = tmp_path / f"run{i // 2}"  # the second run of each resumes the finished one
         cwd.mkdir(exist_ok=True)
         cmd = torchrun_command("--nproc_per_node", "2", str(script))
-        proc = subprocess.Popen(cmd, cwd=cwd, stdout=PIPE, stderr=PIPE, text=True, env=cpu_env())
+        proc = popen(cmd, cwd=cwd, stdout=PIPE, stderr=PIPE, text=True, env=cpu_env())
         _, stderr = communicate(proc, timeout=90)
         assert proc.returncode == 0 and "terminate called" not in stderr, (i, stderr[-3000:])
         assert ("Nothing to train" in stderr) == (i % 2 == 1), stderr[-3000:]

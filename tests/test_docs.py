@@ -30,7 +30,7 @@ import pytest
 
 from trainer import Trainer
 
-from conftest import Recorder, communicate, cpu_env, torchrun_command
+from conftest import Recorder, communicate, cpu_env, popen, torchrun_command
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = ["README.md"] + sorted(
@@ -203,7 +203,7 @@ def run_chain(chain, tmp_path, monkeypatch):
         script = tmp_path / "train.py"
         script.write_text(first.code)
         cmd = torchrun_command("--nproc_per_node", "2", str(script))
-        proc = subprocess.Popen(
+        proc = popen(
             cmd, cwd=tmp_path, env=cpu_env(OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True,
         )  # fmt: skip

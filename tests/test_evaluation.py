@@ -5,7 +5,6 @@ import json
 import logging
 import os
 import re
-import subprocess
 import textwrap
 from subprocess import PIPE
 
@@ -27,7 +26,7 @@ from torch.utils.data import (
 from trainer import HookBase
 from trainer.hooks import BestCheckpointHook, EvalHook
 
-from conftest import communicate, count_host_reads, cpu_env, torchrun_command
+from conftest import communicate, count_host_reads, cpu_env, popen, torchrun_command
 
 
 def squared_error(model, batch):
@@ -416,7 +415,7 @@ def test_two_ranks_evaluate_five_samples_exactly_with_both_loader_shapes(tmp_pat
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent(WORKER))
     cmd = torchrun_command("--nproc_per_node", "2", str(script), str(tmp_path / "work"))
-    proc = subprocess.Popen(cmd, stdout=PIPE, stderr=PIPE, text=True, env=cpu_env())
+    proc = popen(cmd, stdout=PIPE, stderr=PIPE, text=True, env=cpu_env())
     _, stderr = communicate(proc, timeout=120)
     assert proc.returncode == 0, stderr[-3000:]
     for rank in (0, 1):

@@ -11,7 +11,7 @@ from subprocess import PIPE
 import pytest
 import torch
 
-from conftest import communicate, cpu_env, free_port, torchrun_command
+from conftest import communicate, cpu_env, free_port, popen, torchrun_command
 
 pytestmark = pytest.mark.slow  # each runs an example, most under torchrun
 
@@ -20,7 +20,7 @@ pytest.importorskip("sklearn", reason="the examples extra (scikit-learn) is not 
 
 
 def run(cmd, cwd, timeout=180):
-    proc = subprocess.Popen(cmd, cwd=cwd, env=cpu_env(), stdout=PIPE, stderr=PIPE, text=True)
+    proc = popen(cmd, cwd=cwd, env=cpu_env(), stdout=PIPE, stderr=PIPE, text=True)
     stdout, stderr = communicate(proc, timeout)
     assert proc.returncode == 0, stderr[-3000:]
     return stdout + stderr
@@ -79,7 +79,7 @@ def test_train_digits_as_two_torchrun_nodes_on_localhost(tmp_path):
     # torchrun gives one-process nodes all CPU threads: one each, as on the single node
     env = cpu_env(OMP_NUM_THREADS="1")
     nodes = [
-        subprocess.Popen(
+        popen(
             torchrun + rdzv + ["--node_rank", str(n)] + args + ["--work-dir", "two"],
             cwd=tmp_path,
             env=env,
@@ -137,7 +137,7 @@ def test_train_gan_killed_and_rerun_is_bit_exact(tmp_path):
     def gan(work_dir, out, kill_at=-1):
         cmd = [sys.executable, str(driver), examples, str(out), "--epochs", "4"]
         env = cpu_env(KILL_AT=str(kill_at))
-        proc = subprocess.Popen(
+        proc = popen(
             cmd + ["--work-dir", str(work_dir)], cwd=tmp_path, env=env, stdout=PIPE, stderr=PIPE,
             text=True,
         )  # fmt: skip

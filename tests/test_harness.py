@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import communicate, cpu_env, torchrun_command
+from conftest import communicate, cpu_env, popen, torchrun_command
 
 HANG = """import os, pathlib, time
 
@@ -24,7 +24,7 @@ def test_a_hung_torchrun_fails_with_the_stack_of_every_worker(tmp_path):
     script.write_text(HANG)
     cmd = torchrun_command("--nproc_per_node", "2", str(script))
     env = cpu_env(READY_DIR=str(tmp_path))
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     while not (os.path.exists(tmp_path / "0") and os.path.exists(tmp_path / "1")):
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         time.sleep(0.1)

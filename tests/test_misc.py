@@ -26,7 +26,7 @@ from trainer.hooks import (
 )
 from trainer.misc import NUMBER, WorkDirLock, check_int, check_type
 
-from conftest import build, communicate, cpu_env
+from conftest import build, communicate, cpu_env, popen
 
 
 def test_check_int_tells_a_wrong_type_from_a_small_value():
@@ -175,7 +175,7 @@ def test_a_run_killed_with_sigkill_leaves_no_lock(tmp_path):
     script = tmp_path / "killed.py"
     tests = os.path.dirname(__file__)
     script.write_text(textwrap.dedent(KILLED.format(tests=tests, work=str(tmp_path / "work"))))
-    proc = subprocess.Popen([sys.executable, str(script)], env=cpu_env(),
+    proc = popen([sys.executable, str(script)], env=cpu_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     communicate(proc, timeout=60)
     assert proc.returncode == -signal.SIGKILL

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import communicate, cpu_env
+from conftest import communicate, cpu_env, popen
 
 pytestmark = pytest.mark.slow  # runs the snippet as a script, twice
 
@@ -23,7 +23,7 @@ def usage_snippet():
 
 
 def run(script, cwd):
-    proc = subprocess.Popen(
+    proc = popen(
         [sys.executable, str(script)], cwd=cwd, env=cpu_env(), stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -74,8 +74,8 @@ def test_readmes_counts_of_tests_are_what_pytest_collects():
     ).groups())  # fmt: skip
     slow = int(re.search(r"the (\d+) marked slow", readme).group(1))
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-         "-m", "not slow", "tests"],
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0",
+         "-p", "no:cacheprovider", "-m", "not slow", "tests"],
         cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -23,6 +23,7 @@ from conftest import (
     communicate,
     cpu_env,
     failure_output,
+    popen,
     save_checkpoint_file,
     torchrun_command,
 )
@@ -30,10 +31,12 @@ from conftest import (
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "resume_worker.py")
 
 
-def start(work_dir, out, **env):
+def start(work_dir, out, *, fresh=False, **env):
+    """The worker in a process of its own; ``fresh``: from a fresh interpreter, not forked
+    (``conftest.popen``)."""
     full_env = cpu_env(WORK_DIR=str(work_dir), OUT=str(out), MODE="epoch")
     full_env.update({k: str(v) for k, v in env.items()})
-    return subprocess.Popen(
+    return (subprocess.Popen if fresh else popen)(
         [sys.executable, WORKER], env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
@@ -50,9 +53,7 @@ def start_torchrun(work_dir, out, *, args=(), **env):
     cmd = torchrun_command("--nproc_per_node", "2", *args, WORKER)
     full_env = cpu_env(WORK_DIR=str(work_dir), OUT=str(out), MODE="epoch")
     full_env.update({k: str(v) for k, v in env.items()})
-    return subprocess.Popen(
-        cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    return popen(cmd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def torchrun(work_dir, out, *, args=(), **env):
@@ -334,7 +335,8 @@ def test_sigkill_at_random_moments_until_done(tmp_path, reference):
     work, out = tmp_path / "work", tmp_path / "out.pth"
     kills = 0
     for _ in range(4):
-        proc = start(work, out, SLOW=0.03, CKPT_PERIOD=2)
+        # fresh: the moments below count on an interpreter's start-up
+        proc = start(work, out, fresh=True, SLOW=0.03, CKPT_PERIOD=2)
         time.sleep(rng.uniform(1.0, 4.0))  # start-up takes ~1-3 s, training ~1 s more
         if proc.poll() is None:
             proc.kill()

@@ -23,7 +23,14 @@ from trainer import Trainer, checksum
 from trainer.sharded_checkpoint import STATE_FILE, read_metadata, read_weights
 from trainer.sharded_checkpoint import _main as sharded_main
 
-from conftest import communicate, cpu_env, failure_output, save_checkpoint_file, torchrun_command
+from conftest import (
+    communicate,
+    cpu_env,
+    failure_output,
+    popen,
+    save_checkpoint_file,
+    torchrun_command,
+)
 from test_resume import (
     assert_bit_equal,
     load,
@@ -576,7 +583,7 @@ def run_script(tmp_path, body, *args):
     printed."""
     script = tmp_path / "script.py"
     script.write_text(PREAMBLE + body + ENDING)
-    proc = subprocess.Popen(
+    proc = popen(
         torchrun_command("--nproc_per_node", "2", str(script), *map(str, args)), env=cpu_env(),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip

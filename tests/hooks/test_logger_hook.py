@@ -15,7 +15,7 @@ from trainer import HookBase, Trainer
 from trainer.hooks import EvalHook
 from trainer.writers import MetricWriter
 
-from conftest import FakeClock, Tick, TinyModel, communicate, cpu_env, tiny_loader
+from conftest import FakeClock, Tick, TinyModel, communicate, cpu_env, popen, tiny_loader
 
 
 def read_scalars(log_dir):
@@ -356,7 +356,7 @@ def test_tensorboard_keeps_every_log_point_once_after_a_kill(make_trainer, tmp_p
     tests = os.path.dirname(os.path.dirname(__file__))
     work = str(tmp_path / "work")
     script.write_text(KILLED_AT_AN_EPOCH_END.format(tests=tests, work=work))
-    proc = subprocess.Popen([sys.executable, str(script)], env=cpu_env(),
+    proc = popen([sys.executable, str(script)], env=cpu_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
     communicate(proc, timeout=60)
     assert proc.returncode == -signal.SIGKILL
