@@ -381,7 +381,7 @@ def test_sigterm_to_one_rank_saves_one_sharded_checkpoint_and_reruns_bit_exact(t
     assert STATE_FILE in os.listdir(work / "checkpoints" / f"iter_{n}.pth")  # whole, waited for
     code, err = torchrun(work, out, SHARD=1, CLIP=0.05)
     assert code == 0, failure_output(err)
-    assert f"at iteration {n}" in err
+    assert f"after iteration {n}." in err  # "Resumed from checkpoint ... after iteration n."
     assert_bit_equal(load(out), load(runs / "sharded.pth"))
     # the preemption's folder counts among the newest 3 the rerun keeps: no pile-up
     assert len([name for name in os.listdir(work / "checkpoints") if name != "latest.txt"]) == 3
