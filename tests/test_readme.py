@@ -75,7 +75,7 @@ def test_readmes_counts_of_tests_are_what_pytest_collects():
     slow = int(re.search(r"the (\d+) marked slow", readme).group(1))
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0",
-         "-p", "no:cacheprovider", "-m", "not slow", "tests"],
+         "-p", "no:cacheprovider", "-m", "not slow"],  # its testpaths: the doctests too
         cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
