@@ -219,12 +219,12 @@ class JSONLinesWriter(MetricWriter):
 # run.json keys that are not the run's settings, which a resumed run does not compare (LoggerHook
 # and MLflowWriter alike): the seed (random unless set, and a resume restores every RNG from the
 # checkpoint), the torch version (the machine's), the work_dir (the same folder, perhaps moved).
-NOT_SETTINGS = ("seed", "torch", "work_dir")
+_NOT_SETTINGS = ("seed", "torch", "work_dir")
 # Drawn only on a terminal: it comes and goes with where the output goes.
 _TERMINAL_HOOKS = ("ProgressBarHook",)
 
 
-def hook_names(hooks: Any) -> list[str]:
+def _hook_names(hooks: Any) -> list[str]:
     """The class names in run.json's ``hooks`` (``"EvalHook (priority 60)"``), those of hooks
     drawn only on a terminal left out."""
     names = [str(h).split(" (")[0] for h in hooks] if isinstance(hooks, list) else []
@@ -233,11 +233,11 @@ def hook_names(hooks: Any) -> list[str]:
 
 def settings_to_compare(config: dict[str, Any]) -> dict[str, Any]:
     """What a resumed run compares of run.json's ``config`` with the stopped run's: every key but
-    :data:`NOT_SETTINGS`, the hooks as their class names (:func:`hook_names`), sorted (their
+    ``_NOT_SETTINGS``, the hooks as their class names (``_hook_names``), sorted (their
     order aside)."""
-    settings = {key: value for key, value in config.items() if key not in NOT_SETTINGS}
+    settings = {key: value for key, value in config.items() if key not in _NOT_SETTINGS}
     if "hooks" in settings:
-        settings["hooks"] = sorted(hook_names(settings["hooks"]))
+        settings["hooks"] = sorted(_hook_names(settings["hooks"]))
     return settings
 
 

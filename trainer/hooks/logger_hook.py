@@ -13,15 +13,14 @@ from tabulate import tabulate
 from ..distributed import is_main_process
 from ..logger import open_no_follow
 from ..misc import check_int
-from ..writers import NOT_SETTINGS as _NOT_SETTINGS  # shared with MLflowWriter's comparison
 from ..writers import (
     ConsoleWriter,
     JSONLinesWriter,
     MetricWriter,
     TensorBoardWriter,
     format_seconds,
+    settings_to_compare,
 )
-from ..writers import hook_names as _hook_names
 from .hookbase import HookBase, Priority
 from .metric_watch import record_results
 
@@ -270,12 +269,13 @@ def _log_changes(
     if saved is None:
         return now
     changes, longer = [], True
-    for key in [k for k in now if k not in _NOT_SETTINGS] + [k for k in saved if k not in now]:
-        old, new = saved.get(key), now.get(key)
-        if key == "hooks":
-            old, new = (_hook_names(v) for v in (old, new))
-            if sorted(old) == sorted(new):  # the same hooks, perhaps reordered
+    before, after = settings_to_compare(saved), settings_to_compare(now)  # as MLflowWriter's
+    for key in [*after] + [k for k in before if k not in after]:
+        old, new = before.get(key), after.get(key)
+        if key == "hooks":  # class names, sorted: the same hooks, perhaps reordered, are equal
+            if old == new:
                 continue
+            old, new = old or [], new or []
             gone, added = [h for h in old if h not in new], [h for h in new if h not in old]
             changes.append(f"hooks {', '.join([f'+{h}' for h in added] + [f'-{h}' for h in gone])}")
         elif old == new:
