@@ -15,6 +15,7 @@ import time
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -151,6 +152,13 @@ def replaced_default_hooks(options: dict) -> list[HookBase]:
         writers = logger_options.pop("metric_writers", None)
         hooks.append(LoggerHook(options.get("log_period", 4), writers, **logger_options))
     return hooks
+
+
+def read_scalars(log_dir) -> dict:
+    """TensorBoard's scalars in ``log_dir``, by its own reader: ``{tag: [(step, value)]}``."""
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 class FakeClock:

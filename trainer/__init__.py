@@ -24,6 +24,7 @@ from .hooks import (
     Priority,
     ProfilerHook,
     ProgressBarHook,
+    TimerHook,
     WatchdogHook,
 )
 from .logger import setup_logger
@@ -36,9 +37,33 @@ __version__ = "0.1.0"
 
 # core-pytorch-utils' names, every hook of trainer.hooks, and the process-group helpers
 __all__ = [
-    "BestCheckpointHook", "CheckpointHook", "DistributedHook", "EarlyStoppingHook", "EMAHook",
-    "EvalHook", "HistoryBuffer", "HookBase", "LoggerHook", "LRUpdateHook", "LRWarmupScheduler",
-    "MetricStorage", "Priority", "ProfilerHook", "ProgressBarHook", "Trainer", "WatchdogHook",
-    "all_gather", "collect_env", "destroy_distributed", "gather", "get_rank", "get_world_size",
-    "init_distributed", "is_main_process", "reduce_dict", "set_random_seed", "setup_logger",
-]  # fmt: skip
+    "BestCheckpointHook",
+    "CheckpointHook",
+    "DistributedHook",
+    "EarlyStoppingHook",
+    "EMAHook",
+    "EvalHook",
+    "HistoryBuffer",
+    "HookBase",
+    "LoggerHook",
+    "LRUpdateHook",
+    "LRWarmupScheduler",
+    "MetricStorage",
+    "Priority",
+    "ProfilerHook",
+    "ProgressBarHook",
+    "TimerHook",
+    "Trainer",
+    "WatchdogHook",
+    "all_gather",
+    "collect_env",
+    "destroy_distributed",
+    "gather",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
+    "is_main_process",
+    "reduce_dict",
+    "set_random_seed",
+    "setup_logger",
+]

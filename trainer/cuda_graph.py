@@ -9,9 +9,11 @@ from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 from torch.optim import Optimizer
 
-logger = logging.getLogger(__name__)
+from .data import DataStream
+from .metric_storage import Logged, MetricStorage
+from .progress import Progress
 
-Outputs = tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]
+logger = logging.getLogger(__name__)
 
 # Eager iterations before the capture (PyTorch's recipe): they create the optimizer state, the
 # GradScaler's scale and cuDNN/cuBLAS workspaces, which must exist before a capture.
@@ -19,10 +21,18 @@ WARMUP_ITERS = 3
 
 
 def check_graphable(
-    model: nn.Module, optimizer: Optimizer, device: torch.device, float16_scaler: bool
+    model: nn.Module,
+    optimizer: Optimizer,
+    device: torch.device,
+    float16_scaler: bool,
+    built_in_step: bool = True,
 ) -> None:
     """Raise a clear error when the trainer's step cannot be captured in a CUDA graph."""
     fix = "; or train without cuda_graph=True."
+    if not built_in_step:
+        raise ValueError(
+            f"cuda_graph=True captures the built-in train_one_iter, not an override{fix}"
+        )
     if device.type != "cuda":
         raise ValueError(f"cuda_graph=True needs a model on a CUDA device, got {device}{fix}")
     if isinstance(model, (DistributedDataParallel, DataParallel)):
@@ -48,62 +58,82 @@ def check_graphable(
 
 
 class GraphedStep:
-    """Runs ``step(batches)`` eagerly for a few iterations, then captures it once and replays it.
+    """Runs ``step()``, the trainer's built-in ``train_one_iter``, eagerly for a few iterations,
+    then captures it in a CUDA graph once and replays it.
 
-    Batches are copied into static buffers on the device; the optimizer's LRs live in device
-    tensors during the capture, and each replay copies the current (scheduled) LRs into them, so
-    warmup and LR schedules keep working. An iteration whose batches differ in structure, shape
-    or dtype from the captured ones (the last partial batch, say) runs eagerly, logged once per
-    layout.
+    Each iteration's batches are fetched on the host first and copied into static buffers on the
+    device, which the step then takes from ``data`` (put back there). What the step logs while it
+    is captured is recorded, and after each replay logged again as copies (the next replay
+    overwrites the graph's outputs). The optimizer's LRs live in device tensors during the
+    capture, and each replay copies the current (scheduled) LRs into them, so warmup and LR
+    schedules keep working. An iteration whose batches differ in structure, shape or dtype from
+    the captured ones (the last partial batch, say) runs eagerly, logged once per layout.
 
     Args:
-        step: The trainer's eager step: takes the micro-batches and ``set_to_none`` (for
-            ``zero_grad``), returns the losses and the other metrics as device tensors.
+        step: The trainer's built-in step.
+        data: Where the step takes its batches from.
+        storage: Where the step logs.
+        progress: Where training is (the iteration a replay's values are logged at).
         optimizer: The optimizer ``step`` steps.
         device: The model's CUDA device.
+        batches_per_step: The batches one step takes (``accumulation_steps``).
     """
 
     def __init__(
-        self, step: Callable[[list[Any], bool], Outputs], optimizer: Optimizer, device: torch.device
+        self,
+        step: Callable[[], None],
+        data: DataStream,
+        storage: MetricStorage,
+        progress: Progress,
+        optimizer: Optimizer,
+        device: torch.device,
+        batches_per_step: int,
     ) -> None:
         self._step = step
+        self._data = data
+        self._storage = storage
+        self._progress = progress
         self._optimizer = optimizer
         self._device = device
+        self._batches_per_step = batches_per_step
         self._warmup_left = WARMUP_ITERS
         self._graph: Optional[torch.cuda.CUDAGraph] = None
         self._static_inputs: list[torch.Tensor] = []
         self._layout: Any = None
-        self._outputs: Optional[Outputs] = None
+        self._logged: list[Logged] = []  # what the captured step logs
+        self._grads: list[Optional[torch.Tensor]] = []  # the graph's gradient buffers
         self._lrs: list[torch.Tensor] = []
         self._lr_values: list[float] = []
         self._seen_layouts: set[str] = set()
 
-    def __call__(self, batches: list[Any]) -> Outputs:
+    def __call__(self) -> None:
         if self._warmup_left > 0:
             self._warmup_left -= 1
-            return self._on_side_stream(batches)
+            self._on_side_stream()
+            return
+        batches = [self._data.next_batch() for _ in range(self._batches_per_step)]
         if self._graph is None:
             self._capture(batches)
         elif not self._copy_inputs(batches):
-            return self._eager(batches)
+            self._eager(batches)
+            return
         self._set_lrs()
         self._graph.replay()
-        losses, extras = self._outputs
-        # Cloned: the next replay overwrites the static outputs, and these wait for a log point.
-        return {k: v.clone() for k, v in losses.items()}, {k: v.clone() for k, v in extras.items()}
+        for metrics, options in self._logged:
+            # copies: the next replay overwrites the outputs, and these wait for a log point
+            copies = {name: value.clone() for name, value in metrics.items()}
+            self._storage.add(self._progress.iter, copies, **options)
 
-    def _on_side_stream(self, batches: list[Any]) -> Outputs:
+    def _on_side_stream(self) -> None:
         side = torch.cuda.Stream(self._device)
         side.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(side):
-            outputs = self._step(batches, True)
+            self._step()
         torch.cuda.current_stream(self._device).wait_stream(side)
-        return outputs
 
     def _capture(self, batches: list[Any]) -> None:
         flat, self._layout = _flatten(batches)
         self._static_inputs = [t.to(self._device, copy=True) for t in flat]
-        static_batches = _unflatten(self._layout, iter(self._static_inputs))
         groups = self._optimizer.param_groups
         self._lr_values = [float(g["lr"]) for g in groups]
         self._lrs = [torch.tensor(lr, device=self._device) for lr in self._lr_values]
@@ -111,20 +141,25 @@ class GraphedStep:
         try:
             for group, lr in zip(groups, self._lrs):
                 group["lr"] = lr  # the graph reads the LR from this tensor on every replay
+            self._data.put_back(_unflatten(self._layout, iter(self._static_inputs)))
             # thread_local: a data loader's pin-memory thread may call CUDA meanwhile
-            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                self._outputs = self._step(static_batches, True)
+            with (
+                self._storage.recording() as self._logged,
+                torch.cuda.graph(graph, capture_error_mode="thread_local"),
+            ):
+                self._step()
         except Exception as e:
             raise RuntimeError(
                 "cuda_graph=True could not capture the training step in a CUDA graph: "
-                f"{type(e).__name__}: {e}\nA captured step must have static shapes, no host "
-                "sync (.item(), .cpu(), printing a tensor) and no data-dependent control flow. "
-                "Train with cuda_graph=False for this model."
+                f"{type(e).__name__}: {e}\nA captured step needs static shapes, no host sync "
+                "(.item(), .cpu(), printing a tensor) and no data-dependent control flow; or "
+                "train with cuda_graph=False."
             ) from e
         finally:
             for group, lr in zip(groups, self._lr_values):
                 group["lr"] = lr  # checkpoints and schedulers see plain numbers
         self._graph = graph
+        self._grads = [p.grad for group in groups for p in group["params"]]
         logger.info(f"Captured the training step in a CUDA graph ({len(flat)} input tensors).")
 
     def _copy_inputs(self, batches: list[Any]) -> bool:
@@ -141,7 +176,7 @@ class GraphedStep:
                 self._lr_values[i] = group["lr"]
                 self._lrs[i].fill_(group["lr"])  # a device-side fill: no sync
 
-    def _eager(self, batches: list[Any]) -> Outputs:
+    def _eager(self, batches: list[Any]) -> None:
         key = repr(_flatten(batches)[1])
         if key not in self._seen_layouts:
             self._seen_layouts.add(key)
@@ -149,8 +184,12 @@ class GraphedStep:
                 f"Batches of layout {key} differ from the captured {self._layout!r}: such "
                 "iterations run eagerly."
             )
-        # set_to_none=False keeps the captured gradient buffers as the parameters' .grad
-        return self._step(batches, False)
+        self._data.put_back(batches)
+        self._step()
+        # the step's zero_grad dropped the graph's gradient buffers, which its replays fill
+        params = [p for group in self._optimizer.param_groups for p in group["params"]]
+        for param, grad in zip(params, self._grads):
+            param.grad = grad
 
 
 def _flatten(obj: Any) -> tuple[list[torch.Tensor], Any]:

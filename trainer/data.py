@@ -49,9 +49,10 @@ class DataStream:
 
     def __init__(self, data_loader: Any, cpu: Optional[CpuGroup] = None) -> None:
         self.data_loader = data_loader
-        self.data_time = 0.0  # seconds spent waiting for batches, since the caller reset it
+        self.data_time = 0.0  # seconds spent waiting for batches, in all
         self._cpu = cpu or CpuGroup()
         self._iter: Optional[Any] = None
+        self._ahead: collections.deque = collections.deque()  # batches to give before the pass's
         self._pass_rng: Optional[dict[str, Any]] = None  # the RNG state the pass started with
         self._to_skip = 0
         self._restored = False  # the loader was given its state from a checkpoint
@@ -69,6 +70,8 @@ class DataStream:
 
     def next_batch(self) -> Any:
         """The next batch of the current pass (a new pass starts when there is none)."""
+        if self._ahead:
+            return self._ahead.popleft()
         start = time.perf_counter()
         if self._iter is None:
             self._iter = self._start_pass()
@@ -93,9 +96,14 @@ class DataStream:
         """Whether the pass has another iteration's ``n`` batches: always, with a length."""
         return True
 
+    def put_back(self, batches: list[Any]) -> None:
+        """Give ``batches`` at the next calls of :meth:`next_batch`, before the pass's own."""
+        self._ahead.extendleft(reversed(batches))
+
     def release(self) -> None:
         """After a failure, drop the pass and shut its worker processes down now (unless
         persistent)."""
+        self._ahead.clear()
         data_iter, self._iter = self._iter, None
         if not getattr(data_iter, "_persistent_workers", False):
             # what the iterator's __del__ does, which a traceback holding it would delay
@@ -105,6 +113,7 @@ class DataStream:
 
     def end_pass(self) -> None:
         """Forget the current pass: the next batch starts a new one."""
+        self._ahead.clear()
         self._iter = None
 
     def _start_pass(self) -> Any:
@@ -247,14 +256,8 @@ class UnsizedDataStream(DataStream):
 
     def __init__(self, data_loader: Any, cpu: Optional[CpuGroup] = None) -> None:
         super().__init__(data_loader, cpu)
-        self._ahead: collections.deque = collections.deque()  # the batches fetched early
         self._drawn = 0  # batches drawn from the current pass
         self._restored_pass = False  # the current pass went on from the loader's own state
-
-    def next_batch(self) -> Any:
-        if self._ahead:
-            return self._ahead.popleft()
-        return super().next_batch()
 
     def has_next(self, n: int) -> bool:
         """Whether the current pass has the ``n`` batches of another iteration, fetched now
@@ -287,13 +290,9 @@ class UnsizedDataStream(DataStream):
             self.pass_ended = True
         return full
 
-    def release(self) -> None:
-        self._ahead.clear()
-        super().release()
-
     def end_pass(self) -> None:
-        self._ahead.clear()
-        self._drawn, self.pass_ended = 0, False
+        self._drawn = 0
+        self.pass_ended = False
         super().end_pass()
 
     def _start_pass(self) -> Any:

@@ -1,6 +1,7 @@
 """Metrics: :class:`MetricStorage`, a :class:`~trainer.HistoryBuffer` per name, with the values
 still waiting on their device for the next log point."""
 
+import contextlib
 import itertools
 import math
 from collections.abc import Collection, Iterator, Mapping
@@ -41,6 +42,7 @@ class MetricStorage(Mapping):
         self._epoch_len = epoch_len
         self._cpu = cpu or CpuGroup()
         self._pending: dict[str, _Series] = {}
+        self._recording: Optional[list[Logged]] = None  # see recording()
 
     def __getitem__(self, name: str) -> HistoryBuffer:
         return self._buffers[name]
@@ -129,6 +131,10 @@ class MetricStorage(Mapping):
         ``check_finite``) at once, as :meth:`update` does; scalar tensors and the rest at the next
         :meth:`flush` (a one-element tensor is reshaped and detached; what is neither a number
         nor a one-element tensor with a value raises, naming the metric)."""
+        if self._recording is not None:
+            options = {"smooth": smooth, "check_finite": check_finite, "reduce": reduce}
+            self._recording.append((metrics, options))
+            return
         if not (reduce or check_finite):
             now = {
                 name: value
@@ -150,6 +156,17 @@ class MetricStorage(Mapping):
                 series = self._pending[name] = _Series(smooth, check_finite, reduce, [], [])
             series.iters.append(iter)
             series.values.append(value)
+
+    @contextlib.contextmanager
+    def recording(self) -> Iterator[list["Logged"]]:
+        """For the block, keep what :meth:`add` is given in the list yielded, as ``(metrics,
+        options)``, instead of adding it: what a CUDA graph's capture logs, which each replay
+        adds again."""
+        self._recording = []
+        try:
+            yield self._recording
+        finally:
+            self._recording = None
 
     def flush(self, every_rank: bool = False) -> None:
         """Move pending values into the buffers; raise on a non-finite loss. ``every_rank``:
@@ -234,6 +251,9 @@ def _check_metric(name: str, value: Any) -> None:
             f"{type(value).__name__}{got}{text}. Pass an int, float or bool, a NumPy scalar, or "
             "a tensor of one value."
         )
+
+
+Logged = tuple[dict[str, Any], dict[str, bool]]  # what add() was given: (metrics, options)
 
 
 class _Series(NamedTuple):  # one metric's values waiting for the next flush

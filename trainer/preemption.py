@@ -45,15 +45,14 @@ class Preemption:
         self.caught: Optional[int] = None  # the signal this process caught
         self._cpu = cpu or CpuGroup()
         self._agreement: Optional[_Agreement] = None  # under torchrun, while catching
-        self.distributed = False  # under torchrun: agreed_signal is due every iteration
 
     @contextlib.contextmanager
     def catching(self) -> Iterator[None]:
         """Catch the signals for the block (in the main thread only). A signal it did not act on
         (in the last iteration, or after it) still exits the process if the block ends normally."""
-        self.caught, self._agreement = None, None
-        self.distributed = get_world_size() > 1
-        if self.distributed:
+        self.caught = None
+        self._agreement = None
+        if get_world_size() > 1:
             self._agreement = _Agreement(self.check_period, self._cpu)
         if threading.current_thread() is not threading.main_thread():
             yield  # Python lets only the main thread handle signals
@@ -80,6 +79,12 @@ class Preemption:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
         self.caught = signum
+
+    @property
+    def pending(self) -> bool:
+        """Whether :meth:`agreed_signal` is due after this iteration: this process caught a signal,
+        or under torchrun, where the ranks check every ``check_period`` iterations."""
+        return self.caught is not None or self._agreement is not None
 
     def agreed_signal(self, iteration: int, write_failed: bool = False) -> int:
         """The signal that every rank stops for after ``iteration``, 0 to go on, or

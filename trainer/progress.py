@@ -31,15 +31,12 @@ class Progress:
     position: Position = (0, 0)
     stopped: bool = False  # Trainer.stop was called (or the resumed checkpoint remembers it)
     saved: tuple[Position, bool] = ((-1, -1), False)  # the last checkpoint's position and stop
-    last_log_iter: int = -1  # the last iteration that was a log point
-    data_seconds: float = 0.0  # waiting for batches in this train(), up to the last log point
-    failed: bool = False  # an exception ended this train()
+    error: Optional[BaseException] = None  # the exception that ended this train(), if any
 
-    def begin_epoch(self, epoch: int) -> int:
-        """Enter ``epoch``; returns the iterations of it already done (when resuming)."""
-        done = self.position[1] if self.position[0] == epoch else 0
-        self.epoch, self.epoch_start = epoch, self.iter + 1 - done
-        return done
+    def begin_epoch(self) -> None:
+        """Enter the epoch of :attr:`position` (its first iteration, or where it was left)."""
+        self.epoch = self.position[0]
+        self.epoch_start = self.iter + 1 - self.position[1]
 
     @property
     def epoch_iters(self) -> int:
@@ -58,7 +55,7 @@ class Progress:
         """How ``train()`` ended, for the hooks' ``after_train``: ``"failed"`` (an exception
         ended it), ``"finished"`` (every iteration done, or :meth:`Trainer.stop`), else
         ``"killed"`` (a preemption signal or Ctrl-C ended it early)."""
-        if self.failed:
+        if self.error is not None:
             return "failed"
         return "finished" if self.finished else "killed"
 

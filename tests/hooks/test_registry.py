@@ -36,7 +36,7 @@ def test_a_default_hook_is_replaced_by_unregistering_its_class(make_trainer):
     trainer.register_hook(EveryFourIterations(period=4, by_epoch=False))
     trainer.train()
     assert sorted(os.listdir(trainer.ckpt_dir)) == ["epoch_1.pth", "iter_4.pth", "latest.txt"]
-    assert trainer.hooks.info()[2] == "EveryFourIterations (priority 80)"
+    assert trainer.hooks.info()[3] == "EveryFourIterations (priority 80)"
 
 
 def test_unregister_one_instance_keeps_the_others(make_trainer):

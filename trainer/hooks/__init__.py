@@ -11,10 +11,22 @@ from .logger_hook import LoggerHook
 from .lr_update_hook import LRUpdateHook
 from .profiler_hook import ProfilerHook
 from .progress_bar_hook import ProgressBarHook
+from .timer_hook import TimerHook
 from .watchdog_hook import WatchdogHook
 
 __all__ = [
-    "BestCheckpointHook", "CheckpointHook", "DistributedHook", "EarlyStoppingHook", "EMAHook",
-    "EvalHook", "HookBase", "LoggerHook", "LRUpdateHook", "Priority", "ProfilerHook",
-    "ProgressBarHook", "WatchdogHook",
-]  # fmt: skip
+    "BestCheckpointHook",
+    "CheckpointHook",
+    "DistributedHook",
+    "EarlyStoppingHook",
+    "EMAHook",
+    "EvalHook",
+    "HookBase",
+    "LoggerHook",
+    "LRUpdateHook",
+    "Priority",
+    "ProfilerHook",
+    "ProgressBarHook",
+    "TimerHook",
+    "WatchdogHook",
+]

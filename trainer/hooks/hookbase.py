@@ -6,6 +6,9 @@ from typing import Any
 class Priority:
     """When a hook runs relative to the others: lower first, ties in registration order."""
 
+    # The log point first: the period's times and LRs are logged, and its metrics moved off the
+    # device, before any other hook reads them.
+    TIMER = 5
     # The sampler epoch must be set before anything creates this epoch's data iterator.
     DISTRIBUTED = 10
     # User hooks run before the built-in ones below, so their effects are logged and saved.

@@ -11,7 +11,7 @@ from typing import Any, Optional
 from tabulate import tabulate
 
 from ..distributed import is_main_process
-from ..logger import open_no_follow
+from ..logger import TRACEBACK_FOLLOWS, open_no_follow
 from ..misc import check_int
 from ..writers import (
     ConsoleWriter,
@@ -75,6 +75,7 @@ class LoggerHook(HookBase):
         self._written: dict[str, int] = {}  # metric -> values already written
         self._resumed_written: Optional[dict[str, int]] = None  # the checkpoint's _written
         self._train_start: Optional[float] = None  # when its before_train ran
+        self._data_start = 0.0  # trainer.data_seconds then
         self._evals: dict[str, dict[str, Any]] = {}  # evaluated metrics' final and best values
 
     def before_train(self) -> None:
@@ -89,6 +90,7 @@ class LoggerHook(HookBase):
             )
         self._log_start()
         self._train_start = time.perf_counter()
+        self._data_start = trainer.data_seconds
         # a resumed run writes what its checkpoint had not written yet (at later steps)
         written, self._resumed_written = self._resumed_written, None
         if written is None:
@@ -159,9 +161,8 @@ class LoggerHook(HookBase):
         """Write this iteration's log point, if it is one (at a stop's save, what is left), and
         flush the writers: a kill after the save loses no row that the resumed run will not
         write again, and a continued stop writes none twice."""
-        progress = self.trainer.progress
-        log_point = progress.last_log_iter == self.trainer.cur_iter
-        if log_point or progress.stopped:
+        log_point = self.every_n_iters(self.trainer.log_period) or self.is_last_iter()
+        if log_point or self.trainer.progress.stopped:
             self._write(log_point)
         for writer in self._writers:
             writer.flush()
@@ -173,7 +174,22 @@ class LoggerHook(HookBase):
         self._write(log_point=False, names=set(results))
 
     def after_train(self) -> None:
-        """Write what is left, close the writers and log the summary table."""
+        """Log the failure that ended training, if one did (its traceback in the log file; on the
+        console Python prints it), write what is left, close the writers and log the summary
+        table."""
+        trainer = self.trainer
+        error = trainer.progress.error
+        if error is not None:
+            where = "as it started"
+            if trainer.cur_iter >= trainer.start_iter:
+                where = f"in iteration {trainer.cur_iter + 1} of {trainer.max_iters}"
+            if is_main_process():  # rank 0 writes the checkpoints: it knows
+                where += f" (last checkpoint on disk: {trainer.checkpointer.last_path or 'none'})"
+            logger.error(
+                f"Training failed {where}: {type(error).__name__}: {error}",
+                exc_info=error,
+                extra={TRACEBACK_FOLLOWS: True},
+            )
         try:
             self._write(log_point=False)
         finally:
@@ -182,7 +198,6 @@ class LoggerHook(HookBase):
             self._writers = []
         if self._train_start is None:  # training failed before this hook's before_train
             return
-        trainer = self.trainer
         logs = [trainer.log_file]
         if is_main_process():
             logs += [os.path.join(trainer.work_dir, "metrics.jsonl")] if self._metrics_jsonl else []
@@ -190,7 +205,8 @@ class LoggerHook(HookBase):
         seconds = time.perf_counter() - self._train_start
         self._train_start = None
         iters = trainer.cur_iter + 1 - trainer.start_iter
-        logger.info("\n" + _summary_table(trainer, seconds, iters, self._evals, logs))
+        waited = trainer.data_seconds - self._data_start
+        logger.info("\n" + _summary_table(trainer, seconds, waited, iters, self._evals, logs))
 
     def state_dict(self) -> dict[str, Any]:
         """The evaluated metrics' final and best values (for the summary of a resumed run), and
@@ -308,18 +324,23 @@ def _markdown_table(config: dict[str, Any]) -> str:
 
 
 def _summary_table(
-    trainer: Any, seconds: float, iters: int, evals: dict[str, dict[str, Any]], logs: list[str]
+    trainer: Any,
+    seconds: float,
+    waited: float,
+    iters: int,
+    evals: dict[str, dict[str, Any]],
+    logs: list[str],
 ) -> str:
     """The table logged when training ends: the wall time of this ``train()`` (``seconds``, for
-    ``iters`` iterations) and where it went, the evaluated metrics' final and best values
-    (``evals``), the checkpoints on disk and the ``logs`` written."""
+    ``iters`` iterations) and where it went (``waited`` for batches), the evaluated metrics'
+    final and best values (``evals``), the checkpoints on disk and the ``logs`` written."""
     wall = format_seconds(seconds)
     if seconds >= 60:
         wall = str(datetime.timedelta(seconds=round(seconds)))
     done = f"iteration {trainer.cur_iter + 1} of {trainer.max_iters}"
     if iters:
         speed = f"{wall} for {iters} iterations ({iters / max(seconds, 1e-9):.3g} it/s), {done}"
-        data = _share(trainer.progress.data_seconds, seconds)
+        data = _share(waited, seconds)
         rows = [["wall time", speed], ["data loading", data]]
         hooks = sorted(trainer.hooks.seconds_by_class().items(), key=lambda item: -item[1])
         rows += [[f"hook {name}", _share(s, seconds)] for name, s in hooks]

@@ -84,10 +84,16 @@ class ProgressBarHook(HookBase):
             self._line.finish()
 
     def after_train(self) -> None:
-        """Stop drawing (the last line stays)."""
-        if self._line is not None:
+        """Stop drawing: the last line stays, unless training did not finish (a traceback or
+        the Ctrl-C line comes next)."""
+        if self._line is None:
+            return
+        if self.trainer.progress.outcome == "finished":
             self._line.finish()
-            self._line = trainer_logging.live_line = None
+        else:
+            self._line.erase()
+        self._line = None
+        trainer_logging.live_line = None
 
     def _draw(self, line: LiveLine, now: float) -> None:
         self._next_draw = now + self._interval

@@ -1,6 +1,5 @@
 """The trainer's hooks, in the order they run, and the timing of every call."""
 
-import sys
 import time
 import weakref
 from collections.abc import Iterator
@@ -93,29 +92,18 @@ class HookRegistry:
         }
         self._periods = [periods[i] for i, _ in self._handlers["after_iter"]]
         self._seconds = [0.0] * len(self._hooks)
-        self.any_before_iter = bool(self._handlers["before_iter"])
-        # the next iteration after which an after_iter handler is due
-        self.after_iter_due = 0 if self._periods else sys.maxsize
-
-    def call_after_iter(self, it: int, max_iters: int) -> None:
-        """After iteration ``it``: run the ``after_iter`` handlers due (by their period, and all
-        after the last iteration), and set ``after_iter_due``, which the loop checks."""
-        handlers, periods, done = self._handlers["after_iter"], self._periods, it + 1
-        if max(periods, default=1) == 1:
-            self.after_iter_due = done
-        else:
-            if done != max_iters:
-                handlers = [h for h, p in zip(handlers, periods) if done % p == 0]
-            due = [(done // p + 1) * p - 1 for p in periods] + [max_iters - 1]
-            self.after_iter_due = min(i for i in due if i > it)
-        self._run(handlers, ())
 
     def call(self, event: str, *args: Any, every_handler: bool = False) -> None:
-        """Run every hook's ``event`` handler, timing each. With ``every_handler``, a handler
-        that raises does not stop the others; the first error is raised after them."""
+        """Run every hook's ``event`` handler, timing each; ``after_iter`` runs each hook after
+        every ``after_iter_period()``-th iteration and the last. With ``every_handler``, a
+        handler that raises does not stop the others; the first error is raised after them."""
         handlers = self._handlers.get(event)
         if handlers is None:
             raise ValueError(f"event must be one of {', '.join(EVENTS)}; got {event!r}.")
+        if event == "after_iter":
+            done = self._owner.cur_iter + 1
+            last = done == self._owner.max_iters
+            handlers = [h for h, p in zip(handlers, self._periods) if last or done % p == 0]
         self._run(handlers, args, every_handler)
 
     def _run(
