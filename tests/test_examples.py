@@ -46,7 +46,7 @@ def test_train_digits_reaches_95_percent_and_readmes_commands_pass_after_each_ot
     assert " passed" in run(docs + ["tests/test_docs.py"], cwd=checkout)  # else run() fails
     # rerunning resumes the finished run instead of training again
     again = run([sys.executable, script], cwd=checkout)
-    assert "Nothing to train: " in again and "after 15 of 15 epochs (675 iterations), " in again
+    assert "Nothing to train: " in again and "run of 15 epochs (675 iterations) " in again
     assert final_accuracy(again) == final_accuracy(output)
 
 

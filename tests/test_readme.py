@@ -48,10 +48,8 @@ def test_the_usage_snippet_trains_in_work_dir_and_a_rerun_says_it_is_finished(tm
     assert re.search(rf"logs +log\.txt, metrics\.jsonl, tb_logs in {re.escape(str(work))}\n", log)
     again = run(script, cwd=tmp_path)
     assert (
-        f"Nothing to train: {work} holds a finished run, resumed from {work}/checkpoints/"
-        "epoch_10.pth after 10 of 10 epochs (320 iterations), since train() resumes the run in "
-        "its work_dir (auto_resume=True). To start a new run, pass another work_dir, or "
-        "train(auto_resume=False)"
+        f"Nothing to train: {work} holds a finished run of 10 epochs (320 iterations) "
+        f"({work}/checkpoints/epoch_10.pth)."
     ) in again
 
 

@@ -164,7 +164,8 @@ class Interrupt:
         """Catch Ctrl-C for the block, which ends an interrupted run with one line and
         ``SystemExit(130)``; a ``KeyboardInterrupt`` raised otherwise ends the same way. A
         handler of the user's, or SIGINT ignored (a background job), stays as it is."""
-        self.count, self.put_off = 0, False
+        self.count = 0
+        self.put_off = False
         previous = signal.getsignal(signal.SIGINT)
         main = threading.current_thread() is threading.main_thread()  # where handlers run
         ours = main and previous is signal.default_int_handler

@@ -595,9 +595,9 @@ class Trainer:
         sync) as ``name``: ``grad_norm``, or ``grad_norm/<registered name>`` for another. With
         float16 the trainer's optimizer's skipped steps are logged as ``amp_skipped_steps``."""
         metrics: dict[str, Any] = {}
-        if optimizer is None or optimizer is self.optimizer:
-            optimizer, default = self.optimizer, "grad_norm"
-        else:  # in the checkpoints, so that it resumes exactly
+        optimizer = optimizer or self.optimizer
+        default = "grad_norm"
+        if optimizer is not self.optimizer:  # in the checkpoints, so that it resumes exactly
             default = f"grad_norm/{self._checkpointer.name_of(optimizer)}"
         norm = self._step.clip_and_step(optimizer)
         if norm is not None:

@@ -113,8 +113,9 @@ class LoggerHook(HookBase):
         with open_no_follow(os.path.join(trainer.work_dir, "run.json"), append=False) as f:
             json.dump(config, f, indent=2)
         if self._tensorboard:
-            log_dir, evals = trainer.tb_log_dir, self._evals
-            writer = TensorBoardWriter(log_dir, trainer.start_iter, eval_names=evals)
+            writer = TensorBoardWriter(
+                trainer.tb_log_dir, trainer.start_iter, eval_names=self._evals
+            )
             writer.write_text("run", _markdown_table(config), trainer.start_iter + 1)
             self._writers.append(writer)
         if self._metrics_jsonl:
@@ -125,29 +126,26 @@ class LoggerHook(HookBase):
             self._writers.append(extra)
 
     def _log_start(self) -> None:
-        """Say where training starts, or that the run is finished and how to start afresh."""
-        trainer, progress = self.trainer, self.trainer.progress
+        """Say where training starts, or that the run is finished and how to train more (a
+        stopped run: the trainer says so)."""
+        trainer = self.trainer
+        progress = trainer.progress
         last = trainer.checkpointer.last_path
-        if progress.finished and not progress.stopped:  # a stopped run: the trainer says so
-            done = progress.resumed_iters  # the checkpoint's: it may hold more than max_iters
-            unit, count, most, extra = "iterations", done, trainer.max_iters, ""
+        if progress.stopped:
+            return
+        if progress.finished:
+            held = f"{progress.resumed_iters} iterations"  # the checkpoint's: max_iters may cut
             if trainer.train_by_epoch:
-                unit, count, most = "epochs", progress.position[0], trainer.max_epochs
-                extra = f" ({done} iterations)"
-            after = f"after {count} of {most} {unit}{extra}"
-            if done > trainer.max_iters:
-                after = f"after {count} {unit}{extra}, more than max_{unit}={most} asks"
+                held = f"{progress.position[0]} epochs ({held})"
             logger.info(
-                f"Nothing to train: {trainer.work_dir} holds a finished run, resumed from {last} "
-                f"{after}, since train() resumes the run in its work_dir (auto_resume=True). To "
-                "start a new run, pass another work_dir, or train(auto_resume=False) to train "
-                "afresh over this one's files; to train this one longer, raise max_epochs or "
-                "max_iters."
+                f"Nothing to train: {trainer.work_dir} holds a finished run of {held} ({last}). "
+                "To train longer, raise max_epochs or max_iters; to start afresh, pass another "
+                "work_dir or train(auto_resume=False)."
             )
-        elif not progress.stopped:
-            origin = f"resuming {last}" if trainer.start_iter > 0 and last is not None else "afresh"
-            first = f"iteration {trainer.start_iter + 1} of {trainer.max_iters}"
-            logger.info(f"Start training with {first} in {trainer.work_dir}, {origin}.")
+            return
+        origin = f"resuming {last}" if trainer.start_iter > 0 and last is not None else "afresh"
+        first = f"iteration {trainer.start_iter + 1} of {trainer.max_iters}"
+        logger.info(f"Start training with {first} in {trainer.work_dir}, {origin}.")
 
     def after_iter_period(self) -> int:
         """Every log point: every ``log_period``-th iteration, and the last."""
@@ -284,7 +282,8 @@ def _log_changes(
     checkpoint restores."""
     if saved is None:
         return now
-    changes, longer = [], True
+    changes = []
+    longer = True  # only a larger max_epochs or max_iters
     before, after = settings_to_compare(saved), settings_to_compare(now)  # as MLflowWriter's
     for key in [*after] + [k for k in before if k not in after]:
         old, new = before.get(key), after.get(key)
@@ -297,8 +296,8 @@ def _log_changes(
         elif old == new:
             continue
         elif key in _RESTORED:
-            changes.append(f"{key} stays {json.dumps(old)} (given {json.dumps(new)}: the "
-                           "checkpoint restores it)")  # fmt: skip
+            restored = f"(given {json.dumps(new)}: the checkpoint restores it)"
+            changes.append(f"{key} stays {json.dumps(old)} {restored}")
         else:
             changes.append(f"{key} {json.dumps(old)} -> {json.dumps(new)}")
         raised = isinstance(old, int) and isinstance(new, int) and new > old

@@ -7,8 +7,16 @@ from typing import Any, Callable, Optional, Union
 
 from .hookbase import HookBase
 
-EVENTS = ("before_train", "after_train", "before_epoch", "after_epoch", "before_iter",
-          "after_iter", "after_eval", "before_save_checkpoint")  # fmt: skip
+EVENTS = (
+    "before_train",
+    "after_train",
+    "before_epoch",
+    "after_epoch",
+    "before_iter",
+    "after_iter",
+    "after_eval",
+    "before_save_checkpoint",
+)
 
 
 class HookRegistry:
@@ -109,8 +117,8 @@ class HookRegistry:
     def _run(
         self, handlers: list[tuple[int, Callable]], args: tuple, every_handler: bool = False
     ) -> None:
-        seconds, clock, errors = self._seconds, time.perf_counter, []
-        start = clock()
+        errors = []
+        start = time.perf_counter()
         for i, handler in handlers:
             if handler.__self__.trainer is None:  # unregistered by a hook that ran before it
                 continue
@@ -120,8 +128,8 @@ class HookRegistry:
                 if not every_handler:
                     raise
                 errors.append(e)
-            end = clock()  # one reading ends this handler's time and starts the next one's
-            seconds[i] += end - start
+            end = time.perf_counter()  # ends this handler's time and starts the next one's
+            self._seconds[i] += end - start
             start = end
         if errors:
             raise errors[0]
