@@ -211,5 +211,5 @@ def test_cuda_graph_capture_failure_is_a_clear_error(tmp_path):
             return loss * 2 if loss.item() > 100 else loss  # data-dependent control flow
 
     trainer = cuda_trainer(tmp_path, Syncs, cuda_graph=True, capturable=True)
-    with pytest.raises(RuntimeError, match="could not capture the training step"):
+    with pytest.raises(RuntimeError, match="cuda_graph=True could not capture the step"):
         trainer.train()

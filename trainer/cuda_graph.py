@@ -44,16 +44,14 @@ def check_graphable(
     # or not; SGD has none, and only its fused kernel reads a tensor LR without a host sync.
     if not all(g.get("capturable") or ("capturable" not in g and g.get("fused")) for g in groups):
         raise ValueError(
-            "cuda_graph=True needs an optimizer that runs inside a CUDA graph with its LR in a "
-            f"tensor, got {type(optimizer).__name__} without capturable=True (or fused=True for "
-            "SGD). Pass capturable=True to Adam, AdamW and the like (with fused=True as well for "
-            f"float16 AMP), or fused=True to SGD{fix}"
+            f"cuda_graph=True needs an optimizer a CUDA graph can hold, got "
+            f"{type(optimizer).__name__}: pass capturable=True to Adam, AdamW and the like, "
+            f"fused=True to SGD{fix}"
         )
     if float16_scaler and not all(g.get("fused") for g in groups):
         raise ValueError(
-            "cuda_graph=True with float16 AMP needs a fused optimizer (fused=True): with others "
-            "the GradScaler reads its inf flag on the host, which a CUDA graph cannot do. Or use "
-            f"enable_amp=torch.bfloat16{fix}"
+            "cuda_graph=True with float16 AMP needs fused=True on the optimizer (the GradScaler "
+            f"reads its inf flag on the host otherwise), or enable_amp=torch.bfloat16{fix}"
         )
 
 
@@ -150,10 +148,9 @@ class GraphedStep:
                 self._step()
         except Exception as e:
             raise RuntimeError(
-                "cuda_graph=True could not capture the training step in a CUDA graph: "
-                f"{type(e).__name__}: {e}\nA captured step needs static shapes, no host sync "
-                "(.item(), .cpu(), printing a tensor) and no data-dependent control flow; or "
-                "train with cuda_graph=False."
+                f"cuda_graph=True could not capture the step: {type(e).__name__}: {e}. It needs "
+                "static shapes, no host sync and no data-dependent control flow; or pass "
+                "cuda_graph=False."
             ) from e
         finally:
             for group, lr in zip(groups, self._lr_values):

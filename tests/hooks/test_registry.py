@@ -190,8 +190,8 @@ def test_a_second_hook_of_a_default_hooks_class_is_refused_naming_the_swap(
     trainer = make_trainer(max_epochs=1)
     new = hook()
     name = type(new).__name__
-    with pytest.raises(ValueError, match=rf"A {name} is registered already.*{twice}.*"
-                       rf"trainer.unregister_hook\({name}\)"):  # fmt: skip
+    match = rf"A {name} is registered already.*{twice}.*trainer.unregister_hook\({name}\)"
+    with pytest.raises(ValueError, match=match):
         trainer.register_hook(new)
     trainer.unregister_hook(type(new))
     trainer.register_hook(new)  # in place of the default one
@@ -202,8 +202,7 @@ def test_a_logger_hook_with_another_period_than_the_trainers_is_refused(make_tra
     trainer = make_trainer(max_epochs=1, log_period=4)
     trainer.unregister_hook(LoggerHook)
     trainer.register_hook(LoggerHook(period=3))
-    with pytest.raises(ValueError, match=r"LoggerHook\(period=3\) differs from the trainer's "
-                       r"log_period=4.*would repeat stale values"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"LoggerHook\(period=3\).* log_period=4"):
         trainer.train()
 
 

@@ -83,10 +83,8 @@ class LoggerHook(HookBase):
         trainer = self.trainer
         if self._period not in (None, trainer.log_period):
             raise ValueError(
-                f"LoggerHook(period={self._period}) differs from the trainer's "
-                f"log_period={trainer.log_period}, where it flushes the values a LoggerHook "
-                "writes: its rows would repeat stale values. Pass Trainer(log_period=N), and "
-                "LoggerHook() or LoggerHook(trainer.log_period)."
+                f"LoggerHook(period={self._period}) must be the trainer's log_period="
+                f"{trainer.log_period}, where its values are flushed: pass LoggerHook()."
             )
         self._log_start()
         self._train_start = time.perf_counter()

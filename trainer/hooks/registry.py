@@ -50,24 +50,17 @@ class HookRegistry:
         """Add ``hook`` in priority order."""
         if not isinstance(hook, HookBase):
             raise TypeError(f"hook must be a HookBase instance, got {type(hook).__name__}.")
-        here = any(h is hook for h in self._hooks)
-        if here:
-            raise ValueError(
-                f"This {hook.class_name} is registered already: it would run twice per event. "
-                "Register another instance if you want two."
-            )
+        if any(h is hook for h in self._hooks):
+            raise ValueError(f"This {hook.class_name} is registered already: it would run twice.")
         if _alive(hook.trainer):
             raise ValueError(
-                f"This {hook.class_name} is registered on another trainer: a hook serves one "
-                "trainer (self.trainer). Create another instance for this one, or unregister it "
-                "from the other trainer first."
+                f"This {hook.class_name} is registered on another trainer: register a new one."
             )
         for cls, twice in self._one_of_each.items():
             if isinstance(hook, cls) and any(isinstance(h, cls) for h in self._hooks):
                 raise ValueError(
-                    f"A {cls.__name__} is registered already, and a second one would {twice}. "
-                    f"To configure it, replace it: trainer.unregister_hook({cls.__name__}), then "
-                    f"trainer.register_hook({type(hook).__name__}(...))."
+                    f"A {cls.__name__} is registered already, and a second would {twice}: "
+                    f"replace it, after trainer.unregister_hook({cls.__name__})."
                 )
         hook.trainer = self._owner
         position = sum(1 for h in self._hooks if h.priority <= hook.priority)
@@ -170,8 +163,7 @@ def _period(hook: HookBase) -> int:
     period = hook.after_iter_period()
     if not isinstance(period, int) or isinstance(period, bool) or period < 0:
         raise ValueError(
-            f"{hook.class_name}.after_iter_period() must return an int >= 0, got {period!r}: "
-            "1 for every iteration, N for every N-th, 0 for never."
+            f"{hook.class_name}.after_iter_period() must return an int >= 0, got {period!r}."
         )
     return period
 
