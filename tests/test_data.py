@@ -293,10 +293,8 @@ def test_a_sampler_generator_that_checkpoints_cannot_save_is_named_on_resume(mak
     dataset = tiny_dataset()
     make_trainer(max_epochs=1, loader=DataLoader(dataset, batch_sampler=NumpyShuffled(32))).train()
     make_trainer(max_epochs=2, loader=DataLoader(dataset, batch_sampler=NumpyShuffled(32))).train()
-    assert (
-        "sampler holds NumpyShuffled.rng (a Generator), whose state checkpoints do not save: its "
-        "order after this resume may differ" in caplog.text
-    )
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "NumpyShuffled.rng (a Generator)" in warning and "checkpoints do not save" in warning
 
 
 # Streams: data loaders without a length
@@ -369,8 +367,10 @@ def test_a_stream_trains_for_max_iters_in_epochs_that_end_with_its_passes(tmp_pa
     # the by-epoch LR step (StepLR, halving) came at the two pass ends and the end of training;
     # the checkpoints at the end of training, counted in passes (with a warning that says so)
     assert trainer.lr == pytest.approx(0.1 / 8)
-    assert "data_loader has no length, so an epoch is one pass until its stream ends" in caplog.text
-    assert "by_epoch=True steps lr_scheduler and the CheckpointHook saves" in caplog.text
+    assert (
+        "data_loader has no length, so by_epoch=True steps lr_scheduler and the CheckpointHook "
+        "saves checkpoints only when its stream ends" in caplog.text
+    )
     assert sorted(os.listdir(trainer.ckpt_dir)) == ["iter_14.pth", "iter_20.pth", "iter_7.pth",
                                                     "latest.txt"]  # fmt: skip
 
@@ -399,13 +399,8 @@ def test_a_stream_drops_a_last_iteration_that_its_pass_cannot_fill(tmp_path):
 def test_a_stream_that_yields_once_only_is_refused_at_its_second_pass(tmp_path):
     once = (batch for batch in DataLoader(Stream(6), batch_size=2))  # a generator: one pass
     trainer, _ = stream_trainer(tmp_path, None, 5, loader=once)
-    with pytest.raises(RuntimeError) as error:
+    with pytest.raises(RuntimeError, match="^data_loader yielded 0 batches in a pass"):
         trainer.train()
-    assert str(error.value) == (
-        "data_loader yielded 0 batches in a pass, fewer than the 1 of one iteration "
-        "(accumulation_steps). A generator yields once only: pass an iterable whose __iter__ "
-        "starts a new pass (a DataLoader, say)."
-    )
     assert trainer.cur_iter == 2  # the first pass trained
 
 
@@ -450,10 +445,8 @@ def test_a_stream_without_state_starts_again_on_resume_with_one_warning(tmp_path
     caplog.clear()
     resumed, epochs = run()
     assert resumed.start_iter == 10
-    warnings = [r for r in caplog.records if "starts again from the beginning" in r.getMessage()]
-    assert len(warnings) == 1 and "the 3 batches of this pass already trained on" in (
-        warnings[0].getMessage()
-    )
+    warnings = [r.getMessage() for r in caplog.records if "stream starts again" in r.getMessage()]
+    assert len(warnings) == 1 and "the 3 batches already trained on come again" in warnings[0]
     # epoch 2 goes on at its 4th iteration, with the whole stream again (7 batches), then a pass
     # of 3 more to reach 20
     assert epochs.events == [("before", 1, 10), ("after", 1, 17), ("before", 2, 17),
@@ -466,8 +459,5 @@ def test_resume_from_a_stream_with_a_loader_of_a_length_is_refused(tmp_path):
     trainer = build(tmp_path, max_iters=8)  # the same work_dir, over a map-style dataset
     with pytest.raises(ValueError) as error:
         trainer.train()
-    assert str(error.value) == (
-        f"Checkpoint {os.path.join(trainer.ckpt_dir, 'iter_4.pth')!r} was saved with a data "
-        "loader of no length, this trainer's has 8 iterations per epoch; resume with the same "
-        "kind of data loader."
-    )
+    assert os.path.join(trainer.ckpt_dir, "iter_4.pth") in str(error.value)
+    assert "saved with None iterations per epoch, this trainer has 8" in str(error.value)

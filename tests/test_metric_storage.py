@@ -175,23 +175,18 @@ def test_log_keeps_tensors_on_device_until_the_log_point(make_trainer):
         trainer.log(0, bad=torch.ones(2))
 
 
-NUMBER = "must be a number or a one-element tensor, got"
-PASS = ". Pass an int, float or bool, a NumPy scalar, or a tensor of one value."
-META = "is a tensor on the meta device (shape {}), which holds no value to log; log a number, or"
-
-
 @pytest.mark.parametrize(
     "value, error, message",
     [
-        ("high", TypeError, f"{NUMBER} str 'high'; text belongs in a log line, not a metric{PASS}"),
-        (None, TypeError, f"{NUMBER} NoneType None{PASS}"),
-        ([0.5], TypeError, f"{NUMBER} list [0.5]{PASS}"),
-        (np.ones(3), TypeError, f"{NUMBER} ndarray of shape (3,){PASS}"),
-        (torch.ones(2), ValueError, f"{NUMBER} a tensor of shape (2,); reduce it first (e.g. "),
-        (torch.empty(3, device="meta"), ValueError, META.format("(3,)")),
-        (torch.empty((), device="meta"), ValueError, META.format("()")),
+        ("high", TypeError, "must be a number or a one-element tensor, not 'high'"),
+        (None, TypeError, "must be a number or a one-element tensor, not None"),
+        ([0.5], TypeError, "must be a number or a one-element tensor, not [0.5]"),
+        (np.ones(3), TypeError, "must be a number or a one-element tensor, not array"),
+        (torch.ones(2), ValueError, "must be a number or a one-element tensor, got shape (2,)"),
+        (torch.empty(3, device="meta"), ValueError, "is a tensor on the meta device"),
+        (torch.empty((), device="meta"), ValueError, "is a tensor on the meta device"),
     ],
-)  # fmt: skip
+)
 @pytest.mark.parametrize("how", [{}, {"reduce": True}, {"check_finite": True}])
 def test_log_refuses_what_is_not_a_number_naming_the_metric(
     make_trainer, value, error, message, how
