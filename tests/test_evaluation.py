@@ -126,25 +126,25 @@ def test_metric_fn_must_return_a_dict_of_names_to_per_sample_tensors(make_traine
 
 def test_loaders_that_would_leave_samples_out_are_refused(make_trainer):
     trainer = make_trainer()
-    with pytest.raises(ValueError, match="drop_last=True and drops a last, smaller batch"):
+    with pytest.raises(ValueError, match="^data_loader drops 2 of 10 samples"):
         trainer.evaluate(DataLoader(data(10), batch_size=4, drop_last=True), squared_error)
     sampler = DistributedSampler(data(10), num_replicas=3, rank=0)
     with pytest.raises(ValueError, match="num_replicas=3, rank=0, not 1 and 0"):
         trainer.evaluate(DataLoader(data(10), sampler=sampler), squared_error)
     batches = BatchSampler(SequentialSampler(data(10)), batch_size=4, drop_last=True)
-    with pytest.raises(ValueError, match=re.escape("drops a last, smaller batch (2 of 10")):
+    with pytest.raises(ValueError, match="^data_loader drops 2 of 10 samples"):
         trainer.evaluate(DataLoader(data(10), batch_sampler=batches), squared_error)
     with pytest.raises(ValueError, match="yielded no samples"):
         trainer.evaluate([], squared_error)
     one = DistributedSampler(data(10), num_replicas=1, rank=0, shuffle=False)
-    with pytest.raises(ValueError, match=re.escape("drops a last, smaller batch (2 of 10")):
+    with pytest.raises(ValueError, match="^data_loader drops 2 of 10 samples"):
         trainer.evaluate(DataLoader(data(10), 4, sampler=one, drop_last=True), squared_error)
     for sampler in (
         WeightedRandomSampler([1.0] * 10, num_samples=30),
         RandomSampler(data(10), replacement=True),
         RandomSampler(data(10), num_samples=5),
     ):
-        with pytest.raises(ValueError, match="draws samples with replacement"):
+        with pytest.raises(ValueError, match="would not draw each sample once"):
             trainer.evaluate(DataLoader(data(10), sampler=sampler), squared_error)
     assert trainer.evaluate(DataLoader(data(10), shuffle=True), squared_error)["one"] == 1.0
     # a DistributedSampler of this one process is fine: the whole set, in its order
@@ -214,7 +214,7 @@ def test_eval_hook_evaluates_a_stream_each_sample_once(make_trainer, num_workers
 
 def test_a_stream_that_drops_its_last_batch_is_refused(make_trainer):
     """A stream's length is unknown: whatever it holds, drop_last may leave samples out."""
-    with pytest.raises(ValueError, match="drop_last=True over an IterableDataset \\(Stream\\)"):
+    with pytest.raises(ValueError, match="^data_loader drops a last batch of Stream"):
         make_trainer().evaluate(DataLoader(Stream(10), 5, drop_last=True), indexed([]))
 
 

@@ -218,9 +218,8 @@ def _check_epoch_len(data_loader: Any, accumulation_steps: int, max_epochs: int)
 
 
 def model_device(model: nn.Module) -> torch.device:
-    for tensor in model.parameters():
-        return tensor.device
-    raise ValueError("model has no parameters to train.")
+    """The device of ``model``'s first parameter (check_arguments refused a model without any)."""
+    return next(model.parameters()).device
 
 
 def make_writable_dir(path: str) -> None:

@@ -66,9 +66,10 @@ def evaluate(
         )
     lengths = raise_on_every_rank(error, batches, group)
     if shard is None and len(set(lengths)) > 1:
+        # evaluation shares one loader's batches among the ranks
         raise ValueError(
-            f"The ranks' data_loaders gave {lengths} batches, and evaluation shares one loader's "
-            "batches among them; give every rank the same loader, or a DistributedSampler."
+            f"The ranks' data_loaders gave {lengths} batches: give each the same, or a "
+            "DistributedSampler."
         )
     # note: the evaluation's one CPU-GPU sync
     numbers = torch.stack(list(sums.values())).tolist() if sums else []
@@ -134,12 +135,11 @@ def _shard(data_loader: Any, rank: int, world_size: int) -> Optional[tuple[int, 
         if (replicas, sampler.rank) != (world_size, rank):
             raise ValueError(
                 f"data_loader's DistributedSampler has num_replicas={replicas}, rank="
-                f"{sampler.rank}, not {world_size} and {rank}; build it with the defaults."
+                f"{sampler.rank}, not {world_size} and {rank}: build it with the defaults."
             )
         if sampler.drop_last and n % replicas:
             raise ValueError(
-                f"data_loader's DistributedSampler has drop_last=True and leaves {n % replicas} "
-                f"of {n} samples out of evaluation; build it with drop_last=False."
+                "data_loader's DistributedSampler drops samples: build it with drop_last=False."
             )
         _refuse_a_dropped_batch(batches, sampler.num_samples)
         return len(range(rank, n, replicas)), sampler.num_samples
@@ -149,13 +149,13 @@ def _shard(data_loader: Any, rank: int, world_size: int) -> Optional[tuple[int, 
     )
     if drawn:
         raise ValueError(
-            f"data_loader's {type(sampler).__name__} draws samples with replacement or another "
-            "number of them, so evaluation would not count each once; pass shuffle=False."
+            f"data_loader's {type(sampler).__name__} would not draw each sample once: pass "
+            "shuffle=False."
         )
     if world_size > 1 and isinstance(sampler, _SHUFFLING):  # each rank's RNG orders it its way
         raise ValueError(
-            f"data_loader shuffles ({type(sampler).__name__}), and the ranks share its batches; "
-            "pass shuffle=False, or a DistributedSampler."
+            f"data_loader shuffles ({type(sampler).__name__}) on each rank its own way: pass "
+            "shuffle=False."
         )
     if dataset is not None and sampler is not None:
         _refuse_a_dropped_batch(batches, len(sampler))
@@ -171,13 +171,10 @@ def _check_stream(dataset: IterableDataset, batches: Any, world_size: int) -> No
     if world_size > 1:  # it may give each rank a part of its own, or all of it
         raise ValueError(
             f"data_loader is over an IterableDataset ({name}), which evaluation reads in one "
-            "process only; under torchrun, evaluate a map-style dataset."
+            "process only."
         )
     if getattr(batches, "drop_last", False):
-        raise ValueError(
-            f"data_loader has drop_last=True over an IterableDataset ({name}), which would leave "
-            "a last, smaller batch out of evaluation; pass drop_last=False."
-        )
+        raise ValueError(f"data_loader drops a last batch of {name}: pass drop_last=False.")
 
 
 def _refuse_a_dropped_batch(batches: Any, samples: int) -> None:
@@ -185,8 +182,7 @@ def _refuse_a_dropped_batch(batches: Any, samples: int) -> None:
     size = getattr(batches, "batch_size", None)
     if getattr(batches, "drop_last", False) and size and samples % size:
         raise ValueError(
-            f"data_loader has drop_last=True and drops a last, smaller batch ({samples % size} of "
-            f"{samples} samples) from evaluation; pass drop_last=False."
+            f"data_loader drops {samples % size} of {samples} samples: pass drop_last=False."
         )
 
 

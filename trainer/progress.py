@@ -142,9 +142,8 @@ def map_position(
     consumed = inner * samples[0] if samples[0] else None
     if consumed is None or samples[1] is None or consumed % samples[1]:
         raise RuntimeError(
-            f"Checkpoint {path!r} stopped in epoch {epoch + 1} ({inner} of {saved_len} "
-            f"iterations, {consumed} samples), where this run's {how} cannot continue; resume "
-            "with a batch size that divides the samples, or from an epoch's end."
+            f"Checkpoint {path!r} stopped in epoch {epoch + 1} ({inner} of {saved_len} iterations, "
+            f"{consumed} samples), where {how} cannot continue: resume from an epoch's end."
         )
     new_inner = min(consumed // samples[1], epoch_len)
     logger.warning(

@@ -147,11 +147,11 @@ class EvalHook(HookBase):
         tags = {tensorboard_tag(name, name in evaluated): name for name in others}
         for name in sorted(new):
             clash = name if name in others else tags.get(tensorboard_tag(name, evaluated=True))
-            if clash is not None:
+            if clash is not None:  # logged in training or by another EvalHook
+                source = "eval_func" if self._eval_func else "metric_fn"
                 raise ValueError(
-                    f"{'eval_func' if self._eval_func else 'metric_fn'} returned {name!r}, which "
-                    f"would mix with the {clash!r} logged in training or by another EvalHook "
-                    f"(same name or TensorBoard tag); rename the result, e.g. 'val_{name}'."
+                    f"{source} returned {name!r}, which would mix with the {clash!r} logged under "
+                    "that name or TensorBoard tag: rename the result."
                 )
         self._names |= new
 

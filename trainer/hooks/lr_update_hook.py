@@ -68,9 +68,8 @@ class LRUpdateHook(HookBase):
             buffer = self.trainer.metric_storage.get(self._plateau_metric)
             if buffer is None and not self._metric_named:
                 raise RuntimeError(
-                    f"ReduceLROnPlateau judges {DEFAULT_PLATEAU_METRIC!r} (the default "
-                    f"plateau_metric), which nothing logged by epoch {self.trainer.cur_epoch + 1}; "
-                    "return it from an EvalHook, or register LRUpdateHook(plateau_metric=...)."
+                    f"ReduceLROnPlateau judges the default plateau_metric, 'Eval Metric', which "
+                    f"nothing logged by epoch {self.trainer.cur_epoch + 1}: pass plateau_metric."
                 )
             if buffer is not None and buffer.count > self._metric_count:
                 metric = buffer.latest
