@@ -123,9 +123,18 @@ def test_checkpoint_options_without_checkpoints_are_refused(make_trainer):
 
 
 @pytest.mark.parametrize(
-    "option", ["amp_dtype", "plateau_metric", "checkpoint_by_epoch", "metric_writers",
-               "tensorboard", "metrics_jsonl", "compile", "progress_bar"],
-)  # fmt: skip
+    "option",
+    [
+        "amp_dtype",
+        "plateau_metric",
+        "checkpoint_by_epoch",
+        "metric_writers",
+        "tensorboard",
+        "metrics_jsonl",
+        "compile",
+        "progress_bar",
+    ],
+)
 def test_options_of_one_hook_or_of_torch_are_not_trainer_arguments(tmp_path, option):
     """Issue 31: what configures one default hook is that hook's argument (replace the hook),
     torch.compile is the user's call, and enable_amp takes the AMP dtype."""

@@ -213,8 +213,13 @@ def test_log_takes_numbers_bools_numpy_scalars_and_one_element_tensors(make_trai
     trainer.metric_storage.flush(every_rank=True)
     storage = trainer.metric_storage
     assert {name: storage[name].global_sum for name in storage} == {
-        "grad": 3.0, "column": 3.0, "flag": 1.0, "np32": 1.5, "np0d": 6.0, "n": 3.0,
-    }  # fmt: skip
+        "grad": 3.0,
+        "column": 3.0,
+        "flag": 1.0,
+        "np32": 1.5,
+        "np0d": 6.0,
+        "n": 3.0,
+    }
 
 
 def test_a_series_of_numbers_and_tensors_is_flushed_in_order(make_trainer):
@@ -251,8 +256,10 @@ def test_series_of_other_dtypes_flushed_together_keep_their_values():
     storage.add(0, {"tokens": torch.tensor(12345), "big": torch.tensor(100000), "loss": half})
     storage.flush()
     assert {name: storage[name].latest for name in storage} == {
-        "tokens": 12345.0, "big": 100000.0, "loss": 0.5,
-    }  # fmt: skip
+        "tokens": 12345.0,
+        "big": 100000.0,
+        "loss": 0.5,
+    }
 
 
 def test_a_saved_buffer_with_a_bad_window_size_is_refused_at_load():

@@ -51,16 +51,16 @@ def test_check_type_lets_a_bool_through_only_where_bool_is_named():
 @pytest.mark.parametrize(
     "build, error, message",
     [
-        (lambda: EMAHook(decay="0.9"), TypeError, r"decay must be a number in \[0, 1\), got str"),
-        (lambda: EarlyStoppingHook(5), TypeError, "metric must be a str .*, got int 5"),
-        (lambda: BestCheckpointHook(None), TypeError, "metric must be a str .*, got NoneType"),
-        (lambda: EarlyStoppingHook("acc", min_delta="0"), TypeError, "min_delta must be a number"),
-        (lambda: ProgressBarHook(interval="1"), TypeError, "interval must be a number of seconds"),
-        (lambda: ProgressBarHook(interval=0), ValueError, "interval must be .* > 0, got 0"),
-        (lambda: WatchdogHook(factor="10"), TypeError, "factor must be a number > 1, got str"),
-        (lambda: WatchdogHook(min_seconds=None), TypeError, "min_seconds must be a number > 0"),
-        (lambda: LRUpdateHook(plateau_metric=1), TypeError, "plateau_metric must be a str or None"),
-        (lambda: LoggerHook(writers=[print]), TypeError, "writers must be a list of trainer.wri"),
+        (lambda: EMAHook(decay="0.9"), TypeError, "^decay .*got str"),
+        (lambda: EarlyStoppingHook(5), TypeError, "^metric .*got int 5"),
+        (lambda: BestCheckpointHook(None), TypeError, "^metric .*got NoneType"),
+        (lambda: EarlyStoppingHook("acc", min_delta="0"), TypeError, "^min_delta .*got str"),
+        (lambda: ProgressBarHook(interval="1"), TypeError, "^interval .*got str"),
+        (lambda: ProgressBarHook(interval=0), ValueError, "^interval .*got 0"),
+        (lambda: WatchdogHook(factor="10"), TypeError, "^factor .*got str"),
+        (lambda: WatchdogHook(min_seconds=None), TypeError, "^min_seconds .*got NoneType"),
+        (lambda: LRUpdateHook(plateau_metric=1), TypeError, "^plateau_metric .*got int"),
+        (lambda: LoggerHook(writers=[print]), TypeError, "^writers "),
     ],
 )
 def test_hook_arguments_of_the_wrong_type_or_range_are_named(build, error, message):
@@ -151,8 +151,10 @@ def test_a_second_run_in_a_live_work_dir_is_refused_naming_the_folder_and_proces
         f"{tmp_path / 'work'} is in use by another run (pid {os.getpid()}"
     )
     assert first.cur_iter == 15 and sorted(os.listdir(first.ckpt_dir)) == [
-        "epoch_1.pth", "epoch_2.pth", "latest.txt",
-    ]  # fmt: skip
+        "epoch_1.pth",
+        "epoch_2.pth",
+        "latest.txt",
+    ]
     build(tmp_path / "work", max_epochs=3).train()  # once it has ended, the folder is free
 
 
@@ -178,8 +180,13 @@ def test_a_run_killed_with_sigkill_leaves_no_lock(tmp_path):
     script = tmp_path / "killed.py"
     tests = os.path.dirname(__file__)
     script.write_text(textwrap.dedent(KILLED.format(tests=tests, work=str(tmp_path / "work"))))
-    proc = popen([sys.executable, str(script)], env=cpu_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = popen(
+        [sys.executable, str(script)],
+        env=cpu_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     communicate(proc, timeout=60)
     assert proc.returncode == -signal.SIGKILL
     assert os.path.exists(tmp_path / "work" / ".lock")  # the file stays, its lock does not

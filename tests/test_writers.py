@@ -43,10 +43,12 @@ def test_tensorboard_events_are_handed_over_in_batches_with_their_own_wall_time(
     handed = []
     real_add = writer._writer.file_writer.add_summary
     monkeypatch.setattr(
-        writer._writer.file_writer, "add_summary",
-        lambda summary, step, wall_time: handed.append((step, wall_time)) or real_add(
-            summary, step, wall_time),
-    )  # fmt: skip
+        writer._writer.file_writer,
+        "add_summary",
+        lambda summary, step, wall_time: (
+            handed.append((step, wall_time)) or real_add(summary, step, wall_time)
+        ),
+    )
     for step in range(3):  # 3 log points within 5 s: kept back
         writer.write(None, step, {"loss": float(step), "lr": 0.1})
         clock.now += 1.0
@@ -504,8 +506,10 @@ def wandb_segments(work_dir):
     for folder in sorted(glob.glob(os.path.join(work_dir, "wandb", "offline-run-*"))):
         proc = subprocess.run(
             [sys.executable, "-m", "wandb", "leet", "inspect", "--json", folder],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         segments.append([json.loads(line) for line in proc.stdout.splitlines()])
     return segments

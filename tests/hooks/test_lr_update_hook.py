@@ -74,8 +74,9 @@ def test_an_epoch_schedule_is_not_called_after_iterations_but_counts_them(make_t
 
     warm = make_trainer(max_epochs=1, scheduler=step, warmup_t=4, work_dir=trainer.work_dir + "w")
     assert warm.lr_scheduler.changes_per_iter  # a warmup counted in iterations needs each one
-    per_iter = make_trainer(max_iters=3, scheduler=step, by_epoch=False,
-                            work_dir=trainer.work_dir + "i")  # fmt: skip
+    per_iter = make_trainer(
+        max_iters=3, scheduler=step, by_epoch=False, work_dir=trainer.work_dir + "i"
+    )
     assert per_iter.lr_scheduler.changes_per_iter
 
 
