@@ -94,7 +94,7 @@ def refuse_link(path: str) -> None:
     not make the trainer write outside it."""
     if os.path.islink(path):
         raise RuntimeError(
-            f"{path} is a symbolic link, which the trainer never writes through: remove it."
+            f"{path} is a symbolic link (the trainer never writes through one): remove it."
         )
 
 
