@@ -210,10 +210,7 @@ def _check_epoch_len(data_loader: Any, accumulation_steps: int, max_epochs: int)
     if num_batches == 0:
         raise ValueError("data_loader is empty: it yields no batch.")
     if num_batches < accumulation_steps:
-        raise ValueError(
-            f"data_loader has {num_batches} batches, fewer than accumulation_steps="
-            f"{accumulation_steps}; lower accumulation_steps or the batch size."
-        )
+        raise ValueError(f"data_loader has {num_batches} batches, fewer than accumulation_steps.")
     return num_batches // accumulation_steps
 
 
