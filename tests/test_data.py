@@ -46,9 +46,13 @@ def test_a_list_of_batches_resumes_in_mid_epoch_without_a_saved_pass_state(make_
     batches = list(tiny_loader())  # 8 batches, already made: a pass draws no random numbers
     first = Recording()
     part = make_trainer(
-        max_epochs=2, model=first, loader=batches, checkpoint_by_epoch=False, checkpoint_period=6,
+        max_epochs=2,
+        model=first,
+        loader=batches,
+        checkpoint_by_epoch=False,
+        checkpoint_period=6,
         work_dir=tmp_path / "part",
-    )  # fmt: skip
+    )
     part.train()
     mid_epoch = os.path.join(part.ckpt_dir, "iter_12.pth")  # 4 of the second epoch's 8
     assert [r["epoch_start"] for r in load(mid_epoch)["rng"]] == [None]
@@ -141,9 +145,11 @@ def test_a_mid_epoch_resume_skips_the_consumed_batches_without_loading_them(
     whole.train()
     # 2 epochs of 8 iterations; a checkpoint after iteration 6 of the second, then a crash
     part = build(
-        tmp_path / "part", loader=loaders(kind, CountingDataset(), workers),
-        checkpoint_by_epoch=False, checkpoint_period=7,
-    )  # fmt: skip
+        tmp_path / "part",
+        loader=loaders(kind, CountingDataset(), workers),
+        checkpoint_by_epoch=False,
+        checkpoint_period=7,
+    )
     part.register_hook(CrashAfter(13))
     with pytest.raises(SystemExit):
         part.train()
@@ -191,8 +197,9 @@ def samplers_generator_loader(dataset, workers):
 
 
 def persistent_loader(dataset, workers):
-    return DataLoader(dataset, batch_size=4, shuffle=True, num_workers=workers,
-                      persistent_workers=True)  # fmt: skip
+    return DataLoader(
+        dataset, batch_size=4, shuffle=True, num_workers=workers, persistent_workers=True
+    )
 
 
 @pytest.mark.parametrize(
@@ -206,21 +213,27 @@ def test_resume_replays_the_data_order_of_an_uninterrupted_run(
     caplog.set_level(logging.INFO, logger="trainer")
     torch.manual_seed(0)  # the same initial weights in both runs
     seen = Recording()
-    build(tmp_path / "whole", model=seen, loader=make_loader(tiny_dataset(), workers),
-          max_epochs=3).train()  # fmt: skip
+    build(
+        tmp_path / "whole", model=seen, loader=make_loader(tiny_dataset(), workers), max_epochs=3
+    ).train()
     torch.manual_seed(0)
     first = Recording()
     at_end = crash == "epoch end"
     part = build(
-        tmp_path / "part", model=first, loader=make_loader(tiny_dataset(), workers), max_epochs=3,
-        checkpoint_by_epoch=at_end, checkpoint_period=1 if at_end else 7,
-    )  # fmt: skip
+        tmp_path / "part",
+        model=first,
+        loader=make_loader(tiny_dataset(), workers),
+        max_epochs=3,
+        checkpoint_by_epoch=at_end,
+        checkpoint_period=1 if at_end else 7,
+    )
     part.register_hook(CrashAtEpochEnd(1) if at_end else CrashAfter(13))
     with pytest.raises(SystemExit):
         part.train()
     resumed = Recording()
-    rerun = build(tmp_path / "part", model=resumed, loader=make_loader(tiny_dataset(), workers),
-                  max_epochs=3)  # fmt: skip
+    rerun = build(
+        tmp_path / "part", model=resumed, loader=make_loader(tiny_dataset(), workers), max_epochs=3
+    )
     rerun.train()
     start = 16 if at_end else 14
     assert rerun.start_iter == start
@@ -254,8 +267,9 @@ def test_the_workers_base_seed_is_not_the_first_passs_shuffle_seed(make_trainer)
 
     model = Indices()
     model.order, model.base_seeds = [], set()
-    loader = DataLoader(SeedsOfWorkers(), batch_size=4, shuffle=True, num_workers=2,
-                        persistent_workers=True)  # fmt: skip
+    loader = DataLoader(
+        SeedsOfWorkers(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True
+    )
     torch.manual_seed(0)
     make_trainer(model=model, loader=loader, max_epochs=1).train()
     (base_seed,) = model.base_seeds
@@ -288,15 +302,12 @@ class NumpyShuffled(Sampler):
         return self.n // 4
 
 
-def test_a_sampler_generator_that_checkpoints_cannot_save_is_named_on_resume(make_trainer,
-                                                                             caplog):  # fmt: skip
+def test_a_sampler_generator_that_checkpoints_cannot_save_is_named_on_resume(make_trainer, caplog):
     dataset = tiny_dataset()
     make_trainer(max_epochs=1, loader=DataLoader(dataset, batch_sampler=NumpyShuffled(32))).train()
     make_trainer(max_epochs=2, loader=DataLoader(dataset, batch_sampler=NumpyShuffled(32))).train()
-    assert (
-        "sampler holds NumpyShuffled.rng (a Generator), whose state checkpoints do not save: its "
-        "order after this resume may differ" in caplog.text
-    )
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "NumpyShuffled.rng (a Generator)" in warning and "checkpoints do not save" in warning
 
 
 # Streams: data loaders without a length
@@ -358,9 +369,13 @@ def test_a_stream_trains_for_max_iters_in_epochs_that_end_with_its_passes(tmp_pa
     trainer.train()
     assert trainer.cur_iter == 19 and trainer.max_epochs is None
     assert epochs.events == [
-        ("before", 0, 0), ("after", 0, 7), ("before", 1, 7), ("after", 1, 14),
-        ("before", 2, 14), ("after", 2, 20),
-    ]  # fmt: skip
+        ("before", 0, 0),
+        ("after", 0, 7),
+        ("before", 1, 7),
+        ("after", 1, 14),
+        ("before", 2, 14),
+        ("after", 2, 20),
+    ]
     # every pass is the whole stream again, each in its own order
     firsts = trainer.model.seen
     assert len(firsts) == 20 and firsts[:7] != firsts[7:14]
@@ -369,10 +384,16 @@ def test_a_stream_trains_for_max_iters_in_epochs_that_end_with_its_passes(tmp_pa
     # the by-epoch LR step (StepLR, halving) came at the two pass ends and the end of training;
     # the checkpoints at the end of training, counted in passes (with a warning that says so)
     assert trainer.lr == pytest.approx(0.1 / 8)
-    assert "data_loader has no length, so an epoch is one pass until its stream ends" in caplog.text
-    assert "by_epoch=True steps lr_scheduler and the CheckpointHook saves" in caplog.text
-    assert sorted(os.listdir(trainer.ckpt_dir)) == ["iter_14.pth", "iter_20.pth", "iter_7.pth",
-                                                    "latest.txt"]  # fmt: skip
+    assert (
+        "data_loader has no length, so by_epoch=True steps lr_scheduler and the CheckpointHook "
+        "saves checkpoints only when its stream ends" in caplog.text
+    )
+    assert sorted(os.listdir(trainer.ckpt_dir)) == [
+        "iter_14.pth",
+        "iter_20.pth",
+        "iter_7.pth",
+        "latest.txt",
+    ]
 
 
 def test_an_endless_stream_counts_iterations_when_told_and_warns_of_nothing(tmp_path, caplog):
@@ -382,8 +403,12 @@ def test_an_endless_stream_counts_iterations_when_told_and_warns_of_nothing(tmp_
     trainer.train()
     assert epochs.events == [("before", 0, 0), ("after", 0, 10)]  # one epoch, ended by max_iters
     assert trainer.model.seen[-1] == 18  # samples 0, 2, ..., 18: one stream, never restarted
-    assert sorted(os.listdir(trainer.ckpt_dir)) == ["iter_10.pth", "iter_4.pth", "iter_8.pth",
-                                                    "latest.txt"]  # fmt: skip
+    assert sorted(os.listdir(trainer.ckpt_dir)) == [
+        "iter_10.pth",
+        "iter_4.pth",
+        "iter_8.pth",
+        "latest.txt",
+    ]
     assert "has no length" not in caplog.text
 
 
@@ -399,13 +424,8 @@ def test_a_stream_drops_a_last_iteration_that_its_pass_cannot_fill(tmp_path):
 def test_a_stream_that_yields_once_only_is_refused_at_its_second_pass(tmp_path):
     once = (batch for batch in DataLoader(Stream(6), batch_size=2))  # a generator: one pass
     trainer, _ = stream_trainer(tmp_path, None, 5, loader=once)
-    with pytest.raises(RuntimeError) as error:
+    with pytest.raises(RuntimeError, match="^data_loader yielded 0 batches in a pass"):
         trainer.train()
-    assert str(error.value) == (
-        "data_loader yielded 0 batches in a pass, fewer than the 1 of one iteration "
-        "(accumulation_steps). A generator yields once only: pass an iterable whose __iter__ "
-        "starts a new pass (a DataLoader, say)."
-    )
     assert trainer.cur_iter == 2  # the first pass trained
 
 
@@ -437,9 +457,12 @@ def test_a_stream_resumes_exactly_through_the_state_of_a_stateful_loader(tmp_pat
 def test_a_stream_without_state_starts_again_on_resume_with_one_warning(tmp_path, caplog):
     def run(crash=None):
         trainer, epochs = stream_trainer(
-            tmp_path, Stream(14, shuffle=False), 20, checkpoint_by_epoch=False,
+            tmp_path,
+            Stream(14, shuffle=False),
+            20,
+            checkpoint_by_epoch=False,
             checkpoint_period=10,
-        )  # fmt: skip
+        )
         if crash is not None:
             trainer.register_hook(CrashAfter(crash))
         trainer.train()
@@ -450,14 +473,16 @@ def test_a_stream_without_state_starts_again_on_resume_with_one_warning(tmp_path
     caplog.clear()
     resumed, epochs = run()
     assert resumed.start_iter == 10
-    warnings = [r for r in caplog.records if "starts again from the beginning" in r.getMessage()]
-    assert len(warnings) == 1 and "the 3 batches of this pass already trained on" in (
-        warnings[0].getMessage()
-    )
+    warnings = [r.getMessage() for r in caplog.records if "stream starts again" in r.getMessage()]
+    assert len(warnings) == 1 and "the 3 batches already trained on come again" in warnings[0]
     # epoch 2 goes on at its 4th iteration, with the whole stream again (7 batches), then a pass
     # of 3 more to reach 20
-    assert epochs.events == [("before", 1, 10), ("after", 1, 17), ("before", 2, 17),
-                             ("after", 2, 20)]  # fmt: skip
+    assert epochs.events == [
+        ("before", 1, 10),
+        ("after", 1, 17),
+        ("before", 2, 17),
+        ("after", 2, 20),
+    ]
     assert resumed.model.seen == [0, 2, 4, 6, 8, 10, 12, 0, 2, 4]
 
 
@@ -466,8 +491,5 @@ def test_resume_from_a_stream_with_a_loader_of_a_length_is_refused(tmp_path):
     trainer = build(tmp_path, max_iters=8)  # the same work_dir, over a map-style dataset
     with pytest.raises(ValueError) as error:
         trainer.train()
-    assert str(error.value) == (
-        f"Checkpoint {os.path.join(trainer.ckpt_dir, 'iter_4.pth')!r} was saved with a data "
-        "loader of no length, this trainer's has 8 iterations per epoch; resume with the same "
-        "kind of data loader."
-    )
+    assert os.path.join(trainer.ckpt_dir, "iter_4.pth") in str(error.value)
+    assert "saved with None iterations per epoch, this trainer has 8" in str(error.value)

@@ -325,8 +325,10 @@ def test_a_failed_checkpoint_write_on_rank_0_ends_every_rank_promptly(tmp_path):
     log0 = (tmp_path / "work" / "log.txt").read_text()
     log1 = (tmp_path / "work" / "log_rank1.txt").read_text()
     assert re.search(r"OSError: \[Errno 28\] Could not write .*iter_8\.pth: No space left", log0)
-    assert "Rank 0 could not write a checkpoint (its log names the file and the reason); every " \
-        "rank stops after iteration" in log1  # fmt: skip
+    assert (
+        "Rank 0 could not write a checkpoint (its log names the file and the reason); every "
+        "rank stops after iteration" in log1
+    )
     assert "Timed out" not in result.stderr
 
 
@@ -506,5 +508,8 @@ def test_fsdp2_runs_of_the_documented_recipe_end_with_status_0(tmp_path):
         assert proc.returncode == 0 and "terminate called" not in stderr, (i, stderr[-3000:])
         assert ("Nothing to train" in stderr) == (i % 2 == 1), stderr[-3000:]
         assert torch.load(cwd / "weights.pth", weights_only=True).keys() == {
-            "blocks.0.weight", "blocks.0.bias", "blocks.1.weight", "blocks.1.bias",
-        }  # fmt: skip
+            "blocks.0.weight",
+            "blocks.0.bias",
+            "blocks.1.weight",
+            "blocks.1.bias",
+        }

@@ -86,21 +86,21 @@ def test_values_that_are_not_one_per_sample_of_a_distributed_sampler_are_refused
     trainer = make_trainer()
     one = DistributedSampler(data(10), num_replicas=1, rank=0, shuffle=False)
     per_token = lambda model, batch: {"t": batch[0].flatten()}  # noqa: E731
-    with pytest.raises(ValueError, match="returned 40 values for the 10 samples of rank 0's"):
+    with pytest.raises(ValueError, match="^metric_fn returned 40 values for the 10 samples"):
         trainer.evaluate(DataLoader(data(10), batch_size=3, sampler=one), per_token)
-    with pytest.raises(TypeError, match="metric_fn must be callable as metric_fn"):
+    with pytest.raises(TypeError, match="not callable"):  # Python's own error
         trainer.evaluate(DataLoader(data(10)), None)
 
 
 @pytest.mark.parametrize(
     "returned, error, message",
     [
-        (lambda x: (x.sum(1) > 0).float().mean(), TypeError, "got a tensor of shape ()"),
-        (lambda x: {}, TypeError, "to per-sample tensors, {name: tensor of shape [batch]}, got an"),
-        (lambda x: {"acc": x.sum(1).mean()}, ValueError, "'acc' as shape (); expected a tensor"),
-        (lambda x: {"acc": 0.5}, ValueError, "'acc' as <class 'float'>; expected a tensor"),
-        (lambda x: {"a": x[:, 0], "b": x[:-1, 0]}, ValueError, "different lengths [1, 2]"),
-        (lambda x: {f"n{len(x)}": x[:, 0]}, ValueError, "['n1'] for a batch and ['n2'] for the"),
+        (lambda x: (x.sum(1) > 0).float().mean(), TypeError, "got <class 'torch.Tensor'>"),
+        (lambda x: {}, TypeError, "metric_fn must return {name: tensor of shape [batch]}"),
+        (lambda x: {"acc": x.sum(1).mean()}, ValueError, "'acc' not as a tensor of shape [batch]"),
+        (lambda x: {"acc": 0.5}, ValueError, "'acc' not as a tensor of shape [batch]"),
+        (lambda x: {"a": x[:, 0], "b": x[:-1, 0]}, ValueError, "returned [1, 2] values for one"),
+        (lambda x: {f"n{len(x)}": x[:, 0]}, ValueError, "returned ['n1'], then ['n2']"),
     ],
 )
 def test_what_metric_fn_returns_is_checked(make_trainer, returned, error, message):
@@ -112,46 +112,39 @@ def test_what_metric_fn_returns_is_checked(make_trainer, returned, error, messag
 @pytest.mark.parametrize(
     "returned, got",
     [
-        (lambda x: (x.sum(1) > 0).float(), "a tensor of shape (2,)"),  # a bare per-sample tensor
-        (lambda x: [x[:, 0]], "list [tensor(["),
-        (lambda x: None, "NoneType None"),
-        (lambda x: 0.5, "float 0.5"),
+        (lambda x: (x.sum(1) > 0).float(), "torch.Tensor"),  # a bare per-sample tensor
+        (lambda x: [x[:, 0]], "list"),
+        (lambda x: None, "NoneType"),
+        (lambda x: 0.5, "float"),
     ],
 )
 def test_metric_fn_must_return_a_dict_of_names_to_per_sample_tensors(make_trainer, returned, got):
     trainer = make_trainer()
-    with pytest.raises(TypeError) as error:
+    with pytest.raises(TypeError, match=rf"^metric_fn must return \{{name: .*'{got}'"):
         trainer.evaluate(DataLoader(data(3), batch_size=2), lambda m, b: returned(b[0]))
-    assert str(error.value).startswith(
-        "metric_fn must return a non-empty dict of metric names to per-sample tensors, "
-        f"{{name: tensor of shape [batch]}}, got {got}"
-    )
-    assert str(error.value).endswith(
-        "Name each value, e.g. return {'acc': (logits.argmax(1) == y).float()}."
-    )
 
 
 def test_loaders_that_would_leave_samples_out_are_refused(make_trainer):
     trainer = make_trainer()
-    with pytest.raises(ValueError, match="drop_last=True and drops a last, smaller batch"):
+    with pytest.raises(ValueError, match="^data_loader drops 2 of 10 samples"):
         trainer.evaluate(DataLoader(data(10), batch_size=4, drop_last=True), squared_error)
     sampler = DistributedSampler(data(10), num_replicas=3, rank=0)
-    with pytest.raises(ValueError, match="num_replicas=3 and rank=0, and this is rank 0 of 1"):
+    with pytest.raises(ValueError, match="num_replicas=3, rank=0, not 1 and 0"):
         trainer.evaluate(DataLoader(data(10), sampler=sampler), squared_error)
     batches = BatchSampler(SequentialSampler(data(10)), batch_size=4, drop_last=True)
-    with pytest.raises(ValueError, match=re.escape("drops a last, smaller batch (2 of 10")):
+    with pytest.raises(ValueError, match="^data_loader drops 2 of 10 samples"):
         trainer.evaluate(DataLoader(data(10), batch_sampler=batches), squared_error)
     with pytest.raises(ValueError, match="yielded no samples"):
         trainer.evaluate([], squared_error)
     one = DistributedSampler(data(10), num_replicas=1, rank=0, shuffle=False)
-    with pytest.raises(ValueError, match=re.escape("drops a last, smaller batch (2 of 10")):
+    with pytest.raises(ValueError, match="^data_loader drops 2 of 10 samples"):
         trainer.evaluate(DataLoader(data(10), 4, sampler=one, drop_last=True), squared_error)
     for sampler in (
         WeightedRandomSampler([1.0] * 10, num_samples=30),
         RandomSampler(data(10), replacement=True),
         RandomSampler(data(10), num_samples=5),
     ):
-        with pytest.raises(ValueError, match="draws samples with replacement or another number"):
+        with pytest.raises(ValueError, match="would not draw each sample once"):
             trainer.evaluate(DataLoader(data(10), sampler=sampler), squared_error)
     assert trainer.evaluate(DataLoader(data(10), shuffle=True), squared_error)["one"] == 1.0
     # a DistributedSampler of this one process is fine: the whole set, in its order
@@ -221,7 +214,7 @@ def test_eval_hook_evaluates_a_stream_each_sample_once(make_trainer, num_workers
 
 def test_a_stream_that_drops_its_last_batch_is_refused(make_trainer):
     """A stream's length is unknown: whatever it holds, drop_last may leave samples out."""
-    with pytest.raises(ValueError, match="drop_last=True over an IterableDataset \\(Stream\\)"):
+    with pytest.raises(ValueError, match="^data_loader drops a last batch of Stream"):
         make_trainer().evaluate(DataLoader(Stream(10), 5, drop_last=True), indexed([]))
 
 
@@ -258,7 +251,7 @@ def test_eval_hook_logs_exact_results_and_best_checkpoint_judges_them(
     "kwargs, message",
     [
         ({}, "Pass EvalHook either eval_func, or data_loader and metric_fn"),
-        ({"data_loader": []}, "got eval_func=None, data_loader=a list, metric_fn=None"),
+        ({"data_loader": []}, "Pass EvalHook either eval_func, or data_loader and metric_fn"),
         ({"eval_func": dict, "data_loader": [], "metric_fn": dict}, "Pass EvalHook either"),
         ({"data_loader": [], "metric_fn": 3}, "metric_fn must be callable, got int"),
     ],
@@ -425,7 +418,7 @@ def test_two_ranks_evaluate_five_samples_exactly_with_both_loader_shapes(tmp_pat
         # the mean of arange(5) normalized with rank 0's running mean (0) and variance (1)
         assert results.pop("ddp buffers") == pytest.approx(2.0, rel=1e-4)
         assert results.pop("own buffer kept") is True
-        assert "shuffles (its sampler is a RandomSampler)" in results.pop("shuffled")
+        assert "data_loader shuffles (RandomSampler)" in results.pop("shuffled")
         assert "data_loaders gave [3, 2] batches" in results.pop("sharded by hand")
         assert "data_loader is over an IterableDataset (Stream)" in results.pop("stream")
         assert results == {name: pytest.approx(0.8) for name in results}, results

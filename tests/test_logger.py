@@ -98,7 +98,7 @@ def test_a_folder_named_like_a_log_file_is_a_folder(tmp_path):
 def test_log_files_are_not_written_through_a_symbolic_link(tmp_path):
     target = tmp_path / "elsewhere.txt"
     (tmp_path / "log.txt").symlink_to(target)
-    with pytest.raises(RuntimeError, match="log.txt is a symbolic link .*does not write through"):
+    with pytest.raises(RuntimeError, match="log.txt is a symbolic link"):
         with log_to_file("trainer_test_link", str(tmp_path / "log.txt")):
             pass
     assert not target.exists()

@@ -42,9 +42,12 @@ def test_fix_warmup_follows_the_linear_formula():
 def test_factor_warmup_scales_the_regular_schedule():
     opt = make_optimizer(lr=1.0)
     sched = LRWarmupScheduler(
-        StepLR(opt, step_size=2, gamma=0.5), by_epoch=False, warmup_t=4, warmup_mode="factor",
+        StepLR(opt, step_size=2, gamma=0.5),
+        by_epoch=False,
+        warmup_t=4,
+        warmup_mode="factor",
         warmup_factor=0.2,
-    )  # fmt: skip
+    )
     lrs = run_iters(sched, opt, 6)
     regular = [1.0, 1.0, 0.5, 0.5, 0.25, 0.25]
     factors = [0.2 * (1 - i / 4) + i / 4 for i in range(4)] + [1.0, 1.0]
@@ -54,9 +57,12 @@ def test_factor_warmup_scales_the_regular_schedule():
 def test_auto_warmup_ends_on_the_regular_lr_at_warmup_end():
     opt = make_optimizer(lr=1.0)
     sched = LRWarmupScheduler(
-        StepLR(opt, step_size=2, gamma=0.5), by_epoch=False, warmup_t=4, warmup_mode="auto",
+        StepLR(opt, step_size=2, gamma=0.5),
+        by_epoch=False,
+        warmup_t=4,
+        warmup_mode="auto",
         warmup_factor=0.1,
-    )  # fmt: skip
+    )
     assert sched.warmup_end_lrs == pytest.approx([0.25])
     lrs = run_iters(sched, opt, 6)
     expected = [0.1 * (1 - i / 4) + 0.25 * i / 4 for i in range(4)] + [0.25, 0.25]
@@ -66,9 +72,12 @@ def test_auto_warmup_ends_on_the_regular_lr_at_warmup_end():
 def test_epoch_schedule_with_iteration_warmup():
     opt = make_optimizer(lr=1.0)
     sched = LRWarmupScheduler(
-        MultiStepLR(opt, milestones=[2], gamma=0.1), by_epoch=True, epoch_len=3, warmup_t=2,
+        MultiStepLR(opt, milestones=[2], gamma=0.1),
+        by_epoch=True,
+        epoch_len=3,
+        warmup_t=2,
         warmup_init_lr=0.0,
-    )  # fmt: skip
+    )
     lrs = run_iters(sched, opt, 9, epoch_len=3)
     assert lrs == pytest.approx([0.0, 0.5, 1.0, 1.0, 1.0, 1.0, 0.1, 0.1, 0.1])
 
@@ -123,7 +132,7 @@ def test_a_warmup_length_that_is_not_an_int_raises_a_type_error():
 
 
 def test_plateau_needs_by_epoch():
-    with pytest.raises(ValueError, match="ReduceLROnPlateau steps once per evaluation"):
+    with pytest.raises(ValueError, match="ReduceLROnPlateau .*by_epoch=True"):
         LRWarmupScheduler(ReduceLROnPlateau(make_optimizer()), by_epoch=False)
 
 
@@ -131,9 +140,13 @@ def test_state_dict_resumes_mid_warmup_exactly():
     def make():
         opt = make_optimizer(lr=1.0)
         sched = LRWarmupScheduler(
-            StepLR(opt, step_size=1, gamma=0.5), by_epoch=True, epoch_len=2, warmup_t=3,
-            warmup_mode="factor", warmup_factor=0.1,
-        )  # fmt: skip
+            StepLR(opt, step_size=1, gamma=0.5),
+            by_epoch=True,
+            epoch_len=2,
+            warmup_t=3,
+            warmup_mode="factor",
+            warmup_factor=0.1,
+        )
         return opt, sched
 
     opt, sched = make()
@@ -172,8 +185,16 @@ def test_the_run_config_gives_the_optimizers_lrs_not_the_warmups_first(
     lr = torch.tensor(0.1) if tensor_lr else 0.1  # one per test: the warmup sets it in place
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     scheduler = StepLR(optimizer, step_size=1) if with_scheduler else None
-    trainer = Trainer(model, optimizer, scheduler, tiny_loader(), max_epochs=1, warmup_t=4,
-                      warmup_init_lr=0.001, work_dir=tmp_path)  # fmt: skip
+    trainer = Trainer(
+        model,
+        optimizer,
+        scheduler,
+        tiny_loader(),
+        max_epochs=1,
+        warmup_t=4,
+        warmup_init_lr=0.001,
+        work_dir=tmp_path,
+    )
     assert float(optimizer.param_groups[0]["lr"]) == pytest.approx(0.001)  # warming up
     assert trainer.run_config["base_lrs"] == [pytest.approx(0.1)]
 
@@ -198,8 +219,15 @@ def test_a_tensor_lr_trains_warms_up_logs_and_resumes_exactly(tmp_path):
         torch.manual_seed(0)
         model = TinyModel()
         optimizer = torch.optim.Adam(model.parameters(), lr=torch.tensor(0.01))
-        return Trainer(model, optimizer, StepLR(optimizer, step_size=1, gamma=0.5), tiny_loader(),
-                       max_epochs=max_epochs, warmup_t=4, work_dir=work_dir)  # fmt: skip
+        return Trainer(
+            model,
+            optimizer,
+            StepLR(optimizer, step_size=1, gamma=0.5),
+            tiny_loader(),
+            max_epochs=max_epochs,
+            warmup_t=4,
+            work_dir=work_dir,
+        )
 
     whole = trainer(tmp_path / "whole", 3)
     lrs = SetLRAt(at=-1, lr=None)  # records the LRs only

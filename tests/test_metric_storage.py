@@ -175,23 +175,18 @@ def test_log_keeps_tensors_on_device_until_the_log_point(make_trainer):
         trainer.log(0, bad=torch.ones(2))
 
 
-NUMBER = "must be a number or a one-element tensor, got"
-PASS = ". Pass an int, float or bool, a NumPy scalar, or a tensor of one value."
-META = "is a tensor on the meta device (shape {}), which holds no value to log; log a number, or"
-
-
 @pytest.mark.parametrize(
     "value, error, message",
     [
-        ("high", TypeError, f"{NUMBER} str 'high'; text belongs in a log line, not a metric{PASS}"),
-        (None, TypeError, f"{NUMBER} NoneType None{PASS}"),
-        ([0.5], TypeError, f"{NUMBER} list [0.5]{PASS}"),
-        (np.ones(3), TypeError, f"{NUMBER} ndarray of shape (3,){PASS}"),
-        (torch.ones(2), ValueError, f"{NUMBER} a tensor of shape (2,); reduce it first (e.g. "),
-        (torch.empty(3, device="meta"), ValueError, META.format("(3,)")),
-        (torch.empty((), device="meta"), ValueError, META.format("()")),
+        ("high", TypeError, "must be a number or a one-element tensor, not 'high'"),
+        (None, TypeError, "must be a number or a one-element tensor, not None"),
+        ([0.5], TypeError, "must be a number or a one-element tensor, not [0.5]"),
+        (np.ones(3), TypeError, "must be a number or a one-element tensor, not array"),
+        (torch.ones(2), ValueError, "must be a number or a one-element tensor, got shape (2,)"),
+        (torch.empty(3, device="meta"), ValueError, "is a tensor on the meta device"),
+        (torch.empty((), device="meta"), ValueError, "is a tensor on the meta device"),
     ],
-)  # fmt: skip
+)
 @pytest.mark.parametrize("how", [{}, {"reduce": True}, {"check_finite": True}])
 def test_log_refuses_what_is_not_a_number_naming_the_metric(
     make_trainer, value, error, message, how
@@ -218,8 +213,13 @@ def test_log_takes_numbers_bools_numpy_scalars_and_one_element_tensors(make_trai
     trainer.metric_storage.flush(every_rank=True)
     storage = trainer.metric_storage
     assert {name: storage[name].global_sum for name in storage} == {
-        "grad": 3.0, "column": 3.0, "flag": 1.0, "np32": 1.5, "np0d": 6.0, "n": 3.0,
-    }  # fmt: skip
+        "grad": 3.0,
+        "column": 3.0,
+        "flag": 1.0,
+        "np32": 1.5,
+        "np0d": 6.0,
+        "n": 3.0,
+    }
 
 
 def test_a_series_of_numbers_and_tensors_is_flushed_in_order(make_trainer):
@@ -256,8 +256,10 @@ def test_series_of_other_dtypes_flushed_together_keep_their_values():
     storage.add(0, {"tokens": torch.tensor(12345), "big": torch.tensor(100000), "loss": half})
     storage.flush()
     assert {name: storage[name].latest for name in storage} == {
-        "tokens": 12345.0, "big": 100000.0, "loss": 0.5,
-    }  # fmt: skip
+        "tokens": 12345.0,
+        "big": 100000.0,
+        "loss": 0.5,
+    }
 
 
 def test_a_saved_buffer_with_a_bad_window_size_is_refused_at_load():

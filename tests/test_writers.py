@@ -43,10 +43,12 @@ def test_tensorboard_events_are_handed_over_in_batches_with_their_own_wall_time(
     handed = []
     real_add = writer._writer.file_writer.add_summary
     monkeypatch.setattr(
-        writer._writer.file_writer, "add_summary",
-        lambda summary, step, wall_time: handed.append((step, wall_time)) or real_add(
-            summary, step, wall_time),
-    )  # fmt: skip
+        writer._writer.file_writer,
+        "add_summary",
+        lambda summary, step, wall_time: (
+            handed.append((step, wall_time)) or real_add(summary, step, wall_time)
+        ),
+    )
     for step in range(3):  # 3 log points within 5 s: kept back
         writer.write(None, step, {"loss": float(step), "lr": 0.1})
         clock.now += 1.0
@@ -156,7 +158,7 @@ def test_tensorboard_events_are_not_written_through_a_linked_folder(tmp_path):
     (tmp_path / "elsewhere").mkdir()
     (tmp_path / "elsewhere" / "events.out.tfevents.1.host.1.trainer").write_bytes(b"theirs")
     os.symlink(tmp_path / "elsewhere", tmp_path / "tb_logs")
-    with pytest.raises(RuntimeError, match="tb_logs is a symbolic link .* remove it"):
+    with pytest.raises(RuntimeError, match="tb_logs is a symbolic link.*remove it"):
         TensorBoardWriter(str(tmp_path / "tb_logs"))
     assert os.listdir(tmp_path / "elsewhere") == ["events.out.tfevents.1.host.1.trainer"]
 
@@ -465,35 +467,16 @@ def test_mlflow_an_error_of_a_write_in_the_background_fails_training(
 
 
 def test_tracker_writers_refuse_bad_arguments_and_name_the_extra_to_install(monkeypatch):
-    with pytest.raises(TypeError) as error:
+    with pytest.raises(TypeError, match="^experiment_name .*got int 3"):
         MLflowWriter("file:./mlruns", experiment_name=3)
-    assert str(error.value) == (
-        "MLflowWriter's experiment_name must be the experiment's name as a str; got 3 (int). "
-        "Pass experiment_name='digits'."
-    )
-    with pytest.raises(TypeError) as error:
+    with pytest.raises(TypeError, match="^tracking_uri .*got PosixPath"):
         MLflowWriter(tracking_uri=pathlib.Path("mlruns"))
-    assert str(error.value) == (
-        "MLflowWriter's tracking_uri must be a URI as a str, or None for MLFLOW_TRACKING_URI; "
-        "got PosixPath('mlruns') (PosixPath). Pass tracking_uri='http://localhost:5000' or "
-        "'file:./mlruns' (a folder's: Path(...).as_uri())."
-    )
-    with pytest.raises(TypeError, match=r"MLflowWriter's run_name must be a str, or None .*; got "
-                       r"\['a'\] \(list\)\. Pass run_name="):  # fmt: skip
+    with pytest.raises(TypeError, match="^run_name .*got list"):
         MLflowWriter(run_name=["a"])
-    with pytest.raises(TypeError) as error:
+    with pytest.raises(TypeError, match="WandbWriter resumes runs itself: leave out resume"):
         WandbWriter(project="p", resume="allow")
-    assert str(error.value) == (
-        "WandbWriter takes wandb.init's arguments but resume, resume_from and fork_from; got "
-        "resume='allow'. Leave it out: a resumed run continues the W&B run of its checkpoint by "
-        "itself, and train(auto_resume=False) starts a new one."
-    )
-    with pytest.raises(TypeError) as error:
+    with pytest.raises(TypeError, match="^config .*got list"):
         WandbWriter(config=["a"])
-    assert str(error.value) == (
-        "WandbWriter's config must be a dict of settings, added to run.json's in the W&B run's "
-        "config; got ['a'] (list). Pass config={'name': value, ...}."
-    )
     for name in ("mlflow", "mlflow.entities", "mlflow.tracking", "wandb"):
         monkeypatch.setitem(sys.modules, name, None)  # as if not installed
     with pytest.raises(ImportError, match=r'pip install "hooktrainer\[mlflow\]"'):
@@ -523,8 +506,10 @@ def wandb_segments(work_dir):
     for folder in sorted(glob.glob(os.path.join(work_dir, "wandb", "offline-run-*"))):
         proc = subprocess.run(
             [sys.executable, "-m", "wandb", "leet", "inspect", "--json", folder],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         segments.append([json.loads(line) for line in proc.stdout.splitlines()])
     return segments

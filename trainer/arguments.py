@@ -23,12 +23,12 @@ logger = logging.getLogger(__name__)
 
 _AMP_DTYPES = (torch.float16, torch.bfloat16)
 # The LRWarmupScheduler's settings that a Trainer passes on, with their defaults (its own).
+_WARMUP = ("by_epoch", "warmup_t", "warmup_by_epoch", "warmup_mode", "warmup_init_lr")
 WARMUP_DEFAULTS = {
     name: parameter.default
     for name, parameter in inspect.signature(LRWarmupScheduler).parameters.items()
-    if name in ("by_epoch", "warmup_t", "warmup_by_epoch", "warmup_mode", "warmup_init_lr",
-                "warmup_factor")
-}  # fmt: skip
+    if name in (*_WARMUP, "warmup_factor")
+}
 # The Trainer's parameters that run_config describes rather than copies.
 _DESCRIBED = ("model", "optimizer", "lr_scheduler", "data_loader", "work_dir", "enable_amp")
 _FLAG = ((bool,), "True or False")
@@ -39,11 +39,9 @@ def check_arguments(settings: dict[str, Any], built_in_step: bool) -> Optional[i
     """Check the Trainer's arguments (``settings``: its parameters by name, as given, and
     ``built_in_step``: whether it runs its own ``train_one_iter``); returns the iterations per
     epoch (None for a stream)."""
-    model, optimizer, lr_scheduler = (
-        settings["model"],
-        settings["optimizer"],
-        settings["lr_scheduler"],
-    )
+    model = settings["model"]
+    optimizer = settings["optimizer"]
+    lr_scheduler = settings["lr_scheduler"]
     _check_types(model, optimizer, lr_scheduler, settings["data_loader"])
     _check_work_dir(settings["work_dir"])
     for name, (types, what) in (
@@ -67,12 +65,8 @@ def check_arguments(settings: dict[str, Any], built_in_step: bool) -> Optional[i
     _check_step(model, settings["clip_grad_norm"], settings["enable_amp"], settings["cuda_graph"])
     warmup = {name: settings[name] for name in WARMUP_DEFAULTS}
     if isinstance(lr_scheduler, LRWarmupScheduler) and warmup != WARMUP_DEFAULTS:
-        ignored = [f"{k}={v!r}" for k, v in warmup.items() if v != WARMUP_DEFAULTS[k]]
-        raise ValueError(
-            f"lr_scheduler is an LRWarmupScheduler, which already holds its warmup and "
-            f"by_epoch settings, so {', '.join(ignored)} would be ignored. Pass them to "
-            "the LRWarmupScheduler, or pass the torch scheduler it wraps instead."
-        )
+        ignored = ", ".join(f"{k}={v!r}" for k, v in warmup.items() if v != WARMUP_DEFAULTS[k])
+        raise ValueError(f"lr_scheduler is an LRWarmupScheduler: pass {ignored} to it instead.")
     epoch_len = _check_epoch_len(
         settings["data_loader"], settings["accumulation_steps"], settings["max_epochs"]
     )
@@ -87,7 +81,9 @@ def run_config(
     """The run's settings as JSON-ready data: the Trainer's ``settings`` that are plain data,
     the warmup's, what the trainer's objects are, and the batch size, world size, AMP dtype,
     seed and torch version."""
-    optimizer, loader, scheduler = trainer.optimizer, trainer.data_loader, trainer.lr_scheduler
+    optimizer = trainer.optimizer
+    loader = trainer.data_loader
+    scheduler = trainer.lr_scheduler
     given = {k: v for k, v in settings.items() if k not in (*_DESCRIBED, *WARMUP_DEFAULTS)}
     return {
         **given,
@@ -117,63 +113,38 @@ def _compiled(model: nn.Module) -> bool:
 
 
 def _check_types(model: Any, optimizer: Any, lr_scheduler: Any, data_loader: Any) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}.")
-    if not isinstance(optimizer, Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}."
-        )
-    schedulers = (LRScheduler, ReduceLROnPlateau, LRWarmupScheduler)
-    if lr_scheduler is not None and not isinstance(lr_scheduler, schedulers):
-        raise TypeError(
-            "lr_scheduler must be a torch.optim.lr_scheduler scheduler, an LRWarmupScheduler or "
-            f"None, got {type(lr_scheduler).__name__}."
-        )
+    check_type("model", model, nn.Module, "a torch.nn.Module")
+    check_type("optimizer", optimizer, Optimizer, "a torch.optim.Optimizer")
+    schedulers = (LRScheduler, ReduceLROnPlateau, LRWarmupScheduler, type(None))
+    check_type("lr_scheduler", lr_scheduler, schedulers, "a torch scheduler or None")
     if not hasattr(data_loader, "__iter__"):
         raise TypeError(f"data_loader must be iterable, got {type(data_loader).__name__}.")
 
 
 def _check_work_dir(work_dir: Any) -> None:
     check_type("work_dir", work_dir, (str, os.PathLike), "a str or os.PathLike path")
-    path = os.fspath(work_dir)
-    if not path.strip():  # os.path takes "" for the current directory, "  " for a folder
-        what = "empty" if not path else "blank"
-        where = "the current directory" if not path else "a folder named by blanks"
-        raise ValueError(
-            f"work_dir is {what} ({work_dir!r}): the run's checkpoints and logs would go into "
-            f'{where}. Pass a folder name, e.g. work_dir="runs/exp1", or work_dir="." if the '
-            "current directory is really meant."
-        )
+    if not os.fspath(work_dir).strip():  # "": the current directory, "  ": a folder of blanks
+        raise ValueError(f"work_dir is blank ({work_dir!r}): pass a folder name, or '.'.")
 
 
 def _check_wiring(model: nn.Module, optimizer: Optimizer, lr_scheduler: Any) -> None:
     name = type(optimizer).__name__
     if not any(group["params"] for group in optimizer.param_groups):
-        raise ValueError(
-            f"optimizer holds no parameters: {name} would step nothing. "
-            f"Build it on the model's parameters: torch.optim.{name}(model.parameters(), ...)."
-        )
+        raise ValueError(f"optimizer holds no parameters: {name} would step nothing.")
     own = {id(p) for p in model.parameters()}
     foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in own]
     if foreign:
-        shapes = ", ".join(str(tuple(p.shape)) for p in foreign[:3])
         raise ValueError(
-            f"optimizer holds {len(foreign)} parameters that are not the model's (shapes "
-            f"{shapes}{', ...' if len(foreign) > 3 else ''}): stepping it would never change "
-            "the model. Build it on this model's parameters, e.g. "
-            f"torch.optim.{name}(model.parameters(), ...), after moving the "
-            "model to its device and wrapping or sharding it."
+            f"optimizer holds {len(foreign)} parameters that are not the model's; build it with "
+            f"torch.optim.{name}(model.parameters(), ...) after moving and wrapping the model."
         )
     scheduler = lr_scheduler
     if isinstance(scheduler, LRWarmupScheduler):
         scheduler = scheduler.torch_scheduler or scheduler
-    scheduled = getattr(scheduler, "optimizer", optimizer)
-    if scheduled is not optimizer:
+    if getattr(scheduler, "optimizer", optimizer) is not optimizer:
         raise ValueError(
-            f"lr_scheduler schedules another optimizer ({type(scheduled).__name__} object at "
-            f"{id(scheduled):#x}), not the trainer's optimizer ({name} at "
-            f"{id(optimizer):#x}), so the trainer's LR would never change. Build it on the "
-            f"optimizer you pass: {type(lr_scheduler).__name__}(optimizer, ...)."
+            "lr_scheduler schedules another optimizer than the trainer's, whose LR would never "
+            f"change; build it with {type(lr_scheduler).__name__}(optimizer, ...)."
         )
 
 
@@ -202,8 +173,7 @@ def _check_epochs_or_iters(max_epochs: Any, max_iters: Any) -> None:
         check_int(name, value, minimum=0)
     if (max_epochs > 0) == (max_iters > 0):
         raise ValueError(
-            "Pass exactly one of max_epochs or max_iters "
-            f"(got max_epochs={max_epochs}, max_iters={max_iters})."
+            f"Pass exactly one of max_epochs, max_iters; got {max_epochs}, {max_iters}."
         )
 
 
@@ -212,60 +182,41 @@ def _check_checkpoints(checkpoint_period: Any, max_num_checkpoints: Any) -> None
     if max_num_checkpoints is not None:
         check_int("max_num_checkpoints", max_num_checkpoints, minimum=1)
     if checkpoint_period == 0 and max_num_checkpoints != 3:
-        raise ValueError(
-            "checkpoint_period=0 turns periodic checkpoints off, so max_num_checkpoints would be "
-            "ignored; remove it, or pass a checkpoint_period >= 1."
-        )
+        raise ValueError("checkpoint_period=0 saves no checkpoints: remove max_num_checkpoints.")
 
 
 def _check_step(model: nn.Module, clip_grad_norm: Any, enable_amp: Any, cuda_graph: bool) -> None:
     if not clip_grad_norm >= 0:
         raise ValueError(f"clip_grad_norm must be >= 0 (0 disables), got {clip_grad_norm!r}.")
     if isinstance(enable_amp, torch.dtype) and enable_amp not in _AMP_DTYPES:
-        raise ValueError(
-            f"enable_amp must be True, False, torch.float16 or torch.bfloat16, got {enable_amp!r}."
-        )
+        raise ValueError("enable_amp must be True, False, torch.float16 or torch.bfloat16.")
     if cuda_graph and _compiled(model):
         raise ValueError(
-            "A torch.compile-d model and cuda_graph=True do not combine here; for CUDA graphs "
-            'under torch.compile, pass cuda_graph=False and compile with mode="reduce-overhead".'
+            "A torch.compile-d model and cuda_graph=True do not combine here; pass "
+            'cuda_graph=False and compile with mode="reduce-overhead".'
         )
-    if cuda_graph and is_sharded(model):
-        raise ValueError(
-            "cuda_graph=True does not support models sharded with fully_shard (FSDP2): "
-            "its collectives cannot be captured here. Pass cuda_graph=False."
-        )
+    if cuda_graph and is_sharded(model):  # its collectives cannot be captured
+        raise ValueError("cuda_graph=True does not support models sharded with fully_shard.")
 
 
 def _check_epoch_len(data_loader: Any, accumulation_steps: int, max_epochs: int) -> Optional[int]:
     num_batches = loader_length(data_loader)
     if num_batches is None and max_epochs:
-        what = type(data_loader).__name__
-        if getattr(data_loader, "dataset", None) is not None:
-            what += f" over {type(data_loader.dataset).__name__}"
         raise ValueError(
-            f"max_epochs={max_epochs} needs a data_loader with a length, and this one "
-            f"(a {what}) has none: it is a stream. Pass max_iters=N instead; an epoch is then "
-            "one pass until the stream ends."
+            "max_epochs needs a data_loader with a length; pass max_iters for a stream."
         )
     if num_batches is None:
         return None  # a stream: its epochs end with its passes
     if num_batches == 0:
-        raise ValueError(
-            "data_loader is empty: it yields no batch. Check the dataset and batch_size."
-        )
+        raise ValueError("data_loader is empty: it yields no batch.")
     if num_batches < accumulation_steps:
-        raise ValueError(
-            f"data_loader has {num_batches} batches, fewer than accumulation_steps="
-            f"{accumulation_steps}; lower accumulation_steps or the batch size."
-        )
+        raise ValueError(f"data_loader has {num_batches} batches, fewer than accumulation_steps.")
     return num_batches // accumulation_steps
 
 
 def model_device(model: nn.Module) -> torch.device:
-    for tensor in model.parameters():
-        return tensor.device
-    raise ValueError("model has no parameters to train.")
+    """The device of ``model``'s first parameter (check_arguments refused a model without any)."""
+    return next(model.parameters()).device
 
 
 def make_writable_dir(path: str) -> None:
@@ -275,10 +226,7 @@ def make_writable_dir(path: str) -> None:
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:
-        raise PermissionError(
-            f"{path!r} (the checkpoint folder in work_dir) is not writable ({e.strerror or e}); "
-            "pass a writable work_dir."
-        ) from e
+        raise PermissionError(f"{path} is not writable ({e.strerror or e}).") from e
 
 
 def warn_unoptimized(model: nn.Module, optimizers: list[Optimizer]) -> None:
@@ -288,9 +236,8 @@ def warn_unoptimized(model: nn.Module, optimizers: list[Optimizer]) -> None:
     if left:
         logger.warning(
             f"{len(left)} trainable parameters of the model are in no optimizer and will not "
-            f"change: {', '.join(left[:5])}{', ...' if len(left) > 5 else ''}. If that is "
-            "meant, freeze them with requires_grad_(False); otherwise add them to the optimizer "
-            "(or register a second one with trainer.checkpointer.register)."
+            f"change: {', '.join(left[:5])}{', ...' if len(left) > 5 else ''} (freeze them "
+            "with requires_grad_(False) if that is meant)."
         )
 
 
@@ -304,8 +251,6 @@ def warn_stream_epochs(scheduler: LRWarmupScheduler, hooks: Iterable[Any]) -> No
         by_epoch.append("the CheckpointHook saves checkpoints")
     if by_epoch:
         logger.warning(
-            "data_loader has no length, so an epoch is one pass until its stream ends (never, for "
-            f"an endless one), and {' and '.join(by_epoch)} only at such ends and at the end of "
-            "training. To count iterations instead, pass by_epoch=False and checkpoint_period=0, "
-            "and register CheckpointHook(period, by_epoch=False)."
+            f"data_loader has no length, so {' and '.join(by_epoch)} only when its stream ends "
+            "and at the end of training (docs/arguments.md, 'Streaming datasets')."
         )

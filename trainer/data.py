@@ -34,9 +34,9 @@ _WORKER_STREAM = 0x5851F42D4C957F2D
 _FOREIGN_RNGS = (random.Random, np.random.RandomState, np.random.Generator)
 # What a pass over a DataLoader depends on, besides its dataset and sampler
 _LOADER_OPTIONS = (
-    "num_workers", "collate_fn", "pin_memory", "timeout", "worker_init_fn",
-    "multiprocessing_context", "generator", "prefetch_factor", "pin_memory_device", "in_order",
-)  # fmt: skip
+    "num_workers collate_fn pin_memory timeout worker_init_fn multiprocessing_context generator "
+    "prefetch_factor pin_memory_device in_order".split()
+)
 
 
 class DataStream:
@@ -80,14 +80,13 @@ class DataStream:
         except StopIteration:
             if self.sized:
                 raise RuntimeError(
-                    "data_loader ended after fewer batches than its len() of "
-                    f"{len(self.data_loader)}; make __len__ of the dataset or sampler match what "
-                    "it yields."
+                    f"data_loader ended before its len() of {len(self.data_loader)} batches; "
+                    "make the __len__ of its dataset or sampler match what it yields."
                 ) from None
+            # a loader without a length: an iteration fetches accumulation_steps batches ahead
             raise RuntimeError(
-                "data_loader's pass ended inside an iteration: train_one_iter asked for more "
-                "batches than accumulation_steps, which is what an iteration fetches ahead "
-                "from a data loader without a length. Pass that many accumulation_steps."
+                "train_one_iter asked for more batches than accumulation_steps from a "
+                "data_loader without a length; pass that many accumulation_steps."
             ) from None
         self.data_time += time.perf_counter() - start
         return batch
@@ -142,7 +141,8 @@ class DataStream:
         """Restore this rank's RNG state from a checkpoint's ``per_rank`` states; the next pass
         skips ``to_skip`` batches (``remapped``: a number mapped to another world or batch
         size)."""
-        rank, world_size = get_rank(), get_world_size()
+        rank = get_rank()
+        world_size = get_world_size()
         loader = self.data_loader
         foreign = [
             f"{type(owner).__name__}.{name} (a {type(value).__name__})"
@@ -152,21 +152,19 @@ class DataStream:
         ]
         if foreign:
             logger.warning(
-                f"The data loader's sampler holds {', '.join(foreign)}, whose state "
-                "checkpoints do not save: its order after this resume may differ from an "
-                "uninterrupted run's. For an exact resume, draw from torch's RNG or from a "
-                "torch.Generator held as the sampler's `generator`."
+                f"The data loader's sampler holds {', '.join(foreign)}, which checkpoints do not "
+                "save, so its order may differ after this resume (a torch.Generator would not)."
             )
         if len(per_rank) != world_size:
             logger.warning(
                 f"Checkpoint {path} was saved by {len(per_rank)} ranks, resuming with "
-                f"{world_size}: rank {rank} takes the RNG state of rank {rank % len(per_rank)}, "
-                "so the run goes on but not bit for bit as before."
+                f"{world_size}: the run goes on, not bit for bit as before."
             )
         state = per_rank[rank % len(per_rank)]
         set_rng_state(state["now"], self.generators)
         self._pass_rng = state["epoch_start"]
-        self._iter, self._restored = None, False
+        self._iter = None
+        self._restored = False
         loader_state = state.get("loader") if self._stateful and not remapped else None
         if to_skip and loader_state is not None:
             loader.load_state_dict(loader_state)
@@ -174,15 +172,13 @@ class DataStream:
                 f"Resuming in mid-epoch from the state of the {type(loader).__name__}, "
                 f"after the {to_skip} batches already trained on."
             )
-            to_skip, self._restored = 0, True
+            to_skip = 0
+            self._restored = True
         elif to_skip and not self.sized:
             logger.warning(
-                f"Resuming in mid-pass over a data loader without a length or a state_dict() "
-                f"(a {type(loader).__name__}): its stream starts again from the "
-                f"beginning, so the {to_skip} batches of this pass already trained on "
-                "come again and the run is not bit for bit as an uninterrupted one. A loader "
-                "with state_dict() and load_state_dict(), such as torchdata's "
-                "StatefulDataLoader, resumes exactly."
+                f"Resuming in mid-pass over a {type(loader).__name__} without a length or a "
+                f"state_dict(): its stream starts again, and the {to_skip} batches already "
+                "trained on come again (torchdata's StatefulDataLoader would resume exactly)."
             )
             to_skip = 0
         self._to_skip = to_skip
@@ -212,7 +208,8 @@ class DataStream:
         else:
             data_iter = self._skipping_iter(self._to_skip)  # draws what the skipped drew
         set_rng_state(now, self.generators)
-        self._to_skip, self._restored = 0, False
+        self._to_skip = 0
+        self._restored = False
         return data_iter
 
     def _skipping_iter(self, n: int) -> Any:
@@ -220,8 +217,10 @@ class DataStream:
         loader = self.data_loader
         why_not = _why_not_skippable(loader)
         if why_not is not None:
-            logger.info(f"Resuming in mid-epoch: {why_not}, so the {n} batches already trained "
-                        "on are loaded again and dropped.")  # fmt: skip
+            logger.info(
+                f"Resuming in mid-epoch: {why_not}, so the {n} batches already trained on are "
+                "loaded again and dropped."
+            )
             data_iter = iter(loader)
             for _ in range(n):
                 next(data_iter)
@@ -240,8 +239,10 @@ class DataStream:
             clone = DataLoader(loader.dataset, batch_size=None, sampler=index_sampler, **options)
         data_iter = iter(clone)
         index_sampler.skip_now()  # without workers the sampler draws at the first batch: now
-        logger.info(f"Resuming in mid-epoch: skipped the {n} batches already trained on by index, "
-                    "without loading them.")  # fmt: skip
+        logger.info(
+            f"Resuming in mid-epoch: skipped the {n} batches already trained on by index, "
+            "without loading them."
+        )
         return data_iter
 
 
@@ -280,11 +281,10 @@ class UnsizedDataStream(DataStream):
             dist.all_reduce(everyone, op=dist.ReduceOp.MIN, group=self._cpu.group)
             full = bool(everyone.item())
         if not full:
-            if self._drawn < n and not self._restored_pass:
+            if self._drawn < n and not self._restored_pass:  # a generator's second pass, say
                 raise RuntimeError(
-                    f"data_loader yielded {self._drawn} batches in a pass, fewer than the "
-                    f"{n} of one iteration (accumulation_steps). A generator yields once only: "
-                    "pass an iterable whose __iter__ starts a new pass (a DataLoader, say)."
+                    f"data_loader yielded {self._drawn} batches in a pass, fewer than one "
+                    "iteration's; pass an iterable whose __iter__ starts a new pass."
                 )
             self._ahead.clear()
             self.pass_ended = True
@@ -343,7 +343,8 @@ class _SkipFirst(Sampler):
     all the same, so the sampler's random numbers are drawn as in a full pass."""
 
     def __init__(self, sampler: Any, n: int) -> None:
-        self.sampler, self.n = sampler, n
+        self.sampler = sampler
+        self.n = n
         self._latest: Optional[_Skipping] = None
 
     def __iter__(self) -> "_Skipping":
@@ -361,7 +362,8 @@ class _SkipFirst(Sampler):
 
 class _Skipping:
     def __init__(self, indices: Any, n: int) -> None:
-        self._indices, self._n = indices, n
+        self._indices = indices
+        self._n = n
 
     def skip(self) -> None:
         for _ in range(self._n):

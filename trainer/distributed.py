@@ -15,10 +15,20 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "CpuGroup", "all_gather", "all_gather_tensor", "destroy_distributed", "gather", "get_rank",
-    "get_world_size", "init_distributed", "is_dtensor", "is_main_process", "is_sharded",
-    "raise_on_every_rank", "reduce_dict",
-]  # fmt: skip
+    "CpuGroup",
+    "all_gather",
+    "all_gather_tensor",
+    "destroy_distributed",
+    "gather",
+    "get_rank",
+    "get_world_size",
+    "init_distributed",
+    "is_dtensor",
+    "is_main_process",
+    "is_sharded",
+    "raise_on_every_rank",
+    "reduce_dict",
+]
 
 logger = logging.getLogger(__name__)
 

@@ -54,30 +54,22 @@ def evaluate(
         >>> sorted(evaluate(model, batches, accuracy))
         ['acc']
     """
-    if not callable(metric_fn):
-        raise TypeError(
-            f"metric_fn must be callable as metric_fn(model, batch), got "
-            f"{type(metric_fn).__name__}: evaluate(data_loader, metric_fn)."
-        )
-    rank, world_size = get_rank(), get_world_size()
     # this rank's samples of a DistributedSampler, (real, with padding), or None: shared
-    shard = _shard(data_loader, rank, world_size)
+    shard = _shard(data_loader, get_rank(), get_world_size())
     with torch.no_grad(), eval_mode(model):
         sums, count, seen, batches = _sums(model, data_loader, metric_fn, shard)
-    problem = None
-    if shard is not None and seen != shard[1]:
-        problem = (
-            f"metric_fn returned {seen} values for the {shard[1]} samples of rank {rank}'s "
-            "DistributedSampler shard: return one value per sample, which tells its padding "
-            "by position."
+    error = None
+    if shard is not None and seen != shard[1]:  # its padding is told by position
+        error = ValueError(
+            f"metric_fn returned {seen} values for the {shard[1]} samples of this rank's "
+            "DistributedSampler shard; return one value per sample."
         )
-    error = None if problem is None else ValueError(problem)
     lengths = raise_on_every_rank(error, batches, group)
     if shard is None and len(set(lengths)) > 1:
+        # evaluation shares one loader's batches among the ranks
         raise ValueError(
-            f"The ranks' data_loaders gave {lengths} batches: evaluation shares one loader's "
-            "batches among the ranks, which must all see the same ones. For a shard per rank, "
-            "use a DistributedSampler."
+            f"The ranks' data_loaders gave {lengths} batches: give each the same, or a "
+            "DistributedSampler."
         )
     # note: the evaluation's one CPU-GPU sync
     numbers = torch.stack(list(sums.values())).tolist() if sums else []
@@ -93,11 +85,14 @@ def _sums(
 ) -> tuple[dict[str, torch.Tensor], int, int, int]:
     """This rank's sums of ``metric_fn``'s values, on the device, with the samples they count,
     the values met (a shard's padding included) and the batches the loader gave."""
-    rank, world_size = get_rank(), get_world_size()
+    rank = get_rank()
+    world_size = get_world_size()
     sums: dict[str, torch.Tensor] = {}
     count = 0  # the samples counted, known on the host from the values' shapes: no sync
     seen = 0  # the values met so far, one per sample of this rank's shard, padding included
-    batches, forwards, spare = 0, 0, None
+    batches = 0  # the loader's
+    forwards = 0  # this rank's
+    spare = None  # a batch to run forwards on that count nothing
     for batch in data_loader:
         mine = shard is not None or batches % world_size == rank
         batches += 1
@@ -135,19 +130,16 @@ def _shard(data_loader: Any, rank: int, world_size: int) -> Optional[tuple[int, 
         return None
     sampler = getattr(batches, "sampler", None)
     if isinstance(sampler, DistributedSampler):
-        n, replicas = len(sampler.dataset), sampler.num_replicas  # type: ignore[arg-type]
+        n = len(sampler.dataset)  # type: ignore[arg-type]
+        replicas = sampler.num_replicas
         if (replicas, sampler.rank) != (world_size, rank):
             raise ValueError(
-                f"data_loader's DistributedSampler has num_replicas={replicas} and "
-                f"rank={sampler.rank}, and this is rank {rank} of {world_size}: its shards would "
-                "not cover the data set once. Build it with the defaults (the process group's), "
-                "or pass a loader without one, which the ranks share."
+                f"data_loader's DistributedSampler has num_replicas={replicas}, rank="
+                f"{sampler.rank}, not {world_size} and {rank}: build it with the defaults."
             )
         if sampler.drop_last and n % replicas:
             raise ValueError(
-                f"data_loader's DistributedSampler has drop_last=True and leaves {n % replicas} of "
-                f"{n} samples out of evaluation. Build it with drop_last=False: evaluation "
-                "counts each sample once and leaves its padding out."
+                "data_loader's DistributedSampler drops samples: build it with drop_last=False."
             )
         _refuse_a_dropped_batch(batches, sampler.num_samples)
         return len(range(rank, n, replicas)), sampler.num_samples
@@ -157,16 +149,13 @@ def _shard(data_loader: Any, rank: int, world_size: int) -> Optional[tuple[int, 
     )
     if drawn:
         raise ValueError(
-            f"data_loader's sampler, a {type(sampler).__name__}, draws samples with replacement "
-            "or another number of them than the data set holds, so evaluation could not count "
-            "each sample once. Evaluate with shuffle=False (or a plain RandomSampler)."
+            f"data_loader's {type(sampler).__name__} would not draw each sample once: pass "
+            "shuffle=False."
         )
-    if world_size > 1 and isinstance(sampler, _SHUFFLING):
+    if world_size > 1 and isinstance(sampler, _SHUFFLING):  # each rank's RNG orders it its way
         raise ValueError(
-            f"data_loader shuffles (its sampler is a {type(sampler).__name__}): the ranks, each "
-            "with its own RNG, would order the data differently and share batches that count "
-            "some samples twice and others not at all. Build the evaluation loader with "
-            "shuffle=False, or with a DistributedSampler."
+            f"data_loader shuffles ({type(sampler).__name__}) on each rank its own way: pass "
+            "shuffle=False."
         )
     if dataset is not None and sampler is not None:
         _refuse_a_dropped_batch(batches, len(sampler))
@@ -179,19 +168,13 @@ def _check_stream(dataset: IterableDataset, batches: Any, world_size: int) -> No
     every worker (each worker yields its share: the dataset splits itself by
     ``get_worker_info()``, as PyTorch documents)."""
     name = type(dataset).__name__
-    if world_size > 1:
+    if world_size > 1:  # it may give each rank a part of its own, or all of it
         raise ValueError(
-            f"data_loader is over an IterableDataset ({name}), which may give each rank a part "
-            "of its own: evaluation cannot share its batches among the ranks without counting "
-            "some samples twice or not at all. Evaluate a map-style dataset, with a "
-            "DistributedSampler or without (an IterableDataset is evaluated in one process only)."
+            f"data_loader is over an IterableDataset ({name}), which evaluation reads in one "
+            "process only."
         )
     if getattr(batches, "drop_last", False):
-        raise ValueError(
-            f"data_loader has drop_last=True over an IterableDataset ({name}), whose length "
-            "evaluation cannot know: it would leave out a last, smaller batch (one per worker). "
-            "Build the evaluation loader with drop_last=False."
-        )
+        raise ValueError(f"data_loader drops a last batch of {name}: pass drop_last=False.")
 
 
 def _refuse_a_dropped_batch(batches: Any, samples: int) -> None:
@@ -199,9 +182,7 @@ def _refuse_a_dropped_batch(batches: Any, samples: int) -> None:
     size = getattr(batches, "batch_size", None)
     if getattr(batches, "drop_last", False) and size and samples % size:
         raise ValueError(
-            f"data_loader has drop_last=True and drops a last, smaller batch ({samples % size} of "
-            f"{samples} samples), which evaluation would leave out. Build the evaluation loader "
-            "with drop_last=False."
+            f"data_loader drops {samples % size} of {samples} samples: pass drop_last=False."
         )
 
 
@@ -241,35 +222,20 @@ def _checked(values: Any, names: Optional[Any]) -> dict[str, torch.Tensor]:
     """``metric_fn``'s result, checked: a dict of same-length 1-D tensors, under the names of
     the first batch (shapes only: no host-device sync)."""
     if not isinstance(values, dict) or not values:
-        if isinstance(values, torch.Tensor):  # its shape, not its values (a host read)
-            returned = f"a tensor of shape {tuple(values.shape)}"
-        elif isinstance(values, dict):
-            returned = "an empty dict"
-        else:
-            returned = f"{type(values).__name__} {values!r:.60}"
         raise TypeError(
-            "metric_fn must return a non-empty dict of metric names to per-sample tensors, "
-            f"{{name: tensor of shape [batch]}}, got {returned}. Name each value, e.g. return "
-            "{'acc': (logits.argmax(1) == y).float()}."
+            f"metric_fn must return {{name: tensor of shape [batch]}}, got {type(values)}; "
+            "e.g. {'acc': (logits.argmax(1) == y).float()}."
         )
     lengths = set()
     for name, value in values.items():
+        # one value per sample, not the batch's mean: batches of different sizes would weigh alike
         if not isinstance(value, torch.Tensor) or value.dim() != 1:
-            got = f"shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value)
-            raise ValueError(
-                f"metric_fn returned {name!r} as {got}; expected a tensor of shape [batch], one "
-                "value per sample, e.g. (logits.argmax(1) == y).float() (not its mean: batches "
-                "of different sizes would weigh alike)."
-            )
+            raise ValueError(f"metric_fn returned {name!r} not as a tensor of shape [batch].")
         lengths.add(value.shape[0])
     if len(lengths) > 1:
-        raise ValueError(
-            f"metric_fn returned values of different lengths {sorted(lengths)} for one batch; "
-            "return one value per sample of the batch for every name."
-        )
+        raise ValueError(f"metric_fn returned {sorted(lengths)} values for one batch's names.")
     if names is not None and values.keys() != names:
         raise ValueError(
-            f"metric_fn returned {sorted(values)} for a batch and {sorted(names)} for the "
-            "first: return the same names for every batch."
+            f"metric_fn returned {sorted(values)}, then {sorted(names)}: not the same."
         )
     return values

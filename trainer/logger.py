@@ -10,10 +10,19 @@ from collections.abc import Iterator
 from typing import Any, Optional
 
 __all__ = [
-    "LiveLine", "TRACEBACK_FOLLOWS", "draws_safely_on", "ensure_console_logging", "is_terminal",
-    "log_file_path", "log_to_file", "open_fd_no_follow", "open_no_follow", "rank_log_file",
-    "refuse_link", "setup_logger",
-]  # fmt: skip
+    "LiveLine",
+    "TRACEBACK_FOLLOWS",
+    "draws_safely_on",
+    "ensure_console_logging",
+    "is_terminal",
+    "log_file_path",
+    "log_to_file",
+    "open_fd_no_follow",
+    "open_no_follow",
+    "rank_log_file",
+    "refuse_link",
+    "setup_logger",
+]
 
 _FORMAT = "[%(asctime)s %(name)s %(levelname)s]: %(message)s"
 _DATE_FORMAT = "%m/%d %H:%M:%S"
@@ -85,8 +94,7 @@ def refuse_link(path: str) -> None:
     not make the trainer write outside it."""
     if os.path.islink(path):
         raise RuntimeError(
-            f"{path} is a symbolic link (to {os.readlink(path)}), and the trainer does not write "
-            "through links: remove it, or pick another work_dir."
+            f"{path} is a symbolic link (the trainer never writes through one): remove it."
         )
 
 
@@ -146,10 +154,7 @@ def setup_logger(
         color: Accepted for core-pytorch-utils' sake; the output is never colored.
     """
     if output is not None and output_dir is not None:
-        raise ValueError(
-            f"Pass output or output_dir (the same thing), not both: got output={output!r}, "
-            f"output_dir={output_dir!r}."
-        )
+        raise ValueError("Pass output or output_dir (the same thing), not both.")
     output = output if output is not None else output_dir
     log = logging.getLogger(name)
     log.setLevel(level if log_level is None else log_level)
@@ -209,5 +214,6 @@ def draws_safely_on(stream: Any) -> bool:
     console handler, which clears a live line and draws it again below each record."""
     log = logging.getLogger("trainer")
     handlers = log.handlers + (logging.getLogger().handlers if log.propagate else [])
-    return all(isinstance(h, _ConsoleHandler) or getattr(h, "stream", None) is not stream
-               for h in handlers)  # fmt: skip
+    return all(
+        isinstance(h, _ConsoleHandler) or getattr(h, "stream", None) is not stream for h in handlers
+    )

@@ -60,17 +60,11 @@ class LRWarmupScheduler:
         if warmup_mode not in _WARMUP_MODES:
             raise ValueError(f"warmup_mode must be one of {_WARMUP_MODES}, got {warmup_mode!r}.")
         if warmup_by_epoch and not by_epoch:
-            raise ValueError(
-                "warmup_by_epoch=True needs an epoch-based schedule: pass by_epoch=True, or count "
-                "warmup_t in iterations with warmup_by_epoch=False."
-            )
+            raise ValueError("warmup_by_epoch=True needs by_epoch=True.")
         if torch_scheduler is None and optimizer is None:
             raise ValueError("Pass optimizer= when torch_scheduler is None.")
         if isinstance(torch_scheduler, ReduceLROnPlateau) and not by_epoch:
-            raise ValueError(
-                "ReduceLROnPlateau steps once per evaluation, at epoch ends: use by_epoch=True "
-                "(got by_epoch=False)."
-            )
+            raise ValueError("ReduceLROnPlateau steps at epoch ends: it needs by_epoch=True.")
         self.torch_scheduler = torch_scheduler
         self.optimizer = optimizer if torch_scheduler is None else torch_scheduler.optimizer
         self.by_epoch = by_epoch
@@ -133,8 +127,10 @@ class LRWarmupScheduler:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned and set the optimizer's LRs to match."""
-        self.last_iter, self.last_epoch = state["last_iter"], state["last_epoch"]
-        self.regular_lrs, self.warmup_end_lrs = list(state["regular_lrs"]), state["warmup_end_lrs"]
+        self.last_iter = state["last_iter"]
+        self.last_epoch = state["last_epoch"]
+        self.regular_lrs = list(state["regular_lrs"])
+        self.warmup_end_lrs = state["warmup_end_lrs"]
         if self.torch_scheduler is not None:
             self.torch_scheduler.load_state_dict(state["torch_scheduler"])
         # past warmup, the optimizer's state has the LRs unless a torch scheduler sets them

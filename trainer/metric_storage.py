@@ -76,10 +76,8 @@ class MetricStorage(Mapping):
             self._smooth[name] = smooth
         elif self._smooth[name] != smooth:
             raise ValueError(
-                f"Metric {name!r} was first logged with smooth={self._smooth[name]} and now "
-                f"with smooth={smooth}; log each metric with one smooth setting. If two sources "
-                "log it (training's losses and an evaluation's results, say), give them "
-                "different names."
+                f"Metric {name!r} was first logged with smooth={self._smooth[name]}, now with "
+                f"smooth={smooth}; give each source of values a name of its own."
             )
         return self._buffers[name]
 
@@ -104,10 +102,13 @@ class MetricStorage(Mapping):
     def state_dict(self) -> dict[str, Any]:
         """The storage as plain data, loadable with ``torch.load(weights_only=True)``."""
         metrics = {
-            name: {"buffer": buf.state_dict(), "iter": self._latest_iter[name],
-                   "smooth": self._smooth[name]}
+            name: {
+                "buffer": buf.state_dict(),
+                "iter": self._latest_iter[name],
+                "smooth": self._smooth[name],
+            }
             for name, buf in self._buffers.items()
-        }  # fmt: skip
+        }
         return {"window_size": self._window_size, "metrics": metrics}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -204,7 +205,8 @@ class MetricStorage(Mapping):
         )
         at_first_bad = {}
         for name, series in pending.items():
-            iters, values = series.iters, numbers[name]
+            iters = series.iters
+            values = numbers[name]
             if first_bad in iters:
                 at_first_bad[name] = values[iters.index(first_bad)]
             keep = [i for i, it in enumerate(iters) if it < first_bad]
@@ -213,10 +215,12 @@ class MetricStorage(Mapping):
         bad = [n for n in checked if not math.isfinite(at_first_bad[n])]
         # clip_and_step's norms: grad_norm, and grad_norm/<name> for other optimizers
         norms = [n for n in bad if n == "grad_norm" or n.startswith("grad_norm/")]
-        what, fix = "Loss", "Lower the LR, enable clip_grad_norm, or check"
+        what = "Loss"
+        fix = "Lower the LR, enable clip_grad_norm, or check"
         if len(norms) == len(bad):  # clipping is on: what is left is the LR and the data
             named = "" if norms == ["grad_norm"] else f" {', '.join(norms)}"
-            what, fix = f"The gradient norm{named} (the loss was not)", "Lower the LR, or check"
+            what = f"The gradient norm{named} (the loss was not)"
+            fix = "Lower the LR, or check"
         # named by number, from 1: iteration first_bad + 1 is the (first_bad + 1)-th trained
         epoch = f" (epoch {first_bad // self._epoch_len + 1})" if self._epoch_len else ""
         raise FloatingPointError(
@@ -230,26 +234,17 @@ def _check_metric(name: str, value: Any) -> None:
     value, from its type, shape and device: never its value (a CUDA tensor's would be a sync)."""
     if isinstance(value, torch.Tensor):
         if value.is_meta:
-            raise ValueError(
-                f"Metric {name!r} is a tensor on the meta device (shape {tuple(value.shape)}), "
-                "which holds no value to log; log a number, or a one-element tensor computed on "
-                "a real device (cpu, cuda)."
-            )
+            raise ValueError(f"Metric {name!r} is a tensor on the meta device: no value to log.")
         if value.numel() != 1:
             raise ValueError(
-                f"Metric {name!r} must be a number or a one-element tensor, got a tensor of shape "
+                f"Metric {name!r} must be a number or a one-element tensor, got shape "
                 f"{tuple(value.shape)}; reduce it first (e.g. .mean())."
             )
         return
     # a number has __float__ (bool, NumPy scalars and 0-d arrays too; a str has not)
     if not hasattr(value, "__float__") or getattr(value, "ndim", 0) != 0:
-        shape = getattr(value, "shape", None)
-        got = f" of shape {tuple(shape)}" if shape is not None else f" {value!r:.60}"
-        text = "; text belongs in a log line, not a metric" if isinstance(value, str) else ""
         raise TypeError(
-            f"Metric {name!r} must be a number or a one-element tensor, got "
-            f"{type(value).__name__}{got}{text}. Pass an int, float or bool, a NumPy scalar, or "
-            "a tensor of one value."
+            f"Metric {name!r} must be a number or a one-element tensor, not {value!r:.40}."
         )
 
 
@@ -296,16 +291,10 @@ def reduce_over_ranks(
     names = {rank: sorted(own) for rank, (own, _) in given.items()}
     first = next(iter(names.values()))
     if any(ranks_names != first for ranks_names in names.values()):
-        raise ValueError(
-            f"{source} gave different names on different ranks ({names}): give the same names "
-            "on every rank, or none on a rank that has nothing to give (None from an eval_func)."
-        )
+        raise ValueError(f"{source} gave different names on different ranks: {names}.")
     lengths = {rank: [len(own[name]) for name in first] for rank, (own, _) in given.items()}
     if len({tuple(n) for n in lengths.values()}) > 1:
-        raise ValueError(
-            f"{source} gave different numbers of values of {first} on different ranks "
-            f"({lengths}): every rank must log each of them as often."
-        )
+        raise ValueError(f"{source} gave {first} a different number of times by rank: {lengths}.")
     weight = math.fsum(n for _, n in given.values())
     reduced = {}
     for name in first:
@@ -317,7 +306,7 @@ def reduce_over_ranks(
 
 
 def _has_tensor(values: list[Any]) -> bool:
-    return any(map(isinstance, values, itertools.repeat(torch.Tensor)))  # at C speed
+    return any(isinstance(value, torch.Tensor) for value in values)
 
 
 def _to_host(series: list[list[Any]]) -> list[list[float]]:

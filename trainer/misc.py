@@ -93,7 +93,8 @@ def plain_names(module: nn.Module, keys: Optional[Iterable[str]] = None) -> dict
     compiled = {name for name, m in module.named_modules(remove_duplicate=False) if _compiled(m)}
     names = {}
     for key in module.state_dict(keep_vars=True) if keys is None else keys:
-        kept, path = [], ""
+        kept = []
+        path = ""
         for part in key.split("."):
             if not (part == "_orig_mod" and path in compiled):
                 kept.append(part)
@@ -104,7 +105,8 @@ def plain_names(module: nn.Module, keys: Optional[Iterable[str]] = None) -> dict
 
 def plain_state_dict(module: nn.Module) -> dict[str, Any]:
     """``module.state_dict()`` under the uncompiled model's names (see :func:`plain_names`)."""
-    state, names = module.state_dict(), plain_names(module)
+    state = module.state_dict()
+    names = plain_names(module)
     if all(key == name for key, name in names.items()):
         return state
     return {names[key]: value for key, value in state.items()}
@@ -153,14 +155,8 @@ def set_random_seed(seed: Optional[int] = None, deterministic: bool = False) -> 
         0
     """
     if seed is not None:
-        if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
-            raise TypeError(f"seed must be an int or None, got {type(seed).__name__} {seed!r}.")
-        seed = int(seed)
-        if seed >= 2**32:
-            raise ValueError(
-                f"seed must be below 2**32 (NumPy's limit), got {seed}; pass None or a negative "
-                "seed to have one picked."
-            )
+        check_type("seed", seed, (int, np.integer), "an int or None")
+        seed = int(seed)  # NumPy refuses one of 2**32 or more
     if seed is None or seed < 0:
         # under torchrun each rank picks its own; rank 0 shows it, even before logging is set up
         seed = int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
@@ -222,9 +218,8 @@ class WorkDirLock:
             holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
             os.close(fd)
             self.problem = (
-                f"{os.path.dirname(self.path)} is in use by another run ({holder}): two runs in "
-                "one work_dir would resume each other's checkpoints and mix their logs. Wait for "
-                "it to end, stop it, or pass another work_dir."
+                f"{os.path.dirname(self.path)} is in use by another run ({holder}); wait for it "
+                "to end, or pass another work_dir."
             )
             return None
         started = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")

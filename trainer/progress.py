@@ -111,14 +111,13 @@ def map_position(
     """Where to go on from a checkpoint's ``progress``: (epoch, iterations done in it). When the
     number of processes or the batch size changed, the iterations done are mapped by the samples
     they consumed (a stream's position is not mapped: its iterations are counted as they were)."""
-    epoch, inner, saved_len = saved["epoch"], saved["inner_iter"], saved["epoch_len"]
+    epoch = saved["epoch"]
+    inner = saved["inner_iter"]
+    saved_len = saved["epoch_len"]
     if (saved_len is None) != (epoch_len is None):
-        lengths = [
-            f"{n} iterations per epoch" if n else "no length" for n in (saved_len, epoch_len)
-        ]
         raise ValueError(
-            f"Checkpoint {path!r} was saved with a data loader of {lengths[0]}, this trainer's "
-            f"has {lengths[1]}; resume with the same kind of data loader."
+            f"Checkpoint {path!r} was saved with {saved_len} iterations per epoch, this trainer "
+            f"has {epoch_len} (None: a loader without a length); resume with the same kind."
         )
     if epoch_len is None:
         return epoch, inner
@@ -133,28 +132,20 @@ def map_position(
         return epoch, inner
     how = f"{before[0]} processes x batches of {before[1]} to {now[0]} x {now[1]}"
     if inner in (0, saved_len):  # between epochs: nothing to map
-        logger.warning(
-            f"Resuming {path} with {how}, at the {'start' if inner == 0 else 'end'} of "
-            f"epoch {epoch + 1}: the data position needs no mapping."
-        )
+        where = "start" if inner == 0 else "end"
+        logger.warning(f"Resuming {path} with {how}, at the {where} of epoch {epoch + 1}.")
         return epoch, 0 if inner == 0 else epoch_len
     samples = [w * b * accumulation if b else None for w, b in (before, now)]
     consumed = inner * samples[0] if samples[0] else None
     if consumed is None or samples[1] is None or consumed % samples[1]:
         raise RuntimeError(
-            f"Checkpoint {path!r} stopped in the middle of epoch {epoch + 1} ({inner} of "
-            f"{saved_len} iterations, {consumed or 'an unknown number of'} samples), and "
-            f"this run changes from {how}: {samples[1] or 'an unknown number of'} samples "
-            "per iteration cannot continue at that sample. Resume with the same number of "
-            "processes and batch size, pick a batch size whose iterations divide the "
-            "samples consumed, or resume from a checkpoint saved at an epoch's end."
+            f"Checkpoint {path!r} stopped in epoch {epoch + 1} ({inner} of {saved_len} iterations, "
+            f"{consumed} samples), where {how} cannot continue: resume from an epoch's end."
         )
     new_inner = min(consumed // samples[1], epoch_len)
     logger.warning(
         f"Resuming {path} with {how}: epoch {epoch + 1} stopped after {inner} iterations = "
         f"{consumed} samples, so this run goes on with iteration {new_inner + 1} of "
-        f"{epoch_len} of that epoch. With a DistributedSampler (its order depends "
-        "on seed and epoch only) these are exactly the samples not yet seen; the LR "
-        "schedule goes on from its saved step."
+        f"{epoch_len} of that epoch."
     )
     return epoch, new_inner

@@ -16,6 +16,7 @@ import torch
 
 from .checkpoint_io import atomic_write
 from .logger import open_no_follow, refuse_link
+from .misc import check_type
 
 logger = logging.getLogger("trainer.hooks.logger_hook")
 
@@ -108,16 +109,15 @@ class ConsoleWriter(MetricWriter):
         self._start_iter = start_iter
 
     def write(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
-        if not logger.isEnabledFor(logging.INFO):
-            return  # the line would go nowhere: no need to format it
-        done, epoch, inner = step, trainer.cur_epoch + 1, trainer.inner_iter + 1
-        eta = time_left(time.perf_counter() - self._start_time, done - self._start_iter,
-                        trainer.max_iters - done)  # fmt: skip
+        epoch = trainer.cur_epoch + 1
+        inner = trainer.inner_iter + 1
+        elapsed = time.perf_counter() - self._start_time
+        eta = time_left(elapsed, step - self._start_iter, trainer.max_iters - step)
         if trainer.max_epochs is None:  # a stream: its passes have no known length
             parts = [f"epoch {epoch} [{inner}]"]
         else:
             parts = [f"epoch {epoch}/{trainer.max_epochs} [{inner}/{trainer.progress.epoch_iters}]"]
-        parts += [f"iter {done}/{trainer.max_iters}", f"ETA {eta}"]
+        parts += [f"iter {step}/{trainer.max_iters}", f"ETA {eta}"]
         lr_first = sorted(metrics.items(), key=lambda item: item[0] != "lr")  # sorted is stable
         parts += [
             f"{name} {format_seconds(value) if name.endswith('_time') else f'{value:.4g}'}"
@@ -289,26 +289,22 @@ class MLflowWriter(_TrackerWriter):
         experiment_name: str = "Default",
         run_name: Optional[str] = None,
     ) -> None:
-        for name, value, expected, example in (
-            ("tracking_uri", tracking_uri, "a URI as a str, or None for MLFLOW_TRACKING_URI",
-             "'http://localhost:5000' or 'file:./mlruns' (a folder's: Path(...).as_uri())"),
-            ("experiment_name", experiment_name, "the experiment's name as a str", "'digits'"),
-            ("run_name", run_name, "a str, or None for a name MLflow makes up", "'lr0.1'"),
-        ):  # fmt: skip
-            if not isinstance(value, str) and not (value is None and name != "experiment_name"):
-                raise TypeError(
-                    f"MLflowWriter's {name} must be {expected}; got {value!r} "
-                    f"({type(value).__name__}). Pass {name}={example}."
-                )
+        check_type("tracking_uri", tracking_uri, (str, type(None)), "a URI as a str, or None")
+        check_type("experiment_name", experiment_name, str, "a str")
+        check_type("run_name", run_name, (str, type(None)), "a str or None")
         try:  # an optional extra: imported by the runs that use it
             from mlflow.entities import Metric, Param
             from mlflow.tracking import MlflowClient
         except ImportError as e:
             raise ImportError(
-                'MLflowWriter needs MLflow: pip install "hooktrainer[mlflow]".'
+                'MLflowWriter needs mlflow: pip install "hooktrainer[mlflow]".'
             ) from e
-        self._metric, self._param, self._client_class = Metric, Param, MlflowClient
-        self._uri, self._experiment, self._run_name = tracking_uri, experiment_name, run_name
+        self._metric = Metric
+        self._param = Param
+        self._client_class = MlflowClient
+        self._uri = tracking_uri
+        self._experiment = experiment_name
+        self._run_name = run_name
         self._client: Any = None
         self._pending: list[Any] = []  # the writes in flight (MLflow's RunOperations)
 
@@ -334,7 +330,9 @@ class MLflowWriter(_TrackerWriter):
     ) -> dict[str, str]:
         """Go on with the checkpoint's run: warn of the settings that differ from its params
         (compared as LoggerHook compares run.json), and return the params it lacks."""
-        client, self.run_id, self._resume_id = self._client, self._resume_id, None
+        client = self._client
+        self.run_id = self._resume_id
+        self._resume_id = None
         logged = client.get_run(self.run_id).data.params
         old: dict[str, Any] = dict(logged)
         if "hooks" in old:  # logged as JSON
@@ -342,7 +340,8 @@ class MLflowWriter(_TrackerWriter):
                 old["hooks"] = json.loads(old["hooks"])
             except ValueError:
                 pass
-        before, now = settings_to_compare(old), settings_to_compare(config)
+        before = settings_to_compare(old)
+        now = settings_to_compare(config)
         changed = [
             f"{key}={_as_param(before[key])} (now {_as_param(value)})"
             for key, value in now.items()
@@ -408,28 +407,16 @@ class WandbWriter(_TrackerWriter):
     _EXIT_CODE = {"finished": 0, "failed": 1, "killed": 255}
 
     def __init__(self, **init_kwargs: Any) -> None:
-        taken = [name for name in ("resume", "resume_from", "fork_from") if name in init_kwargs]
-        if taken:
-            raise TypeError(
-                f"WandbWriter takes wandb.init's arguments but resume, resume_from and "
-                f"fork_from; got {taken[0]}={init_kwargs[taken[0]]!r}. Leave it out: a resumed "
-                "run continues the W&B run of its checkpoint by itself, and "
-                "train(auto_resume=False) starts a new one."
-            )
-        config = init_kwargs.get("config", {})
-        if not isinstance(config, dict):
-            raise TypeError(
-                f"WandbWriter's config must be a dict of settings, added to run.json's in the "
-                f"W&B run's config; got {config!r} ({type(config).__name__}). Pass "
-                "config={'name': value, ...}."
-            )
+        for name in ("resume", "resume_from", "fork_from"):
+            if name in init_kwargs:  # a resumed run continues its checkpoint's W&B run itself
+                raise TypeError(f"WandbWriter resumes runs itself: leave out {name}.")
+        check_type("config", init_kwargs.get("config", {}), dict, "a dict of settings")
         try:  # an optional extra: imported by the runs that use it
             import wandb
         except ImportError as e:
-            raise ImportError(
-                'WandbWriter needs Weights & Biases: pip install "hooktrainer[wandb]".'
-            ) from e
-        self._wandb, self._kwargs = wandb, init_kwargs
+            raise ImportError('WandbWriter needs wandb: pip install "hooktrainer[wandb]".') from e
+        self._wandb = wandb
+        self._kwargs = init_kwargs
         self._run: Any = None
 
     def start(self, trainer: Any, start_iter: int, config: dict[str, Any]) -> None:

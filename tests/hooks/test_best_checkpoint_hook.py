@@ -21,8 +21,10 @@ def test_best_checkpoint_keeps_the_best_epoch_across_resume(make_trainer):
     ckpt = trainer.ckpt_dir
     best = load(os.path.join(ckpt, "best.pth"))
     assert best["progress"]["epoch"] == 2 and best["hooks"]["BestCheckpointHook"]["best"] == 0.7
-    assert all(torch.equal(v, load(os.path.join(ckpt, "epoch_2.pth"))["model"][k])
-               for k, v in best["model"].items())  # fmt: skip
+    assert all(
+        torch.equal(v, load(os.path.join(ckpt, "epoch_2.pth"))["model"][k])
+        for k, v in best["model"].items()
+    )
     # resumed, 0.69 does not beat the 0.7 it remembers; 0.71 does
     resumed = evaluating(make_trainer(max_epochs=5), values, BestCheckpointHook("acc"))
     resumed.train()
@@ -53,12 +55,18 @@ def test_every_save_is_named_once_and_a_new_best_names_its_file(make_trainer, ca
     trainer = evaluating(make_trainer(max_epochs=3), [0.5, 0.7, 0.6], BestCheckpointHook("acc"))
     trainer.train()
     messages = [r.getMessage() for r in caplog.records]
-    saves = [m.split(" (")[0].removeprefix("Writing checkpoint ") for m in messages
-             if m.startswith("Writing checkpoint")]  # fmt: skip
+    saves = [
+        m.split(" (")[0].removeprefix("Writing checkpoint ")
+        for m in messages
+        if m.startswith("Writing checkpoint")
+    ]
     names = ["epoch_1.pth", "best.pth", "epoch_2.pth", "best.pth", "epoch_3.pth"]
     assert saves == [os.path.join(trainer.ckpt_dir, name) for name in names]
-    on_disk = [m.split(" (")[0].removeprefix("Saved checkpoint ") for m in messages
-               if m.startswith("Saved checkpoint")]  # fmt: skip
+    on_disk = [
+        m.split(" (")[0].removeprefix("Saved checkpoint ")
+        for m in messages
+        if m.startswith("Saved checkpoint")
+    ]
     assert on_disk == saves  # one write at a time, each done before the next starts
     assert "New best acc: 0.5: saving best.pth." in messages
     assert "New best acc: 0.7 (was 0.5): saving best.pth." in messages
@@ -66,8 +74,7 @@ def test_every_save_is_named_once_and_a_new_best_names_its_file(make_trainer, ca
     assert log.count("Writing checkpoint") == 5 and log.count(" (on disk).") == 5
 
 
-def test_the_summary_names_a_best_checkpoint_still_being_written(make_trainer, caplog,
-                                                                 monkeypatch):  # fmt: skip
+def test_the_summary_names_a_best_checkpoint_still_being_written(make_trainer, caplog, monkeypatch):
     """The first best, found at the last evaluation, is the last save, written in the
     background while the summary is logged: the summary left out its 'best checkpoint' row."""
     real = checkpoint.atomic_save

@@ -28,9 +28,9 @@ def test_early_stopping_counts_on_after_resume(make_trainer):
 
 
 def test_early_stopping_refuses_bad_arguments():
-    with pytest.raises(ValueError, match="patience must be a positive int, got 0"):
+    with pytest.raises(ValueError, match="^patience .*got 0"):
         EarlyStoppingHook("acc", patience=0)
-    with pytest.raises(TypeError, match="patience must be a positive int, got str '5'"):
+    with pytest.raises(TypeError, match="^patience .*got str"):
         EarlyStoppingHook("acc", patience="5")
-    with pytest.raises(ValueError, match="mode must be 'min', 'max' or None .*, got 'up'"):
+    with pytest.raises(ValueError, match="^mode .*got 'up'"):
         EarlyStoppingHook("acc", mode="up")

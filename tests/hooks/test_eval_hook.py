@@ -36,9 +36,9 @@ def test_iteration_based_eval_runs_every_period_and_last(make_trainer):
 @pytest.mark.parametrize(
     "result, message",
     [
-        ([0.9], "eval_func must return a dict of numbers \\(or None\\), got list"),
-        ({"acc": "high"}, "'acc'='high' of type str"),
-        ({"acc": torch.ones(2)}, "of type Tensor"),
+        ([0.9], "^eval_func must return a dict .*list"),
+        ({"acc": "high"}, "^eval_func returned 'acc'='high', not a number"),
+        ({"acc": torch.ones(2)}, "^eval_func returned 'acc'=tensor"),
     ],
 )
 def test_non_numbers_raise_type_errors(make_trainer, result, message):
@@ -49,7 +49,7 @@ def test_non_numbers_raise_type_errors(make_trainer, result, message):
 
 
 def test_eval_func_must_be_callable():
-    with pytest.raises(TypeError, match="eval_func must be callable, got dict"):
+    with pytest.raises(TypeError, match="^eval_func must be callable, got dict"):
         EvalHook(1, {"acc": 1})
 
 
@@ -98,8 +98,8 @@ def test_period_0_evaluates_at_the_end_only(make_trainer):
 @pytest.mark.parametrize(
     "period, error, message",
     [
-        ("2", TypeError, r"period must be an int >= 0 \(0 evaluates at the end only\), got str"),
-        (-1, ValueError, r"period must be an int >= 0 \(0 evaluates at the end only\), got -1"),
+        ("2", TypeError, r"^period .*got str"),
+        (-1, ValueError, r"^period .*got -1"),
     ],
 )
 def test_a_bad_period_is_refused(period, error, message):
@@ -122,8 +122,7 @@ def test_results_named_like_the_trainers_own_metrics_are_refused_when_first_logg
 
     trainer = make_trainer(model=TwoLosses(), max_epochs=3)
     trainer.register_hook(EvalHook(1, lambda: {name: 0.5}))
-    expected = f"eval_func returned '{name}', and the trainer logs it in training: the two"
-    with pytest.raises(ValueError, match=expected):
+    with pytest.raises(ValueError, match=f"^eval_func returned '{name}', which would mix with"):
         trainer.train()
     assert trainer.cur_iter == 7  # at the first evaluation, not later
 
@@ -134,7 +133,7 @@ def test_the_exact_forms_clash_names_metric_fn(make_trainer):
 
     trainer = make_trainer(max_epochs=1)
     trainer.register_hook(EvalHook(1, data_loader=[(torch.zeros(2, 4),)], metric_fn=losses))
-    with pytest.raises(ValueError, match="metric_fn returned 'total_loss', and the trainer"):
+    with pytest.raises(ValueError, match="^metric_fn returned 'total_loss', which would mix"):
         trainer.train()
 
 
@@ -145,16 +144,14 @@ def test_a_metric_fn_returning_a_bare_tensor_is_told_to_name_it(make_trainer):
     trainer = make_trainer(max_epochs=1)
     loader = [(torch.zeros(2, 4),)]
     trainer.register_hook(EvalHook(1, data_loader=loader, metric_fn=per_sample_error))
-    with pytest.raises(TypeError) as error:
+    with pytest.raises(TypeError, match=r"^metric_fn must return \{name: tensor .*Tensor"):
         trainer.train()
-    assert str(error.value).startswith("metric_fn must return a non-empty dict of metric names")
-    assert "got a tensor of shape (2,). Name each value, e.g. return {'acc': " in str(error.value)
 
 
 def test_two_eval_hooks_returning_one_name_are_refused(make_trainer):
     trainer = make_trainer(max_epochs=2)
     trainer.register_hooks([EvalHook(1, lambda: {"acc": 0.5}), EvalHook(1, lambda: {"acc": 0.7})])
-    with pytest.raises(ValueError, match="'acc', and another EvalHook returns it"):
+    with pytest.raises(ValueError, match="returned 'acc', which would mix with the 'acc'"):
         trainer.train()
 
 
@@ -166,18 +163,20 @@ class LogsStat(HookBase):
 
 
 @pytest.mark.parametrize(
-    "name, message",
+    "name, clash",
     [
-        ("train/total_loss", "the trainer logs 'total_loss' under the TensorBoard tag"),
-        ("time/iter_time", "the trainer logs 'iter_time' under the TensorBoard tag"),
-        ("stat", "the trainer logs it in training"),  # logged unsmoothed
-        ("train/stat", "the trainer logs 'stat' under the TensorBoard tag 'train/stat'"),
+        ("train/total_loss", "total_loss"),
+        ("time/iter_time", "iter_time"),
+        ("stat", "stat"),  # logged unsmoothed
+        ("train/stat", "stat"),
     ],
 )
-def test_results_whose_tensorboard_tag_training_has_are_refused(make_trainer, name, message):
+def test_results_whose_tensorboard_tag_training_has_are_refused(make_trainer, name, clash):
     trainer = make_trainer(max_epochs=2)
     trainer.register_hooks([LogsStat(), EvalHook(1, lambda: {name: 0.5})])
-    with pytest.raises(ValueError, match=re.escape(message)):
+    with pytest.raises(
+        ValueError, match=re.escape(f"returned '{name}', which would mix with the '{clash}'")
+    ):
         trainer.train()
 
 
@@ -186,7 +185,7 @@ def test_two_eval_hooks_sharing_a_tensorboard_tag_are_refused(make_trainer):
     trainer.register_hooks(
         [EvalHook(1, lambda: {"val_acc": 0.5}), EvalHook(1, lambda: {"eval/val_acc": 0.7})]
     )
-    with pytest.raises(ValueError, match="another EvalHook returns 'val_acc' under the Tens"):
+    with pytest.raises(ValueError, match="'eval/val_acc', which would mix with the 'val_acc'"):
         trainer.train()
 
 
@@ -197,7 +196,7 @@ def test_after_a_resume_results_are_told_from_training_metrics(make_trainer, tmp
     first.train()
     clash = make_trainer(max_epochs=2)
     clash.register_hooks([LogsStat(), EvalHook(1, lambda: {"val_acc": 0.5, "stat": 2.0})])
-    with pytest.raises(ValueError, match="'stat', and the trainer logs it in training"):
+    with pytest.raises(ValueError, match="returned 'stat', which would mix with the 'stat'"):
         clash.train()
 
 

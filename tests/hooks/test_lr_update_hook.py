@@ -37,14 +37,12 @@ def test_plateau_without_eval_metric_names_both_fixes(make_trainer):
     with pytest.raises(RuntimeError) as error:
         trainer.train()
     message = str(error.value)
-    assert "'Eval Metric', which nothing logged by the end of epoch 1" in message.replace("\n", " ")
-    assert "plateau_metric='<name>'" in message and "{'Eval Metric': value}" in message
+    assert "'Eval Metric'" in message and "by epoch 1" in message and "plateau_metric" in message
 
 
 def test_plateau_metric_without_reduce_lr_on_plateau_is_refused(make_trainer, caplog):
     trainer = make_trainer(plateau_metric="acc")  # replaces the default LRUpdateHook
-    expected = r"LRUpdateHook\(plateau_metric='acc'\) is only used with ReduceLROnPlateau"
-    with pytest.raises(ValueError, match=expected + ".* is StepLR; remove plateau_metric"):
+    with pytest.raises(ValueError, match="^plateau_metric .*ReduceLROnPlateau.* StepLR"):
         trainer.train()
     assert trainer.cur_iter == -1  # refused before the first iteration
     assert "Run summary" not in caplog.text  # LoggerHook never started: no summary to give
@@ -76,8 +74,9 @@ def test_an_epoch_schedule_is_not_called_after_iterations_but_counts_them(make_t
 
     warm = make_trainer(max_epochs=1, scheduler=step, warmup_t=4, work_dir=trainer.work_dir + "w")
     assert warm.lr_scheduler.changes_per_iter  # a warmup counted in iterations needs each one
-    per_iter = make_trainer(max_iters=3, scheduler=step, by_epoch=False,
-                            work_dir=trainer.work_dir + "i")  # fmt: skip
+    per_iter = make_trainer(
+        max_iters=3, scheduler=step, by_epoch=False, work_dir=trainer.work_dir + "i"
+    )
     assert per_iter.lr_scheduler.changes_per_iter
 
 
@@ -86,23 +85,8 @@ def test_a_plateau_metric_that_never_came_is_warned_about(make_trainer, caplog):
     trainer.register_hook(EvalHook(1, lambda: {"val_loss": 1.0}))
     trainer.train()
     assert trainer.lr == pytest.approx(0.1)  # never stepped
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert warnings == [
-        "LRUpdateHook(plateau_metric='val_los') watches 'val_los', but the evaluation after "
-        "epoch 1 gave only: val_loss; ReduceLROnPlateau never steps. Set plateau_metric to "
-        "one of those."
-    ]
-
-
-def test_a_plateau_metric_nothing_gives_is_named_at_the_end(make_trainer, caplog):
-    trainer = make_trainer(max_epochs=2, scheduler=plateau, plateau_metric="val_loss")
-    trainer.train()
-    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert warnings == [
-        "LRUpdateHook(plateau_metric='val_loss') watches 'val_loss', but nothing evaluated or "
-        "logged it (logged: data_time, iter_time, lr, total_loss), so ReduceLROnPlateau never "
-        "steps. Return it from an EvalHook's function or log it with trainer.log."
-    ]
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "'val_los'" in warning and "gave only: val_loss; set plateau_metric" in warning
 
 
 def test_a_plateau_metric_logged_with_trainer_log_counts(make_trainer, caplog):

@@ -5,7 +5,7 @@ from typing import Any, Optional
 
 from ..misc import check_file_name
 from .hookbase import HookBase, Priority
-from .metric_watch import MetricArrival, MetricWatch
+from .metric_watch import MetricWatch, warn_if_missing
 
 logger = logging.getLogger(__name__)
 
@@ -14,8 +14,8 @@ class BestCheckpointHook(HookBase):
     """Saves ``best.pth`` (a full checkpoint, written atomically like every other) whenever the
     evaluation metric ``metric`` reaches a new best.
 
-    If evaluations run and none returns ``metric`` (a misspelt name), it warns once, by the end
-    of the first epoch after which every ``EvalHook`` has evaluated, naming the results that came.
+    The first evaluation that lacks ``metric`` (a misspelt name) is warned about, naming the
+    results that came (see :func:`~trainer.hooks.metric_watch.warn_if_missing`).
 
     The save waits for the end of the iteration or epoch (after the LR update and the regular
     checkpoint), so ``best.pth`` resumes exactly too. The best value is saved in checkpoints,
@@ -43,15 +43,12 @@ class BestCheckpointHook(HookBase):
         self._file_name = file_name
         self._due = False  # a new best, not saved yet
         self._saved_best = None  # the value best.pth holds
-        self._arrival = MetricArrival(self.class_name, metric, f"no {file_name} is written")
-
-    def before_epoch(self) -> None:
-        """Warn if the evaluations so far did not give the metric."""
-        self._arrival.check(self.trainer)
+        self._warned = False  # that an evaluation lacked the metric
 
     def after_eval(self, results: dict[str, float]) -> None:
         """Note a new best; it is saved when the state is complete."""
-        self._arrival.note(self.trainer, results)
+        if not self._warned:
+            self._warned = warn_if_missing(self, "metric", self._watch.metric, results)
         value = results.get(self._watch.metric)
         previous = self._watch.best
         if value is not None and self._watch.improves(value):
@@ -69,10 +66,6 @@ class BestCheckpointHook(HookBase):
         """Save a best found in this epoch's evaluation."""
         if self._due:
             self._save()
-
-    def after_train(self) -> None:
-        """Warn if no evaluation gave the metric."""
-        self._arrival.check(self.trainer, ended=True)
 
     @property
     def best_checkpoint(self) -> str:

@@ -5,7 +5,7 @@ from typing import Any, Optional
 
 from ..misc import check_int
 from .hookbase import HookBase, Priority
-from .metric_watch import MetricArrival, MetricWatch
+from .metric_watch import MetricWatch, warn_if_missing
 
 logger = logging.getLogger(__name__)
 
@@ -17,8 +17,8 @@ class EarlyStoppingHook(HookBase):
     Its counters are saved in checkpoints, so a resumed run counts on where it stopped. Every
     rank sees the same evaluation results, so under torchrun every rank stops together.
 
-    If evaluations run and none returns ``metric`` (a misspelt name), it warns once, by the end
-    of the first epoch after which every ``EvalHook`` has evaluated, naming the results that came.
+    The first evaluation that lacks ``metric`` (a misspelt name) is warned about, naming the
+    results that came (see :func:`~trainer.hooks.metric_watch.warn_if_missing`).
 
     Args:
         metric: The evaluation metric to watch.
@@ -42,16 +42,13 @@ class EarlyStoppingHook(HookBase):
         self._watch = MetricWatch(metric, mode, min_delta)
         self._patience = patience
         self._bad_evals = 0  # evaluations since the last improvement
-        self._arrival = MetricArrival(self.class_name, metric, "it never stops training early")
-
-    def before_epoch(self) -> None:
-        """Warn if the evaluations so far did not give the metric."""
-        self._arrival.check(self.trainer)
+        self._warned = False  # that an evaluation lacked the metric
 
     def after_eval(self, results: dict[str, float]) -> None:
         """Count an evaluation without improvement; stop after ``patience`` of them."""
-        self._arrival.note(self.trainer, results)
         if self._watch.metric not in results:
+            if not self._warned:
+                self._warned = warn_if_missing(self, "metric", self._watch.metric, results)
             return
         value = results[self._watch.metric]
         if self._watch.improves(value):
@@ -64,10 +61,6 @@ class EarlyStoppingHook(HookBase):
                 f"{self._watch.best:.5g} for {self._bad_evals} evaluations (now {value:.5g})."
             )
             self.trainer.stop()
-
-    def after_train(self) -> None:
-        """Warn if no evaluation gave the metric."""
-        self._arrival.check(self.trainer, ended=True)
 
     def state_dict(self) -> dict[str, Any]:
         """The best value and the evaluations since it."""

@@ -72,7 +72,10 @@ class EMAHook(HookBase):
         self._model = self.trainer.model_or_module
         if self._ema is None:
             self._ema = {k: t.detach().clone() for k, t in self._model_tensors().items()}
-        averaged, weights, copied, sources = [], [], [], []
+        averaged = []
+        weights = []
+        copied = []
+        sources = []
         for name, tensor in self._model_tensors().items():
             if tensor.is_floating_point():
                 averaged.append(self._ema[name])
@@ -99,7 +102,7 @@ class EMAHook(HookBase):
         """The averaged weights under the model's ``state_dict`` names (a copy), to save or
         to load into a model: ``model.load_state_dict(ema.ema_state_dict())``."""
         if self._ema is None:
-            raise RuntimeError("EMAHook has no average yet: call it after train() started.")
+            raise RuntimeError("EMAHook has no average before train() starts.")
         # By identity: a tied weight has one name in the average and several in state_dict()
         key_of = {id(tensor): key for key, tensor in self._model_tensors().items()}
         state = self._module().state_dict(keep_vars=True)

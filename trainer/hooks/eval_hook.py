@@ -64,41 +64,26 @@ class EvalHook(HookBase):
         metric_fn: Optional[Callable[[Any, Any], dict[str, torch.Tensor]]] = None,
     ) -> None:
         check_int("period", period, minimum=0, note="0 evaluates at the end only")
-        exact = data_loader is not None or metric_fn is not None
-        if (eval_func is None) == (not exact) or (exact and None in (data_loader, metric_fn)):
-            raise TypeError(
-                "Pass EvalHook either eval_func, or data_loader and metric_fn (got "
-                f"eval_func={_named(eval_func)}, data_loader={_named(data_loader)}, "
-                f"metric_fn={_named(metric_fn)})."
-            )
+        given = (eval_func is not None, data_loader is not None, metric_fn is not None)
+        if given not in ((True, False, False), (False, True, True)):
+            raise TypeError("Pass EvalHook either eval_func, or data_loader and metric_fn.")
         for name, value in (("eval_func", eval_func), ("metric_fn", metric_fn)):
             if value is not None and not callable(value):
                 raise TypeError(f"{name} must be callable, got {type(value).__name__}.")
         self._period = period
         self._eval_func = eval_func
-        self._data_loader, self._metric_fn = data_loader, metric_fn
-        self._names: set[str] = set()  # the names of its results, in the runs it resumes too
-        self._evaluated = False  # in this run or one it resumes (results or None)
-
-    @property
-    def names(self) -> set[str]:
-        """The names of its results so far (in the run it resumes too); empty until it has
-        evaluated, and for a function that returns None."""
-        return set(self._names)
-
-    @property
-    def evaluated(self) -> bool:
-        """Whether it has evaluated (in the run it resumes too), whatever it returned."""
-        return self._evaluated
+        self._data_loader = data_loader
+        self._metric_fn = metric_fn
+        # the names of its results, in the runs it resumes too: they are not another's
+        self._names: set[str] = set()
 
     def state_dict(self) -> dict[str, Any]:
-        """The names of the results so far, so that a resumed run tells them from others, and
-        whether it evaluated."""
-        return {"names": sorted(self._names), "evaluated": self._evaluated}
+        """The names of the results so far, so that a resumed run tells them from others'."""
+        return {"names": sorted(self._names)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
-        self._names, self._evaluated = set(state["names"]), state["evaluated"]
+        self._names = set(state["names"])
 
     def after_iter_period(self) -> int:
         """In iteration-based training, every ``period``-th iteration (and the last); in
@@ -125,7 +110,6 @@ class EvalHook(HookBase):
             )
         else:
             results = self._call_eval_func()
-        self._evaluated = True
         if results is None:
             return
         self._refuse_clashes(results)
@@ -148,58 +132,38 @@ class EvalHook(HookBase):
         return results
 
     def _refuse_clashes(self, results: dict[str, float]) -> None:
-        """Refuse result names that another series has, or whose TensorBoard tag another
-        series has: mixed into it, they would log neither what was evaluated nor what was
-        trained."""
+        """Refuse a new result name that another series logs, under that name or its TensorBoard
+        tag: mixed into one, they would log neither what was evaluated nor what was trained."""
         new = results.keys() - self._names
         if not new:
             return
-        storage = self.trainer.metric_storage
         evaluated = {
             name
             for hook in self.trainer.hooks
             if isinstance(hook, EvalHook) and hook is not self
-            for name in hook.names
+            for name in hook._names
         }
-        others = {*TRAINER_METRICS, *evaluated} | {
-            name for name in storage if name not in self._names
-        }
-        by_tag = {tensorboard_tag(name, name in evaluated): name for name in others}
+        others = TRAINER_METRICS | self.trainer.metric_storage.keys() - self._names
+        tags = {tensorboard_tag(name, name in evaluated): name for name in others}
         for name in sorted(new):
-            tag = tensorboard_tag(name, evaluated=True)
-            clash = name if name in others else by_tag.get(tag)
-            if clash is None:
-                continue
-            what = "it" if clash == name else f"{clash!r} under the TensorBoard tag {tag!r}"
-            if clash in evaluated:
-                where = f"another EvalHook returns {what}"
-            else:
-                where = f"the trainer logs {what} in training"
-            raise ValueError(
-                f"{'eval_func' if self._eval_func else 'metric_fn'} returned {name!r}, and "
-                f"{where}: the two would mix into one series. Rename the result (e.g. "
-                f"'val_{name.rsplit('/', 1)[-1]}')."
-            )
+            clash = name if name in others else tags.get(tensorboard_tag(name, evaluated=True))
+            if clash is not None:  # logged in training or by another EvalHook
+                source = "eval_func" if self._eval_func else "metric_fn"
+                raise ValueError(
+                    f"{source} returned {name!r}, which would mix with the {clash!r} logged under "
+                    "that name or TensorBoard tag: rename the result."
+                )
         self._names |= new
-
-
-def _named(value: Any) -> str:
-    return "None" if value is None else f"a {type(value).__name__}"
 
 
 def _check_results(results: object) -> dict[str, float]:
     if not isinstance(results, dict):
-        raise TypeError(
-            f"eval_func must return a dict of numbers (or None), got {type(results).__name__}."
-        )
+        raise TypeError(f"eval_func must return a dict of numbers or None, got {type(results)}.")
     checked = {}
     for name, value in results.items():
         if isinstance(value, torch.Tensor) and value.numel() == 1:
             value = value.item()
         if isinstance(value, bool) or not isinstance(value, numbers.Real):
-            raise TypeError(
-                f"eval_func returned {name!r}={value!r} of type {type(value).__name__}; "
-                "every value must be a number (int, float or one-element tensor)."
-            )
+            raise TypeError(f"eval_func returned {name!r}={value!r}, not a number.")
         checked[str(name)] = float(value)
     return checked

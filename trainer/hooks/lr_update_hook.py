@@ -4,7 +4,7 @@ from typing import Any, Optional
 
 from ..misc import check_type
 from .hookbase import HookBase, Priority
-from .metric_watch import MetricArrival
+from .metric_watch import warn_if_missing
 
 DEFAULT_PLATEAU_METRIC = "Eval Metric"
 
@@ -18,8 +18,8 @@ class LRUpdateHook(HookBase):
         plateau_metric: The metric ReduceLROnPlateau judges, stepping at an epoch end only when
             a new value was logged (by an :class:`EvalHook`, which runs first). None: ``"Eval
             Metric"``, as core-pytorch-utils, raising at the first epoch end if none was logged.
-            A named one that evaluations (or ``trainer.log``) never give is warned about once,
-            by the end of the first epoch after which every ``EvalHook`` has evaluated.
+            The first evaluation that lacks a named one is warned about (see
+            :func:`~trainer.hooks.metric_watch.warn_if_missing`).
 
     Example::
 
@@ -33,32 +33,22 @@ class LRUpdateHook(HookBase):
         self._plateau_metric = plateau_metric or DEFAULT_PLATEAU_METRIC
         self._metric_named = plateau_metric is not None
         self._metric_count = 0  # values of plateau_metric already fed to the scheduler
-        self._arrival = None
-        if plateau_metric is not None:
-            self._arrival = MetricArrival(
-                f"{self.class_name}(plateau_metric={plateau_metric!r})", plateau_metric,
-                "ReduceLROnPlateau never steps", logged=True, argument="plateau_metric",
-            )  # fmt: skip
+        self._warned = False  # that an evaluation lacked plateau_metric
 
     def before_train(self) -> None:
         """Refuse a ``plateau_metric`` that no ReduceLROnPlateau judges: it would be ignored."""
         scheduler = self.trainer.lr_scheduler
         if self._metric_named and not scheduler.is_plateau:
+            name = type(scheduler.torch_scheduler or scheduler).__name__
             raise ValueError(
-                f"LRUpdateHook(plateau_metric={self._plateau_metric!r}) is only used with "
-                f"ReduceLROnPlateau, and the trainer's lr_scheduler is "
-                f"{type(scheduler.torch_scheduler or scheduler).__name__}; remove plateau_metric."
+                f"plateau_metric is only read for ReduceLROnPlateau, and lr_scheduler is a {name}; "
+                "remove plateau_metric."
             )
 
-    def before_epoch(self) -> None:
-        """Warn if the evaluations so far did not give the plateau metric."""
-        if self._arrival is not None:
-            self._arrival.check(self.trainer)
-
     def after_eval(self, results: dict[str, float]) -> None:
-        """Note the names an evaluation gave."""
-        if self._arrival is not None:
-            self._arrival.note(self.trainer, results)
+        """Warn if the first evaluation lacks the plateau metric."""
+        if self._metric_named and not self._warned:  # a missing default raises instead
+            self._warned = warn_if_missing(self, "plateau_metric", self._plateau_metric, results)
 
     def after_iter_period(self) -> int:
         """Every iteration; never for an epoch schedule without a warmup in iterations."""
@@ -77,24 +67,14 @@ class LRUpdateHook(HookBase):
         if scheduler.is_plateau:
             buffer = self.trainer.metric_storage.get(self._plateau_metric)
             if buffer is None and not self._metric_named:
-                default = DEFAULT_PLATEAU_METRIC
                 raise RuntimeError(
-                    "ReduceLROnPlateau needs a metric to judge, and no plateau_metric was given, "
-                    f"so it judges {default!r}, which nothing logged by the end of "
-                    f"epoch {self.trainer.cur_epoch + 1}. Either replace the default hook with "
-                    "LRUpdateHook(plateau_metric='<name>') (trainer.unregister_hook(LRUpdateHook) "
-                    "first), with a name your EvalHook returns (e.g. 'val_loss'), or return "
-                    f"{{{default!r}: value}} from an EvalHook(1, eval_func)."
+                    f"ReduceLROnPlateau judges the default plateau_metric, 'Eval Metric', which "
+                    f"nothing logged by epoch {self.trainer.cur_epoch + 1}: pass plateau_metric."
                 )
             if buffer is not None and buffer.count > self._metric_count:
                 metric = buffer.latest
                 self._metric_count = buffer.count
         scheduler.epoch_update(metric)
-
-    def after_train(self) -> None:
-        """Warn if no evaluation gave the plateau metric."""
-        if self._arrival is not None:
-            self._arrival.check(self.trainer, ended=True)
 
     def state_dict(self) -> dict[str, Any]:
         """How many plateau metric values were used."""

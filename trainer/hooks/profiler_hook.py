@@ -68,7 +68,8 @@ class ProfilerHook(HookBase):
         profiler.__exit__(None, None, None)
         folder = os.path.join(self.trainer.work_dir, "profiler")
         os.makedirs(folder, exist_ok=True)
-        first, last = self._start + 1, self.trainer.cur_iter + 1  # numbers, from 1
+        first = self._start + 1  # numbers, from 1
+        last = self.trainer.cur_iter + 1
         path = os.path.join(folder, f"rank{get_rank()}_iter{first}-{last}.pt.trace.json")
         profiler.export_chrome_trace(path)
         logger.info(f"Wrote the profile of iterations {first}-{last} to {path}.")

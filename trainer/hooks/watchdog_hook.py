@@ -43,9 +43,7 @@ class WatchdogHook(HookBase):
         check_type("factor", factor, NUMBER, "a number > 1")
         check_type("min_seconds", min_seconds, NUMBER, "a number > 0")
         if not factor > 1 or not min_seconds > 0:
-            raise ValueError(
-                f"factor must be > 1 and min_seconds > 0; got {factor!r} and {min_seconds!r}."
-            )
+            raise ValueError(f"factor must be > 1, min_seconds > 0; got {factor}, {min_seconds}.")
         check_int("window", window, minimum=1)
         self._factor = factor
         self._min_seconds = min_seconds
@@ -83,7 +81,8 @@ class WatchdogHook(HookBase):
         dumped = -1  # the iteration last reported
         poll = min(1.0, self._min_seconds / 4)
         while not self._stop.wait(poll):
-            started, iteration = self._started, self._iter
+            started = self._started
+            iteration = self._iter
             if started is None or iteration == dumped or len(self._recent) < 5:
                 continue
             median = statistics.median(self._recent)
