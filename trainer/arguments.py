@@ -153,18 +153,8 @@ def _check_closure_free(optimizer: Optimizer) -> None:
     closure = inspect.signature(optimizer.step).parameters.get("closure")
     if closure is not None and closure.default is inspect.Parameter.empty:
         raise TypeError(
-            f"optimizer is a {type(optimizer).__name__}, whose step() needs a closure that "
-            "re-evaluates the loss, and the built-in step calls step() once without one. Subclass "
-            "Trainer and override train_one_iter:\n"
-            "    def train_one_iter(self):\n"
-            "        batch = self.next_batch()\n"
-            "        def closure():\n"
-            "            self.optimizer.zero_grad()\n"
-            "            loss, self.losses = self.compute_losses(batch)\n"
-            "            self.backward(loss)\n"
-            "            return loss\n"
-            "        self.optimizer.step(closure)\n"
-            "        self.log_losses(**self.losses)"
+            f"optimizer is a {type(optimizer).__name__}, whose step() needs a closure, and the "
+            "built-in step gives none: override train_one_iter (docs/loop.md shows how)."
         )
 
 
