@@ -152,8 +152,14 @@ def test_resuming_with_another_optimizer_class_names_the_checkpoint_and_both_cla
     first = build(tmp_path, max_epochs=1)  # SGD
     first.train()
     model = TinyModel()
-    adam = Trainer(model, torch.optim.Adam(model.parameters()), None, tiny_loader(), max_epochs=2,
-                   work_dir=tmp_path)  # fmt: skip
+    adam = Trainer(
+        model,
+        torch.optim.Adam(model.parameters()),
+        None,
+        tiny_loader(),
+        max_epochs=2,
+        work_dir=tmp_path,
+    )
     expected = r"epoch_1\.pth' holds the state of a SGD for optimizer, and this trainer's optimizer"
     with pytest.raises(ValueError, match=expected + r" is a Adam"):
         adam.train()
@@ -240,8 +246,10 @@ def test_multistep_lr_resumes_exactly_alone_and_inside_other_schedulers(tmp_path
     assert len(set(resumed_lrs.lrs)) >= 2  # it decays after the resume
     final = "epoch_5.pth"
     for key in ("model", "optimizer", "lr_scheduler"):
-        assert_equal_state(load(tmp_path / "whole/checkpoints" / final)[key],
-                           load(tmp_path / "cut/checkpoints" / final)[key])  # fmt: skip
+        assert_equal_state(
+            load(tmp_path / "whole/checkpoints" / final)[key],
+            load(tmp_path / "cut/checkpoints" / final)[key],
+        )
 
 
 def assert_equal_state(a, b):
@@ -296,8 +304,9 @@ def test_state_that_would_not_load_is_refused_when_saved_naming_its_owner(
 ):
     trainer = make_trainer(max_epochs=2)
     trainer.register_hook(StateHook(state))
-    where = "state_dict()['counts']" + ("['nested'][1]" if isinstance(state, dict) and
-                                        "nested" in state else "")  # fmt: skip
+    where = "state_dict()['counts']" + (
+        "['nested'][1]" if isinstance(state, dict) and "nested" in state else ""
+    )
     expected = (
         f"Not saving epoch_1.pth: the state_dict() of hook 'StateHook' holds {what} at {where}, "
         "which torch.load(weights_only=True) cannot rebuild"
@@ -318,7 +327,9 @@ def test_a_registered_object_with_unloadable_state_is_refused_naming_it(make_tra
             pass
 
     trainer.checkpointer.register("holder", Holder())
-    with pytest.raises(TypeError, match=r"'holder' holds a test_checkpoint\.Opaque at .*\['when'\]"):
+    with pytest.raises(
+        TypeError, match=r"'holder' holds a test_checkpoint\.Opaque at .*\['when'\]"
+    ):
         trainer.train()
 
 
@@ -333,17 +344,26 @@ class NumpyDecay:
 
 
 def test_numpy_numbers_and_counters_round_trip_as_what_they_equal(tmp_path):
-    state = {"counter": collections.Counter({3: 2, 5: 1}), "order": collections.OrderedDict(b=1),
-             "np": [np.float64(0.1), np.int64(7), np.bool_(True)], "set": {1, 2}}  # fmt: skip
+    state = {
+        "counter": collections.Counter({3: 2, 5: 1}),
+        "order": collections.OrderedDict(b=1),
+        "np": [np.float64(0.1), np.int64(7), np.bool_(True)],
+        "set": {1, 2},
+    }
     trainer = build(tmp_path / "work", max_epochs=1, scheduler=lambda o: LambdaLR(o, NumpyDecay()))
     hook = StateHook(state)
     trainer.register_hook(hook)
     trainer.train()
     saved = load(tmp_path / "work/checkpoints/epoch_1.pth")
-    assert_equal_state(saved["hooks"]["StateHook"]["counts"], {
-        "counter": collections.Counter({3: 2, 5: 1}), "order": collections.OrderedDict(b=1),
-        "np": [0.1, 7, True], "set": {1, 2},
-    })  # fmt: skip
+    assert_equal_state(
+        saved["hooks"]["StateHook"]["counts"],
+        {
+            "counter": collections.Counter({3: 2, 5: 1}),
+            "order": collections.OrderedDict(b=1),
+            "np": [0.1, 7, True],
+            "set": {1, 2},
+        },
+    )
     lambdas = saved["lr_scheduler"]["torch_scheduler"]["lr_lambdas"]
     assert lambdas == [{"base": 0.5, "steps": 3}]
 
@@ -358,8 +378,10 @@ def test_a_lambda_lr_holding_numpy_numbers_resumes_exactly(tmp_path):
     resumed = build(tmp_path / "cut", scheduler=scheduler, max_epochs=4)
     resumed.train()
     assert resumed.start_iter == 16
-    assert_equal_state(load(tmp_path / "whole/checkpoints/epoch_4.pth")["model"],
-                       load(tmp_path / "cut/checkpoints/epoch_4.pth")["model"])  # fmt: skip
+    assert_equal_state(
+        load(tmp_path / "whole/checkpoints/epoch_4.pth")["model"],
+        load(tmp_path / "cut/checkpoints/epoch_4.pth")["model"],
+    )
 
 
 @pytest.mark.parametrize(
@@ -373,8 +395,9 @@ def test_a_lambda_lr_holding_numpy_numbers_resumes_exactly(tmp_path):
         ({"epoch": 1.0}, "'progress' has 'epoch' = 1.0, expected an int >= 0"),
     ],
 )
-def test_progress_out_of_range_is_refused_as_damage(make_trainer, tmp_path, caplog, progress,
-                                                    problem):  # fmt: skip
+def test_progress_out_of_range_is_refused_as_damage(
+    make_trainer, tmp_path, caplog, progress, problem
+):
     make_trainer(max_epochs=2).train()
     newest = tmp_path / "work/checkpoints/epoch_2.pth"
     data = load(newest)
@@ -685,3 +708,19 @@ def test_a_failure_before_any_save_says_there_is_none(make_trainer, caplog):
         "Training failed in iteration 1 of 8 (last checkpoint on disk: none): ValueError: "
         "injected failure"
     ) in caplog.messages
+
+
+def test_one_registry_holds_the_trainers_parts_and_the_users_by_name(make_trainer):
+    """A registered thing sits beside the trainer's own at the checkpoint's top level; a name
+    the checkpoint uses already is refused."""
+    trainer = make_trainer(max_epochs=1)
+    second = torch.optim.SGD(trainer.model.parameters(), lr=0.5)
+    trainer.checkpointer.register("second", second)
+    for taken in ("model", "optimizer", "rng", "lr_scheduler", "hooks", "second"):
+        with pytest.raises(ValueError, match=f"'{taken}' is registered already"):
+            trainer.checkpointer.register(taken, torch.optim.SGD(trainer.model.parameters(), 1))
+    trainer.train()
+    saved = load(os.path.join(trainer.ckpt_dir, "epoch_1.pth"))
+    assert saved["second"] == second.state_dict()
+    assert saved["config"]["classes"]["second"] == "SGD"
+    assert {"CheckpointHook", "LoggerHook"} <= set(saved["hooks"])  # the hooks, as one thing

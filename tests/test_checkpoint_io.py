@@ -85,7 +85,9 @@ def damaged(tmp_path, how: str) -> str:
     parts = records(whole)
     noise = torch.randint(0, 256, (1 << 20,), generator=torch.Generator().manual_seed(0))
     at = {name: start + 1 for name, (start, _) in parts.items()}
-    flipped = {name: whole[:i] + bytes([whole[i] ^ 0xFF]) + whole[i + 1 :] for name, i in at.items()}
+    flipped = {
+        name: whole[:i] + bytes([whole[i] ^ 0xFF]) + whole[i + 1 :] for name, i in at.items()
+    }
     content = {
         "zeros": bytes(4 << 20),  # as a 2 GiB file of them: torch takes it for its old tar format
         "random bytes": noise.to(torch.uint8).numpy().tobytes(),
@@ -109,9 +111,19 @@ def damaged(tmp_path, how: str) -> str:
     return str(path)
 
 
-DAMAGED = ["zeros", "random bytes", "text", "empty", "cut in the middle", "cut short",
-           "cut by one byte", "header", "a tensor's bytes", "the end record",
-           "marked as a directory"]  # fmt: skip
+DAMAGED = [
+    "zeros",
+    "random bytes",
+    "text",
+    "empty",
+    "cut in the middle",
+    "cut short",
+    "cut by one byte",
+    "header",
+    "a tensor's bytes",
+    "the end record",
+    "marked as a directory",
+]
 
 
 @pytest.mark.parametrize("how", DAMAGED)
@@ -166,8 +178,12 @@ def test_every_byte_flipped_in_the_archives_structure_is_refused_or_loads_the_sa
     whole = (tmp_path / "good.pth").read_bytes()
     path = tmp_path / "x.pth"
     parts = records(whole)
-    positions = [i for name, (start, end) in parts.items() for i in range(start, end)
-                 if name != "a tensor's bytes"]  # fmt: skip
+    positions = [
+        i
+        for name, (start, end) in parts.items()
+        for i in range(start, end)
+        if name != "a tensor's bytes"
+    ]
     outcomes = {"refused": 0, "the same": 0}
     for i in positions:
         for mask in (0x01, 0x10, 0x80, 0xFF):

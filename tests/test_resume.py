@@ -37,9 +37,12 @@ def start(work_dir, out, *, fresh=False, **env):
     full_env = cpu_env(WORK_DIR=str(work_dir), OUT=str(out), MODE="epoch")
     full_env.update({k: str(v) for k, v in env.items()})
     return (subprocess.Popen if fresh else popen)(
-        [sys.executable, WORKER], env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        [sys.executable, WORKER],
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-    )  # fmt: skip
+    )
 
 
 def run(work_dir, out, **env):
@@ -247,8 +250,12 @@ def test_fsdp2_trains_as_ddp_does_and_its_checkpoint_loads_into_a_plain_model(tm
     ckpt_dir = fsdp_run / "work" / "checkpoints"
     folder = ckpt_dir / (ckpt_dir / "latest.txt").read_text().strip()
     assert sorted(os.listdir(folder)) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", "checksums.json", STATE_FILE
-    ]  # fmt: skip
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        "checksums.json",
+        STATE_FILE,
+    ]
     command = [sys.executable, "-m", "trainer.sharded_checkpoint", str(folder), str(tmp_path / "m")]
     subprocess.run(command, env=cpu_env(), check=True, capture_output=True)
     plain = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 1))
@@ -671,13 +678,23 @@ def test_changed_amp_is_reported_and_changed_accumulation_refused(tmp_path, capl
 
 
 def test_iteration_checkpoints_in_epoch_based_training_resume_exactly(tmp_path):
-    kwargs = {"max_epochs": 3, "checkpoint_period": 5, "checkpoint_by_epoch": False,
-              "max_num_checkpoints": None}  # fmt: skip
+    kwargs = {
+        "max_epochs": 3,
+        "checkpoint_period": 5,
+        "checkpoint_by_epoch": False,
+        "max_num_checkpoints": None,
+    }
     full = build(tmp_path / "full", **kwargs)
     full.train()
     # saves every 5 iterations; the last, at the end of epoch 3, is named for the epoch
-    assert checkpoints(full) == ["epoch_3.pth", "iter_10.pth", "iter_15.pth", "iter_20.pth",
-                                 "iter_5.pth", "latest.txt"]  # fmt: skip
+    assert checkpoints(full) == [
+        "epoch_3.pth",
+        "iter_10.pth",
+        "iter_15.pth",
+        "iter_20.pth",
+        "iter_5.pth",
+        "latest.txt",
+    ]
 
     class Crash(HookBase):
         def after_iter(self):

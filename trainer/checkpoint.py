@@ -124,11 +124,11 @@ class Checkpointer:
         an extra optimizer, scheduler or module that an overridden step uses."""
         if not all(callable(getattr(obj, m, None)) for m in ("state_dict", "load_state_dict")):
             raise TypeError(
-                f"checkpointer.register({name!r}, obj) needs an object with state_dict() and "
+                f"checkpointer.register({name!r}, ...) needs an object with state_dict() and "
                 f"load_state_dict(), got a {type(obj).__name__}."
             )
         if name in OWN_KEYS or name in self._things:
-            raise ValueError(f"checkpointer.register: the name {name!r} is taken; pick another.")
+            raise ValueError(f"{name!r} is registered already (or the trainer's); pick another.")
         self._things[name] = obj
 
     @property
@@ -218,8 +218,9 @@ class Checkpointer:
             try:
                 write(lambda: self._publish(temp, path, then))
             except BaseException as e:
-                if is_main_process() and os.path.lexists(temp):
-                    remove_checkpoint(temp)
+                # a folder stays for the next start to remove: other ranks may still write there
+                if is_main_process() and os.path.isfile(temp):
+                    os.remove(temp)
                 raise_write_failure(path, e)
 
         if is_main_process():
@@ -265,9 +266,11 @@ class Checkpointer:
             top, *rest = e.path
             owner = f"{top!r}"
             if top == "hooks" and rest:
-                owner, rest = f"hook {rest[0]!r}", rest[1:]
+                owner = f"hook {rest[0]!r}"
+                rest = rest[1:]
             elif top == "rng" and rest[1:2] == ["loader"]:  # a stateful data loader's own state
-                owner, rest = "the data loader", rest[2:]
+                owner = "the data loader"
+                rest = rest[2:]
             value = type(e.value)
             module = "" if value.__module__ == "builtins" else value.__module__.split(".")[0] + "."
             where = "".join(f"[{key!r}]" for key in rest)
@@ -319,7 +322,8 @@ class Checkpointer:
         self.writer.wait()
         raise RuntimeError(
             f"{'A rank' if self.sharded else 'Rank 0'} could not write a checkpoint (its log "
-            f"says why); every rank stops after iteration {self._progress.iter + 1}."
+            "names the file and the reason); every rank stops after iteration "
+            f"{self._progress.iter + 1}."
         )
 
     @contextlib.contextmanager
@@ -423,7 +427,8 @@ class Checkpointer:
     def _load_state(self, data: dict[str, Any], path: str) -> None:
         """Put back the training state besides the model's weights."""
         _check_config(data["config"], self.config(), path)
-        progress, accumulation = self._progress, self._config["accumulation_steps"]
+        progress = self._progress
+        accumulation = self._config["accumulation_steps"]
         position = map_position(
             data["progress"], path, progress.epoch_len, self._batch_size, accumulation
         )
@@ -473,8 +478,7 @@ class Checkpointer:
         missing = [key for key in OWN_KEYS if key not in data]
         if missing:
             raise RuntimeError(
-                f"Checkpoint {path!r} lacks {missing}: trainer.save_checkpoint did not write it. "
-                "For its weights alone: load_checkpoint(path, resume=False)."
+                f"Checkpoint {path!r} lacks {missing}: for weights alone, pass resume=False."
             )
         for key in (*OWN_KEYS, *self._things):
             kind = list if key == "rng" else dict
@@ -495,10 +499,6 @@ class Checkpointer:
         problem = _progress_problem(data["progress"])
         if problem:
             raise damaged(f"'progress' has {problem}")
-        if not all(isinstance(r, dict) and "now" in r for r in data["rng"]) or not data["rng"]:
-            raise damaged("'rng' is not a list of per-rank RNG states")
-        if not isinstance(data["config"]["classes"], dict):
-            raise damaged("'config' holds 'classes' that are not a dict")
         users = {name: data[name] for name in self._things.keys() - self._parts if name in data}
         refuse_non_finite(bad_tensors(users, ()), path)
 
@@ -524,6 +524,7 @@ class Checkpointer:
 
 
 # The folder's layout
+
 
 def update_latest_pointer(ckpt_dir: str, file_name: str) -> None:
     """Point ``ckpt_dir/latest.txt`` at ``file_name``, atomically (works where symlinks do not)."""

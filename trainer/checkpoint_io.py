@@ -514,9 +514,8 @@ def load_optimizer_state(
         load_full_optimizer_state(module, optimizer, state)
     elif sharded:
         raise RuntimeError(
-            f"Checkpoint {path!r} was saved by a model that was not sharded, and its optimizer "
-            "state does not map onto this fully_shard-ed one. Load the weights alone: "
-            "load_checkpoint(path, resume=False)."
+            f"Checkpoint {path!r} holds the optimizer state of an unsharded model, which does not "
+            "fit this fully_shard-ed one: load the weights alone, with resume=False."
         )
     else:
         optimizer.load_state_dict(state)

@@ -211,17 +211,16 @@ def _empty_like(state: Any) -> Any:
 def _checksums(folder: str, group: Any) -> dict[str, list[int]]:
     """``{name: [size, CRC-32]}`` of DCP's files in ``folder``, each rank summing a share of
     them (the ranks must list the same files). A collective of ``group`` under torchrun."""
-    rank, world = get_rank(), get_world_size()
-    error, names, own = None, [], {}
+    error = None
+    names: list[str] = []
+    own = {}
     try:
         names = sorted(os.listdir(folder))
-        own = {name: _sum(os.path.join(folder, name)) for name in names[rank::world]}
+        share = names[get_rank() :: get_world_size()]
+        own = {name: _sum(os.path.join(folder, name)) for name in share}
     except OSError as e:
         error = e
     shares = raise_on_every_rank(error, (names, own), group=group)
-    for other, (listed, _) in enumerate(shares):
-        if listed != shares[0][0]:  # a file system that shows the ranks different files
-            raise RuntimeError(f"Rank {other} lists other files in {folder} than rank 0.")
     return {name: value for _, share in shares for name, value in share.items()}
 
 
@@ -279,11 +278,13 @@ def _refuse(path: str, why: str) -> NoReturn:
 
 
 _METADATA_CLASSES = {
-    **{("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name)
-       for name in (*dcp_metadata.__all__, "_MEM_FORMAT_ENCODING")},
+    **{
+        ("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name)
+        for name in (*dcp_metadata.__all__, "_MEM_FORMAT_ENCODING")
+    },
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch", "Size"): torch.Size,
-}  # fmt: skip
+}
 _PATHS = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
 
 
@@ -479,15 +480,12 @@ def _main(args: list[str]) -> str:
         "(the file is binary: it is not written to stdout)",
     )
     parsed = parser.parse_args(args)
-    folder, out = parsed.folder, parsed.out
-    if os.path.isfile(folder):
-        raise SystemExit(
-            f"CHECKPOINT_FOLDER {folder} is one checkpoint file already: "
-            "torch.load(path, weights_only=True)['model'] holds its weights."
-        )
+    folder = parsed.folder
+    out = parsed.out
     if not is_sharded_checkpoint(folder):
         raise SystemExit(
-            f"CHECKPOINT_FOLDER {folder} is not a sharded checkpoint (a folder with {STATE_FILE})."
+            f"CHECKPOINT_FOLDER {folder} is not a sharded checkpoint (a folder with {STATE_FILE}); "
+            "a checkpoint file holds its weights: torch.load(path, weights_only=True)['model']."
         )
     _check_out(out, folder)
     try:
@@ -518,22 +516,8 @@ def _check_out(out: str, folder: str) -> None:
             f"OUT {out} is inside the sharded checkpoint {inside}: writing there would damage "
             "it. Give a path outside every checkpoint, e.g. model.pth."
         )
-    if os.path.isdir(out):
-        raise SystemExit(
-            f"OUT {out} is a directory: give the path of a file, e.g. "
-            f"{os.path.join(out, 'model.pth')}."
-        )
     if os.path.lexists(out):  # another checkpoint, latest.txt, the weights of another export...
-        raise SystemExit(
-            f"OUT {out} exists: the export writes a new file and never replaces one. Remove it "
-            "first, or give another path."
-        )
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        raise SystemExit(
-            f"OUT {out} cannot be written: its folder {parent} does not exist. Create it, or "
-            "give a path in a folder that exists."
-        )
+        raise SystemExit(f"OUT {out} exists: the export writes a new file. Give another path.")
 
 
 def _ancestors(path: str) -> Iterator[str]:

@@ -44,7 +44,8 @@ class CheckpointHook(HookBase):
     def before_train(self) -> None:
         """Count a checkpoint that this run resumed from and the trainer saved outside this hook
         (a preemption's) among this hook's, so that preemptions do not pile up checkpoints."""
-        name, resumed = self.trainer.checkpointer.name(), self.trainer.start_iter > 0
+        name = self.trainer.checkpointer.name()
+        resumed = self.trainer.start_iter > 0
         if resumed and name not in self._saved and os.path.exists(self._path(name)):
             self._add(name, save=False)
 
