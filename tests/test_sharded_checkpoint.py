@@ -299,6 +299,31 @@ def test_the_export_writes_the_weights_and_the_checkpoint_still_resumes(exportin
     assert_bit_equal(resumed.model.state_dict(), saved[1])
 
 
+def test_a_shard_replaced_while_it_loads_never_loads_damaged_weights(exporting, saved, monkeypatch):
+    """A damaged copy of a shard renamed over it as DCP begins to read: the checksums and DCP
+    read the files opened before, never a mix."""
+    shard = exporting / "__0_0.distcp"
+    data = shard.read_bytes()
+    damaged = data[: len(data) // 2] + bytes(b ^ 0xFF for b in data[len(data) // 2 :])
+    real_load = torch.load
+    for resume in (True, False):
+
+        def swapped_mid_load(f, *args, **kwargs):
+            copy = exporting / "copy"
+            copy.write_bytes(damaged)
+            os.replace(copy, shard)  # a sync tool's cp, then mv
+            return real_load(f, *args, **kwargs)
+
+        shard.write_bytes(data)
+        monkeypatch.setattr(torch, "load", swapped_mid_load)
+        trainer = plain_trainer("loaded")
+        trainer.load_checkpoint(str(exporting), resume=resume)
+        monkeypatch.setattr(torch, "load", real_load)
+        assert_bit_equal(trainer.model.state_dict(), saved[1])
+        with pytest.raises(RuntimeError, match=r"the bytes of __0_0\.distcp changed"):
+            plain_trainer("again").load_checkpoint(str(exporting), resume=resume)
+
+
 def test_the_export_command_says_what_is_wrong(exporting, capsys):
     with pytest.raises(SystemExit) as e:
         sharded_main(["--help"])

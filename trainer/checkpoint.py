@@ -71,7 +71,10 @@ class Checkpointer:
 
     Args:
         ckpt_dir: Where the checkpoints and ``latest.txt`` are.
-        model, optimizer, progress, data: The trainer's.
+        model: The trainer's model (its unwrapped module's weights are saved).
+        optimizer: The trainer's optimizer.
+        progress: Where training is.
+        data: The data passes, whose RNG states and position are saved per rank.
         cpu: The trainer's gloo group.
         config: What a resumed run must share (``accumulation_steps``) or is warned about.
         by_epoch: Name a checkpoint at an epoch's end ``epoch_N.pth``.
@@ -178,9 +181,9 @@ class Checkpointer:
             **{name: obj.state_dict() for name, obj in self._things.items()},
         }
 
-    def _format(self) -> Any:
-        """The format :attr:`sharded` picks for saves."""
-        if not self.sharded:
+    def _format(self, sharded: bool) -> Any:
+        """The file format, or the sharded one (imported when first used)."""
+        if not sharded:
             return self._file
         if self._shards is None:
             self._shards = _dcp().ShardedFormat(self._module, self._optimizer, self._cpu)
@@ -207,7 +210,7 @@ class Checkpointer:
             self._buffers_warned |= check_rank_state(state, self._cpu.group, check_buffers=warn)
         self._progress.mark_saved()
         state["rng"] = gather(own_rng, group=self._cpu.group)
-        fmt = self._format()
+        fmt = self._format(self.sharded)
         self.writer.wait()  # one write at a time; raises if the last one failed
         temp = temp_path(path)
         write = fmt.write(state, temp)
@@ -333,7 +336,7 @@ class Checkpointer:
         if not self.sharded:
             yield
             return
-        shards = self._format()
+        shards = self._format(True)
         with _dcp().write_group() as shards.write_group:
             try:
                 yield
@@ -461,11 +464,8 @@ class Checkpointer:
     def _read(self, path: str) -> dict[str, Any]:
         """The checkpoint at ``path``, in the format of what is there, if it can resume a run;
         else a RuntimeError naming ``path`` and the problem."""
-        if not os.path.isdir(path):
-            return self._file.read(path, lambda data: self._check(data, path))
-        if self._shards is None:  # a folder may be loaded by a run that saves files
-            self._shards = _dcp().ShardedFormat(self._module, self._optimizer, self._cpu)
-        return self._shards.read(path, lambda data: self._check(data, path))
+        fmt = self._format(os.path.isdir(path))
+        return fmt.read(path, lambda data: self._check(data, path))
 
     def _check(self, data: dict[str, Any], path: str) -> None:
         """Raise a RuntimeError naming ``path`` and the first problem unless ``data`` has the

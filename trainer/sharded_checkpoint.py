@@ -18,6 +18,7 @@ checkpoint, and refuses an output inside its folder.
 
 import argparse
 import contextlib
+import errno
 import io
 import json
 import os
@@ -36,7 +37,7 @@ from torch import nn
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.optim import Optimizer
@@ -136,16 +137,22 @@ class ShardedFormat:
         ``trainer.pth`` and this process's part of the model's and optimizer's state (its shards
         for a sharded model, the whole for another) read into fresh tensors, checked finite,
         once ``check(data)`` holds. A collective: the ranks agree on every refusal."""
+        with contextlib.ExitStack() as opened:
+            return self._read(path, check, opened)
+
+    def _read(
+        self, path: str, check: Callable[[dict], None], opened: contextlib.ExitStack
+    ) -> dict[str, Any]:
         group = self._cpu.group
         problem: Optional[Exception] = None
         try:
             if not is_sharded_checkpoint(path):
                 raise IsADirectoryError(f"Checkpoint {path!r} is a directory, not a checkpoint.")
-            files = _read_manifest(path, need_checksums=True)
+            files = opened.enter_context(contextlib.closing(_Folder(path, need_checksums=True)))
             data = read_file(os.path.join(path, STATE_FILE))
             if "model" in data or "optimizer" in data:
                 _refuse(path, f"its {STATE_FILE} holds model state")
-            metadata = read_metadata(path)
+            metadata = read_metadata(path, files)
         except (RuntimeError, OSError) as e:
             problem = e
         raise_on_every_rank(problem, group=group)
@@ -165,7 +172,7 @@ class ShardedFormat:
             for name, entry in optimizer["state"].items()
             if (kept := {key: v for key, v in entry.items() if f"{name}.{key}" in in_file})
         }
-        _load_checked({"model": model, "optimizer": optimizer}, path, files, group)
+        _load_checked({"model": model, "optimizer": optimizer}, files, group)
         bad = bad_tensors({"model": model, "optimizer": optimizer["state"]}, parameters(module))
         if get_world_size() > 1:  # each rank checked its own shards: the ranks agree
             bad = sorted({name for names in all_gather(bad, group=group) for name in names})
@@ -226,48 +233,96 @@ def _checksums(folder: str, group: Any) -> dict[str, list[int]]:
 
 def _sum(path: str) -> list[int]:
     """``[size, CRC-32]`` of the file at ``path``."""
-    crc = 0
-    buffer = bytearray(16 << 20)
-    with open(path, "rb") as f:
-        while n := f.readinto(buffer):
-            crc = zlib.crc32(memoryview(buffer)[:n], crc)
-        return [f.tell(), crc]
-
-
-def _read_manifest(folder: str, need_checksums: bool) -> dict[str, list[int]]:
-    """The folder's manifest (``{}`` if it has none and not ``need_checksums``), once the
-    folder's names, sizes and file types match it and its ``.metadata``'s bytes do (it is
-    unpickled before anything else is read): no link followed."""
-    entries = {entry.name: entry.stat(follow_symlinks=False) for entry in os.scandir(folder)}
-    for name, info in sorted(entries.items()):
-        if not stat.S_ISREG(info.st_mode):
-            _refuse(folder, f"{name} is a link or no regular file")
-    if MANIFEST not in entries:
-        if need_checksums:
-            _refuse(folder, f"it has no {MANIFEST} (weights may load with resume=False)")
-        return {}
+    fd = os.open(path, os.O_RDONLY)
     try:
-        with open(os.path.join(folder, MANIFEST), "rb") as f:
-            files = {str(k): [int(size), int(crc)] for k, (size, crc) in json.load(f).items()}
-    except (ValueError, TypeError, AttributeError) as e:
-        _refuse(folder, f"its {MANIFEST} does not parse ({e})")
-    for name in sorted(files.keys() | entries.keys() - {MANIFEST, STATE_FILE}):
-        if name not in files:
-            _refuse(folder, f"{name} is not in its {MANIFEST}")
-        if name not in entries:
-            _refuse(folder, f"{name} is missing")
-        if entries[name].st_size != files[name][0]:
-            _refuse(folder, f"{name} has {entries[name].st_size} bytes, not {files[name][0]}")
-    _check_sums(folder, files, [".metadata"])
-    return files
+        return [os.fstat(fd).st_size, _crc(fd)]
+    finally:
+        os.close(fd)
 
 
-def _check_sums(folder: str, files: dict[str, list[int]], names: list[str]) -> None:
-    """Refuse ``folder`` as damaged unless the CRC-32s of its files ``names`` are
-    ``files``'s."""
-    for name in names:
-        if _sum(os.path.join(folder, name))[1] != files[name][1]:
-            _refuse(folder, f"the bytes of {name} changed (its CRC-32 differs)")
+def _crc(fd: int) -> int:
+    """The CRC-32 of the file open as ``fd`` (read with ``os.pread``: its offset stays)."""
+    crc = 0
+    at = 0
+    buffer = memoryview(bytearray(16 << 20))
+    while n := os.preadv(fd, [buffer], at):
+        crc = zlib.crc32(buffer[:n], crc)
+        at += n
+    return crc
+
+
+class _Folder(FileSystem):
+    """A sharded checkpoint's files, each opened once (no link followed) and checked against
+    its manifest. DCP reads them as its file system, through the descriptors that the
+    checksums read, so a file replaced meanwhile is never mixed in."""
+
+    def __init__(self, folder: str, need_checksums: bool) -> None:
+        self.folder = folder
+        self.sums: dict[str, list[int]] = {}  # the manifest: {name: [size, CRC-32]}
+        self._fds: dict[str, int] = {}
+        try:
+            self._open(need_checksums)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, need_checksums: bool) -> None:
+        """Open every file; read the manifest (none: refused if ``need_checksums``), once the
+        folder's names, sizes and file types match it and its ``.metadata``'s bytes do (it is
+        unpickled before anything else is read)."""
+        folder = self.folder
+        sizes = {}
+        for entry in os.scandir(folder):
+            try:  # (O_NONBLOCK: a FIFO would block the open)
+                fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError as e:
+                if e.errno != errno.ELOOP:
+                    raise
+                _refuse(folder, f"{entry.name} is a link")
+            self._fds[entry.name] = fd
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                _refuse(folder, f"{entry.name} is no regular file")
+            sizes[entry.name] = info.st_size
+        if MANIFEST not in sizes:
+            if need_checksums:
+                _refuse(folder, f"it has no {MANIFEST} (weights may load with resume=False)")
+            return
+        try:
+            manifest = json.loads(os.pread(self._fds[MANIFEST], sizes[MANIFEST], 0))
+            files = {str(k): [int(size), int(crc)] for k, (size, crc) in manifest.items()}
+        except (ValueError, TypeError, AttributeError) as e:
+            _refuse(folder, f"its {MANIFEST} does not parse ({e})")
+        for name in sorted(files.keys() | sizes.keys() - {MANIFEST, STATE_FILE}):
+            if name not in files:
+                _refuse(folder, f"{name} is not in its {MANIFEST}")
+            if name not in sizes:
+                _refuse(folder, f"{name} is missing")
+            if sizes[name] != files[name][0]:
+                _refuse(folder, f"{name} has {sizes[name]} bytes, not {files[name][0]}")
+        self.sums = files
+        self.check([".metadata"])
+
+    def check(self, names: list[str]) -> None:
+        """Refuse the folder as damaged unless its files ``names`` have their CRC-32s."""
+        for name in names:
+            if name in self.sums and _crc(self._fds[name]) != self.sums[name][1]:
+                _refuse(self.folder, f"the bytes of {name} changed (its CRC-32 differs)")
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        """DCP's way to open a file of the folder: the one opened (read one at a time)."""
+        fd = self._fds.get(os.path.basename(path))
+        if fd is None or mode != "rb":
+            raise FileNotFoundError(f"{path} is not a file of the checkpoint, to read")
+        with os.fdopen(os.dup(fd), "rb") as f:  # (a duplicate shares the offset)
+            f.seek(0)
+            yield f
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
 
 
 def _refuse(path: str, why: str) -> NoReturn:
@@ -319,11 +374,17 @@ def _layout(name: str) -> torch.layout:
 
 
 class _SafeReader(dcp.FileSystemReader):
-    """DCP's reader of a folder, whose ``.metadata`` is read by :class:`_MetadataUnpickler`
-    (DCP's own uses ``pickle.load``) and may name files of the folder only."""
+    """DCP's reader of a folder (through ``files``, its files opened once, if given), whose
+    ``.metadata`` is read by :class:`_MetadataUnpickler` (DCP's own uses ``pickle.load``) and
+    may name files of the folder only."""
+
+    def __init__(self, path: str, files: Optional[_Folder] = None) -> None:
+        super().__init__(path)
+        if files is not None:
+            self.fs = files
 
     def read_metadata(self) -> Any:
-        with open(os.path.join(self.path, ".metadata"), "rb") as f:
+        with self.fs.create_stream(os.path.join(self.path, ".metadata"), "rb") as f:
             metadata = _MetadataUnpickler(f).load()
         if not isinstance(metadata, dcp_metadata.Metadata):
             raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not Metadata")
@@ -349,10 +410,11 @@ class _SafePlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def read_metadata(path: str) -> Any:
-    """The DCP metadata of the sharded checkpoint at ``path``, read safely."""
+def read_metadata(path: str, files: Optional[_Folder] = None) -> Any:
+    """The DCP metadata of the sharded checkpoint at ``path`` (its ``files``, if opened
+    already), read safely."""
     try:
-        return _SafeReader(path).read_metadata()
+        return _SafeReader(path, files).read_metadata()
     except Exception as e:
         how = "" if isinstance(e, OSError) else " safely"  # a missing file is not a threat
         raise RuntimeError(
@@ -361,13 +423,14 @@ def read_metadata(path: str) -> Any:
         ) from e
 
 
-def _dcp_load(state: dict[str, Any], path: str, group: Any = None, alone: bool = False) -> None:
-    """Fill ``state``'s tensors in place from the checkpoint at ``path``: a collective of
+def _dcp_load(state: dict[str, Any], files: _Folder, group: Any, alone: bool) -> None:
+    """Fill ``state``'s tensors in place from the checkpoint's ``files``: a collective of
     ``group`` (None: the default one) under torchrun, unless this process reads ``alone``."""
+    path = files.folder
     try:
         dcp.load(
             state,
-            storage_reader=_SafeReader(path),
+            storage_reader=_SafeReader(path, files),
             planner=_SafePlanner(),
             process_group=group,
             no_dist=alone or not dist.is_initialized(),
@@ -394,8 +457,13 @@ def _saved_keys(metadata: Any, prefix: str) -> dict[str, Any]:
 def read_weights(path: str) -> dict[str, torch.Tensor]:
     """The model's full weights in the sharded checkpoint at ``path``, as CPU tensors; each
     process reads them alone (no collective)."""
-    files = _read_manifest(path, need_checksums=False)  # weights may come from older folders
-    entries = _saved_keys(read_metadata(path), "model.")
+    with contextlib.closing(_Folder(path, need_checksums=False)) as files:  # (older folders too)
+        return _read_weights(files)
+
+
+def _read_weights(files: _Folder) -> dict[str, torch.Tensor]:
+    path = files.folder
+    entries = _saved_keys(read_metadata(path, files), "model.")
     try:
         template = {
             f"model.{key}": torch.empty(entry.size, dtype=entry.properties.dtype)
@@ -406,27 +474,23 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
         _refuse(path, f"its metadata says {e}")
     if not template:
         raise RuntimeError(f"Checkpoint {path!r} holds no model weights.")
-    _load_checked(template, path, files, alone=True)
+    _load_checked(template, files, alone=True)
     return {key[len("model.") :]: value for key, value in template.items()}
 
 
 def _load_checked(
-    state: dict[str, Any],
-    path: str,
-    files: dict[str, list[int]],
-    group: Any = None,
-    alone: bool = False,
+    state: dict[str, Any], files: _Folder, group: Any = None, alone: bool = False
 ) -> None:
-    """:func:`_dcp_load`, while a thread checks the shards' bytes against ``files`` (the
-    manifest), each rank a share of them unless it reads ``alone``. Damage that any rank finds
-    is what every rank raises, rather than the error DCP made of it."""
-    shards = sorted(name for name in files if name != ".metadata")
+    """:func:`_dcp_load`, while a thread checks the shards' bytes against the manifest, each
+    rank a share of them unless it reads ``alone``. Damage that any rank finds is what every
+    rank raises, rather than the error DCP made of it."""
+    shards = sorted(name for name in files.sums if name != ".metadata")
     share = shards if alone else shards[get_rank() :: get_world_size()]
     checking = Background("checkpoint-check")
-    checking.submit(lambda: _check_sums(path, files, share))
+    checking.submit(lambda: files.check(share))
     problem: Optional[Exception] = None
     try:
-        _dcp_load(state, path, group, alone)
+        _dcp_load(state, files, group, alone)
     except RuntimeError as e:
         problem = e
     damage: Optional[Exception] = None
