@@ -49,7 +49,7 @@ logger = logging.getLogger(__name__)
 
 LATEST_POINTER = "latest.txt"  # names the newest checkpoint of its folder
 # What every checkpoint holds besides the registered things, in the order they are checked.
-OWN_KEYS = ("progress", "config", "model", "optimizer", "rng")
+_OWN_KEYS = ("progress", "config", "model", "optimizer", "rng")
 _PROGRESS_KEYS = ("epoch", "inner_iter", "epoch_len", "iters_done", "world_size", "batch_size")
 
 
@@ -130,7 +130,7 @@ class Checkpointer:
                 f"checkpointer.register({name!r}, ...) needs an object with state_dict() and "
                 f"load_state_dict(), got a {type(obj).__name__}."
             )
-        if name in OWN_KEYS or name in self._things:
+        if name in _OWN_KEYS or name in self._things:
             raise ValueError(f"{name!r} is registered already (or the trainer's); pick another.")
         self._things[name] = obj
 
@@ -147,8 +147,8 @@ class Checkpointer:
                 return name
         raise ValueError(
             f"This {type(obj).__name__} is not the trainer's and not registered with "
-            "trainer.checkpointer.register(name, obj), so no checkpoint holds its state: register "
-            "it where you create it (docs/loop.md)."
+            "trainer.checkpointer.register(name, obj), so no checkpoint holds its state and a "
+            "resume would not be exact; register it once, where you create it (docs/loop.md)."
         )
 
     def name(self) -> str:
@@ -443,7 +443,7 @@ class Checkpointer:
                 obj.load_state_dict(data[name])
             else:
                 logger.warning(f"Checkpoint {path} holds no state for {name!r}: it starts afresh.")
-        for name in data.keys() - {*OWN_KEYS, *self._things}:
+        for name in data.keys() - {*_OWN_KEYS, *self._things}:
             logger.warning(f"Checkpoint {path} holds state for {name!r}, which is not registered.")
         # A checkpoint from an epoch's last iteration (a preemption there) resumes with the
         # epoch's end: the next pass starts fresh, nothing to skip.
@@ -475,12 +475,12 @@ class Checkpointer:
         def damaged(why: str) -> RuntimeError:
             return RuntimeError(f"Checkpoint {path!r} is damaged: {why}.")
 
-        missing = [key for key in OWN_KEYS if key not in data]
+        missing = [key for key in _OWN_KEYS if key not in data]
         if missing:
             raise RuntimeError(
                 f"Checkpoint {path!r} lacks {missing}: for weights alone, pass resume=False."
             )
-        for key in (*OWN_KEYS, *self._things):
+        for key in (*_OWN_KEYS, *self._things):
             kind = list if key == "rng" else dict
             if key in data and not isinstance(data[key], kind):
                 raise damaged(f"{key!r} is of type {type(data[key]).__name__}, not {kind.__name__}")
