@@ -10,8 +10,8 @@ previous write ended, so the two do not overlap.
 
     python benchmarks/checkpoint_save.py --load [--state-gb 1.0] [--loads 7]
 
-times resuming a checkpoint file of --state-gb GB (load_checkpoint: reading it, its checksum
-and its checks), beside torch.load of the same file.
+times resuming a checkpoint file of --state-gb GB (load_checkpoint: reading it, the CRC-32s of
+its zip records and its checks), beside torch.load of the same file.
 
     python benchmarks/checkpoint_save.py --fsdp [--saves 3] [--state-gb 1.0]
 
@@ -43,7 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainer import HookBase, Trainer, checksum
+from trainer import HookBase, Trainer, checkpoint_io
 
 
 class ResNet18Sized(nn.Module):
@@ -63,7 +63,8 @@ def single_process(args):
     with tempfile.TemporaryDirectory() as work_dir:
         trainer = Trainer(model, optimizer, None, [None] * 4, max_iters=1, work_dir=work_dir)
         trainer.train()  # one step, so that the momentum buffers exist
-        blocking, durable = [], []
+        blocking = []
+        durable = []
         for i in range(args.saves):
             start = time.perf_counter()
             trainer.save_checkpoint(f"probe_{i}.pth")
@@ -73,8 +74,10 @@ def single_process(args):
     params = sum(p.numel() for p in model.parameters()) / 1e6
     for name, times in (("blocks training", blocking), ("is durable after", durable)):
         median, low, high = (1e3 * f(times) for f in (statistics.median, min, max))
-        print(f"{params:.1f}M parameters on {args.device}: save_checkpoint {name} {median:.0f} ms "
-              f"(median of {args.saves}; min {low:.0f}, max {high:.0f})")  # fmt: skip
+        print(
+            f"{params:.1f}M parameters on {args.device}: save_checkpoint {name} {median:.0f} ms "
+            f"(median of {args.saves}; min {low:.0f}, max {high:.0f})"
+        )
 
 
 # Loading
@@ -82,7 +85,8 @@ def single_process(args):
 
 def loading(args):
     """How long ``load_checkpoint`` takes to resume a ``--state-gb`` GB checkpoint file (the
-    weights and AdamW's two buffers), interleaved with the same without checking its checksum,
+    weights and AdamW's two buffers), interleaved with the same without checking its records'
+    CRC-32s,
     and with ``torch.load`` of the same file (the floor: reading it, without the trainer's
     checks). The file is in the page cache, as when a
     run resumes the checkpoint it just wrote: a slow disk would hide the checks' cost."""
@@ -98,16 +102,18 @@ def loading(args):
             start = time.perf_counter()
             trainer.load_checkpoint(path)
             resume.append(time.perf_counter() - start)
-            with mock.patch.object(checksum, "check_file"):  # what the checksum costs
+            with mock.patch.object(checkpoint_io, "_check_records"):  # what the CRCs cost
                 start = time.perf_counter()
                 trainer.load_checkpoint(path)
                 unchecked.append(time.perf_counter() - start)
             start = time.perf_counter()
             torch.load(path, map_location="cpu", weights_only=True)
             floor.append(time.perf_counter() - start)
-    print(f"a {size / 1e9:.2f} GB checkpoint file: load_checkpoint {spread(resume)}, "
-          f"without its checksum {spread(unchecked)}, torch.load {spread(floor)} "
-          f"(median (min-max) of {args.loads})")  # fmt: skip
+    print(
+        f"a {size / 1e9:.2f} GB checkpoint file: load_checkpoint {spread(resume)}, "
+        f"without its checksum {spread(unchecked)}, torch.load {spread(floor)} "
+        f"(median (min-max) of {args.loads})"
+    )
 
 
 # The sharded case: FSDP2 on gloo ranks
@@ -191,9 +197,8 @@ def sharded(args):
         shared = [made]
         dist.broadcast_object_list(shared)  # one folder for every rank's files
         trainer = Trainer(
-            model, optimizer, None, [None] * 4, max_iters=2, work_dir=shared[0],
-            checkpoint_period=0,
-        )  # fmt: skip
+            model, optimizer, None, [None] * 4, max_iters=2, work_dir=shared[0], checkpoint_period=0
+        )
         measured = {}
 
         class Saves(HookBase):  # in training, where sharded saves write in the background
@@ -237,8 +242,10 @@ def report(everyone, params, total, world_size, saves):
     for mode in ("full", "sharded"):
         for rank, (held, times) in enumerate(everyone):
             blocked, done, peak = zip(*times[mode])
-            print(f"| {mode} | {rank} | {held / 1e6:.0f} MB | {spread(blocked)} | {spread(done)} | "
-                  f"{max(peak) / 1e6:.0f} MB |")  # fmt: skip
+            print(
+                f"| {mode} | {rank} | {held / 1e6:.0f} MB | {spread(blocked)} | {spread(done)} | "
+                f"{max(peak) / 1e6:.0f} MB |"
+            )
     for mode in ("full", "sharded"):
         slowest = [max(times[mode][i][1] for _, times in everyone) for i in range(saves)]
         print(f"{mode}: the checkpoint is complete after {spread(slowest)} (the slowest rank's)")

@@ -150,9 +150,12 @@ def main():
     if world_size > 1 or env_int("DIST_SAMPLER"):
         sampler = DistributedSampler(data, num_replicas=world_size, rank=rank, seed=0)
     loader = DataLoader(
-        data, batch_size=env_int("BATCH", 4), shuffle=sampler is None, sampler=sampler,
+        data,
+        batch_size=env_int("BATCH", 4),
+        shuffle=sampler is None,
+        sampler=sampler,
         num_workers=env_int("NUM_WORKERS"),
-    )  # fmt: skip
+    )
     if env_int("STREAM"):
         from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -189,11 +192,20 @@ def main():
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     length = {"max_epochs": 3} if os.environ["MODE"] == "epoch" else {"max_iters": 25}
     trainer = Trainer(
-        model, optimizer, scheduler, loader, **length, work_dir=work_dir,
-        log_period=env_int("LOG_PERIOD", 5), preempt_check_period=env_int("PREEMPT_CHECK", 10),
-        checkpoint_period=0, warmup_t=5, warmup_init_lr=0.005,
-        clip_grad_norm=float(os.environ.get("CLIP", 0)), accumulation_steps=env_int("ACCUM", 1),
-    )  # fmt: skip
+        model,
+        optimizer,
+        scheduler,
+        loader,
+        **length,
+        work_dir=work_dir,
+        log_period=env_int("LOG_PERIOD", 5),
+        preempt_check_period=env_int("PREEMPT_CHECK", 10),
+        checkpoint_period=0,
+        warmup_t=5,
+        warmup_init_lr=0.005,
+        clip_grad_norm=float(os.environ.get("CLIP", 0)),
+        accumulation_steps=env_int("ACCUM", 1),
+    )
     if env_int("FULL_CKPT"):
         trainer.checkpointer.sharded = False
     if env_int("SHARDED_CKPT"):

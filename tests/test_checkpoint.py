@@ -13,7 +13,6 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
-import trainer.checkpoint as trainer_checkpoint
 from trainer import HookBase, Trainer
 from trainer.checkpoint import read_latest_pointer
 from trainer.hooks import BestCheckpointHook
@@ -78,11 +77,9 @@ def test_a_buffer_that_holds_infinities_on_purpose_saves_resumes_and_loads(make_
     torch.save(weights, tmp_path / "nan.pth")
     # saved from a compiled model: the prefix is dropped before the check, not after
     torch.save({f"_orig_mod.{k}": v for k, v in weights.items()}, tmp_path / "compiled.pth")
-    with pytest.raises(RuntimeError, match="training or evaluating from them would give NaN"):
+    with pytest.raises(RuntimeError, match=r"compiled\.pth' holds NaN or infinite values"):
         fresh.load_checkpoint(str(tmp_path / "compiled.pth"), resume=False)
-    with pytest.raises(
-        RuntimeError, match=r"\(model\.linear\.weight\): training or evaluating from"
-    ):
+    with pytest.raises(RuntimeError, match=r"nan\.pth' holds NaN .* \(model\.linear\.weight\)"):
         fresh.load_checkpoint(str(tmp_path / "nan.pth"), resume=False)
 
 
@@ -120,7 +117,7 @@ def test_a_nan_under_a_tied_weights_second_name_is_refused(make_trainer, tmp_pat
     weights["head.weight"] = torch.full_like(weights["head.weight"], float("nan"))
     torch.save(weights, tmp_path / "tied.pth")
     trainer = make_trainer(model=Tied(), max_epochs=1)
-    with pytest.raises(RuntimeError, match=r"\(model\.head\.weight\): training or evaluating"):
+    with pytest.raises(RuntimeError, match=r"holds NaN .* \(model\.head\.weight\)"):
         trainer.load_checkpoint(str(tmp_path / "tied.pth"), resume=False)
 
 
@@ -155,10 +152,16 @@ def test_resuming_with_another_optimizer_class_names_the_checkpoint_and_both_cla
     first = build(tmp_path, max_epochs=1)  # SGD
     first.train()
     model = TinyModel()
-    adam = Trainer(model, torch.optim.Adam(model.parameters()), None, tiny_loader(), max_epochs=2,
-                   work_dir=tmp_path)  # fmt: skip
+    adam = Trainer(
+        model,
+        torch.optim.Adam(model.parameters()),
+        None,
+        tiny_loader(),
+        max_epochs=2,
+        work_dir=tmp_path,
+    )
     expected = r"epoch_1\.pth' holds the state of a SGD for optimizer, and this trainer's optimizer"
-    with pytest.raises(ValueError, match=expected + r" is a Adam: that state does not fit it"):
+    with pytest.raises(ValueError, match=expected + r" is a Adam"):
         adam.train()
 
 
@@ -191,13 +194,13 @@ def damage(ckpt_dir, how):
 @pytest.mark.parametrize(
     "how, start_iter, warning",
     [
-        ("wrong types", 8, "epoch_2.pth' is damaged: 'progress' is of type int, expected dict"),
+        ("wrong types", 8, "epoch_2.pth' is damaged: 'progress' is of type int, not dict"),
         ("a weight that is not a tensor", 8, "'model' holds 1 entries that are not tensors"),
         ("progress without epoch", 8, "epoch_2.pth' is damaged: 'progress' lacks 'epoch'"),
-        ("non-UTF-8 pointer", 16, "latest.txt is damaged (not UTF-8 text)"),
-        ("pointer is a directory", 16, "latest.txt is damaged (a directory, not a file)"),
-        ("dangling symlink", 16, "epoch_9.pth' does not exist"),
-        ("directory named .pth", 16, "epoch_9.pth' is a directory, not a file"),
+        ("non-UTF-8 pointer", 16, "latest.txt is damaged ('utf-8' codec can't decode"),
+        ("pointer is a directory", 16, "latest.txt is damaged ([Errno 21] Is a directory"),
+        ("dangling symlink", 16, "No such file or directory: "),
+        ("directory named .pth", 16, "epoch_9.pth' is a directory, not a checkpoint"),
     ],
 )
 def test_a_damaged_newest_checkpoint_or_pointer_falls_back_with_a_warning(
@@ -243,8 +246,10 @@ def test_multistep_lr_resumes_exactly_alone_and_inside_other_schedulers(tmp_path
     assert len(set(resumed_lrs.lrs)) >= 2  # it decays after the resume
     final = "epoch_5.pth"
     for key in ("model", "optimizer", "lr_scheduler"):
-        assert_equal_state(load(tmp_path / "whole/checkpoints" / final)[key],
-                           load(tmp_path / "cut/checkpoints" / final)[key])  # fmt: skip
+        assert_equal_state(
+            load(tmp_path / "whole/checkpoints" / final)[key],
+            load(tmp_path / "cut/checkpoints" / final)[key],
+        )
 
 
 def assert_equal_state(a, b):
@@ -299,8 +304,9 @@ def test_state_that_would_not_load_is_refused_when_saved_naming_its_owner(
 ):
     trainer = make_trainer(max_epochs=2)
     trainer.register_hook(StateHook(state))
-    where = "state_dict()['counts']" + ("['nested'][1]" if isinstance(state, dict) and
-                                        "nested" in state else "")  # fmt: skip
+    where = "state_dict()['counts']" + (
+        "['nested'][1]" if isinstance(state, dict) and "nested" in state else ""
+    )
     expected = (
         f"Not saving epoch_1.pth: the state_dict() of hook 'StateHook' holds {what} at {where}, "
         "which torch.load(weights_only=True) cannot rebuild"
@@ -321,8 +327,9 @@ def test_a_registered_object_with_unloadable_state_is_refused_naming_it(make_tra
             pass
 
     trainer.checkpointer.register("holder", Holder())
-    with pytest.raises(TypeError, match=r"of checkpointable 'holder' holds a test_checkpoint\."
-                       r"Opaque at state_dict\(\)\['when'\]"):  # fmt: skip
+    with pytest.raises(
+        TypeError, match=r"'holder' holds a test_checkpoint\.Opaque at .*\['when'\]"
+    ):
         trainer.train()
 
 
@@ -337,17 +344,26 @@ class NumpyDecay:
 
 
 def test_numpy_numbers_and_counters_round_trip_as_what_they_equal(tmp_path):
-    state = {"counter": collections.Counter({3: 2, 5: 1}), "order": collections.OrderedDict(b=1),
-             "np": [np.float64(0.1), np.int64(7), np.bool_(True)], "set": {1, 2}}  # fmt: skip
+    state = {
+        "counter": collections.Counter({3: 2, 5: 1}),
+        "order": collections.OrderedDict(b=1),
+        "np": [np.float64(0.1), np.int64(7), np.bool_(True)],
+        "set": {1, 2},
+    }
     trainer = build(tmp_path / "work", max_epochs=1, scheduler=lambda o: LambdaLR(o, NumpyDecay()))
     hook = StateHook(state)
     trainer.register_hook(hook)
     trainer.train()
     saved = load(tmp_path / "work/checkpoints/epoch_1.pth")
-    assert_equal_state(saved["hooks"]["StateHook"]["counts"], {
-        "counter": collections.Counter({3: 2, 5: 1}), "order": collections.OrderedDict(b=1),
-        "np": [0.1, 7, True], "set": {1, 2},
-    })  # fmt: skip
+    assert_equal_state(
+        saved["hooks"]["StateHook"]["counts"],
+        {
+            "counter": collections.Counter({3: 2, 5: 1}),
+            "order": collections.OrderedDict(b=1),
+            "np": [0.1, 7, True],
+            "set": {1, 2},
+        },
+    )
     lambdas = saved["lr_scheduler"]["torch_scheduler"]["lr_lambdas"]
     assert lambdas == [{"base": 0.5, "steps": 3}]
 
@@ -362,8 +378,10 @@ def test_a_lambda_lr_holding_numpy_numbers_resumes_exactly(tmp_path):
     resumed = build(tmp_path / "cut", scheduler=scheduler, max_epochs=4)
     resumed.train()
     assert resumed.start_iter == 16
-    assert_equal_state(load(tmp_path / "whole/checkpoints/epoch_4.pth")["model"],
-                       load(tmp_path / "cut/checkpoints/epoch_4.pth")["model"])  # fmt: skip
+    assert_equal_state(
+        load(tmp_path / "whole/checkpoints/epoch_4.pth")["model"],
+        load(tmp_path / "cut/checkpoints/epoch_4.pth")["model"],
+    )
 
 
 @pytest.mark.parametrize(
@@ -377,8 +395,9 @@ def test_a_lambda_lr_holding_numpy_numbers_resumes_exactly(tmp_path):
         ({"epoch": 1.0}, "'progress' has 'epoch' = 1.0, expected an int >= 0"),
     ],
 )
-def test_progress_out_of_range_is_refused_as_damage(make_trainer, tmp_path, caplog, progress,
-                                                    problem):  # fmt: skip
+def test_progress_out_of_range_is_refused_as_damage(
+    make_trainer, tmp_path, caplog, progress, problem
+):
     make_trainer(max_epochs=2).train()
     newest = tmp_path / "work/checkpoints/epoch_2.pth"
     data = load(newest)
@@ -471,7 +490,7 @@ def test_strict_false_loads_what_matches_in_name_and_shape_and_says_what_it_skip
 @pytest.mark.parametrize(
     "revise_keys, resume, error, message",
     [
-        ([(r"^module\.", "")], True, ValueError, "a resumed run loads its own checkpoint"),
+        ([(r"^module\.", "")], True, ValueError, "revise_keys renames the weights of a load with"),
         ("^module", False, TypeError, "a list of (regex, replacement) pairs of strings"),
         ([("^module",)], False, TypeError, "a list of (regex, replacement) pairs"),
         ([("(", "")], False, ValueError, "holds ('(', ''), which re.sub refuses"),
@@ -492,7 +511,7 @@ def test_revise_keys_is_checked(tmp_path, revise_keys, resume, error, message):
 def test_a_file_without_weights_is_refused_and_pickled_code_never_runs(tmp_path):
     _, trainer = pretrained(tmp_path)
     torch.save({"epoch": 3, "note": "no weights"}, tmp_path / "meta.pth")
-    with pytest.raises(RuntimeError, match="holds no weights: expected a model's state_dict"):
+    with pytest.raises(RuntimeError, match=r"meta\.pth' holds no weights \(keys \['epoch'"):
         trainer.load_checkpoint(str(tmp_path / "meta.pth"), resume=False)
     marker = tmp_path / "payload-ran"
 
@@ -516,14 +535,7 @@ def test_load_checkpoint_of_a_file_of_zeros_is_refused_without_torchs_advice(tmp
         f.truncate(4 << 20)  # 4 MiB of zeros
     with pytest.raises(RuntimeError) as error:
         trainer.load_checkpoint(str(path), resume=resume)
-    if resume:  # a checkpoint to resume from must carry its checksum
-        expected = f"Checkpoint {str(path)!r} is damaged: it carries no checksum ("
-    else:  # weights may come from anywhere
-        expected = (
-            f"Checkpoint {str(path)!r} is not a checkpoint torch can read, or is damaged (cut "
-            "short or overwritten): torch.load failed with RuntimeError. Pass a file that "
-            "torch.save wrote, whole (copy it again if it was cut short)."
-        )
+    expected = f"Checkpoint {str(path)!r} is damaged or is no torch.save file"
     assert str(error.value).startswith(expected)
     shown = "".join(traceback.format_exception(error.value))  # what the user sees, causes too
     assert "weights_only=False" not in shown and "set to `False`" not in shown
@@ -615,14 +627,14 @@ def test_raising_max_iters_past_a_pass_that_max_iters_cut_says_what_is_skipped(t
 def blocked_write(monkeypatch, name: str) -> threading.Event:
     """From now on, the write of checkpoint ``name`` waits until the returned event is set."""
     release = threading.Event()
-    real = trainer_checkpoint.atomic_save
+    real = torch.save
 
-    def save(obj, path, mode=None):
-        if os.path.basename(path) == name:
+    def save(obj, f, *args, **kwargs):
+        if os.path.basename(getattr(f, "name", "")) == f".{name}.tmp":  # its temporary file
             assert release.wait(timeout=120), "never released"
-        real(obj, path, mode)
+        real(obj, f, *args, **kwargs)
 
-    monkeypatch.setattr(trainer_checkpoint, "atomic_save", save)
+    monkeypatch.setattr(torch, "save", save)
     return release
 
 
@@ -692,3 +704,19 @@ def test_a_failure_before_any_save_says_there_is_none(make_trainer, caplog):
         "Training failed in iteration 1 of 8 (last checkpoint on disk: none): ValueError: "
         "injected failure"
     ) in caplog.messages
+
+
+def test_one_registry_holds_the_trainers_parts_and_the_users_by_name(make_trainer):
+    """A registered thing sits beside the trainer's own at the checkpoint's top level; a name
+    the checkpoint uses already is refused."""
+    trainer = make_trainer(max_epochs=1)
+    second = torch.optim.SGD(trainer.model.parameters(), lr=0.5)
+    trainer.checkpointer.register("second", second)
+    for taken in ("model", "optimizer", "rng", "lr_scheduler", "hooks", "second"):
+        with pytest.raises(ValueError, match=f"'{taken}' is registered already"):
+            trainer.checkpointer.register(taken, torch.optim.SGD(trainer.model.parameters(), 1))
+    trainer.train()
+    saved = load(os.path.join(trainer.ckpt_dir, "epoch_1.pth"))
+    assert saved["second"] == second.state_dict()
+    assert saved["config"]["classes"]["second"] == "SGD"
+    assert {"CheckpointHook", "LoggerHook"} <= set(saved["hooks"])  # the hooks, as one thing

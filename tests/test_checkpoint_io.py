@@ -1,6 +1,7 @@
 """Checkpoint bytes on disk (trainer/checkpoint_io.py): atomic and background writes, the
-latest.txt pointer, safe reads."""
+latest.txt pointer, reads checked by the CRC-32s of a file's zip records."""
 
+import io
 import os
 import pickle
 import stat
@@ -13,19 +14,23 @@ import zipfile
 import pytest
 import torch
 
-from trainer import checksum
+from trainer import checkpoint_io
 from trainer.checkpoint import read_latest_pointer, update_latest_pointer
-from trainer.checkpoint_io import BackgroundWriter, atomic_save, load_checkpoint_file
+from trainer.checkpoint_io import Background, atomic_write, read_file
 from trainer.hooks import CheckpointHook
 
-from conftest import save_checkpoint_file
+from conftest import load, save_checkpoint_file
 
 
-def test_atomic_save_round_trip_and_pointer(tmp_path):
-    atomic_save({"w": torch.arange(3)}, str(tmp_path / "a.pth"))
+def atomic_save(obj, path):
+    atomic_write(str(path), lambda f: torch.save(obj, f))
+
+
+def test_atomic_write_round_trip_and_pointer(tmp_path):
+    atomic_save({"w": torch.arange(3)}, tmp_path / "a.pth")
     update_latest_pointer(str(tmp_path), "a.pth")
     assert read_latest_pointer(str(tmp_path)) == str(tmp_path / "a.pth")
-    assert torch.equal(load_checkpoint_file(str(tmp_path / "a.pth"))["w"], torch.arange(3))
+    assert torch.equal(read_file(str(tmp_path / "a.pth"))["w"], torch.arange(3))
     assert sorted(os.listdir(tmp_path)) == ["a.pth", "latest.txt"]
 
 
@@ -41,7 +46,7 @@ def test_a_failed_write_keeps_the_previous_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         atomic_save({"v": 2}, path)
     monkeypatch.undo()
-    assert load_checkpoint_file(path) == {"v": 1}
+    assert read_file(path) == {"v": 1}
     assert os.listdir(tmp_path) == ["a.pth"]  # the temporary file is gone
 
 
@@ -51,14 +56,38 @@ def test_no_pointer_means_no_checkpoint(tmp_path):
 
 def test_missing_file_raises_file_not_found(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.pth"):
-        load_checkpoint_file(str(tmp_path / "nope.pth"))
+        read_file(str(tmp_path / "nope.pth"))
+
+
+STATE = {"model": {"w": torch.arange(64.0).reshape(8, 8), "b": torch.ones(3)}, "step": 3}
+
+
+def records(data):
+    """Where the parts of a torch.save file are: {part: (start, end)}."""
+    archive = zipfile.ZipFile(io.BytesIO(data))
+    end = data.rfind(b"PK\x05\x06")
+    parts = {"the end record": (end, end + 22)}
+    for info in archive.infolist():
+        start = info.header_offset
+        name, extra = struct.unpack("<HH", data[start + 26 : start + 30])
+        if info.filename.endswith("data/0"):  # the first tensor
+            parts["a tensor's header"] = (start, start + 30 + name + extra)
+            parts["a tensor's bytes"] = (start + 30 + name + extra, start + 30 + name + extra + 64)
+    central = struct.unpack("<I", data[end + 16 : end + 20])[0]
+    parts["the central directory"] = (central, end)
+    return parts
 
 
 def damaged(tmp_path, how: str) -> str:
     """A file named like a checkpoint that is none, or a damaged one, written ``how``."""
-    torch.save({"model": {"w": torch.randn(64, 64)}}, tmp_path / "good.pth")
+    torch.save(STATE, tmp_path / "good.pth")
     whole = (tmp_path / "good.pth").read_bytes()
+    parts = records(whole)
     noise = torch.randint(0, 256, (1 << 20,), generator=torch.Generator().manual_seed(0))
+    at = {name: start + 1 for name, (start, _) in parts.items()}
+    flipped = {
+        name: whole[:i] + bytes([whole[i] ^ 0xFF]) + whole[i + 1 :] for name, i in at.items()
+    }
     content = {
         "zeros": bytes(4 << 20),  # as a 2 GiB file of them: torch takes it for its old tar format
         "random bytes": noise.to(torch.uint8).numpy().tobytes(),
@@ -66,13 +95,35 @@ def damaged(tmp_path, how: str) -> str:
         "empty": b"",
         "cut in the middle": whole[: len(whole) // 2],
         "cut short": whole[:100],
+        "cut by one byte": whole[:-1],
+        "header": bytes([whole[0] ^ 0xFF]) + whole[1:],  # the first record's signature
+        "a tensor's bytes": flipped["a tensor's bytes"],
+        "the end record": flipped["the end record"],  # (its signature)
+        # the bit of a record's attributes that torch's reader takes for a directory: it then
+        # loads nothing into that tensor (uninitialised memory), and no CRC covers the bit
+        "marked as a directory": bytearray(whole),
     }[how]
+    if how == "marked as a directory":
+        central = parts["the central directory"][0]
+        content[central + 38] |= 0x10  # the first record's external attributes
     path = tmp_path / "iter_8.pth"
-    path.write_bytes(content)
+    path.write_bytes(bytes(content))
     return str(path)
 
 
-DAMAGED = ["zeros", "random bytes", "text", "empty", "cut in the middle", "cut short"]
+DAMAGED = [
+    "zeros",
+    "random bytes",
+    "text",
+    "empty",
+    "cut in the middle",
+    "cut short",
+    "cut by one byte",
+    "header",
+    "a tensor's bytes",
+    "the end record",
+    "marked as a directory",
+]
 
 
 @pytest.mark.parametrize("how", DAMAGED)
@@ -80,42 +131,71 @@ def test_a_file_that_is_no_checkpoint_or_a_damaged_one_is_named_as_such(tmp_path
     """Not with torch's advice to load it with weights_only=False (which, for a file from
     elsewhere, would run whatever code it holds), not even in the traceback's causes."""
     path = damaged(tmp_path, how)
-    with pytest.raises(RuntimeError, match=r"iter_8\.pth' is damaged: it carries no checksum"):
-        load_checkpoint_file(path)  # to resume from: a checkpoint must carry its checksum
+    with pytest.raises(RuntimeError, match=r"iter_8\.pth' is damaged or is no torch.save file"):
+        read_file(path)
     with pytest.raises(RuntimeError) as error:
-        load_checkpoint_file(path, need_checksum=False)  # weights from elsewhere
-    message = str(error.value)
-    assert message.startswith(
-        f"Checkpoint {path!r} is not a checkpoint torch can read, or is damaged (cut short or "
-        "overwritten): torch.load failed with "
-    )
-    assert message.endswith(
-        "Pass a file that torch.save wrote, whole (copy it again if it was cut short)."
-    )
+        read_file(path)
     shown = "".join(traceback.format_exception(error.value))  # what the user sees, causes too
     assert "weights_only=False" not in shown and "set to `False`" not in shown
 
 
-def test_a_checkpoint_file_carries_the_checksum_of_its_bytes(tmp_path):
-    path = tmp_path / "state.pth"
-    state = {"w": torch.arange(1000.0), "note": "plain data"}
-    atomic_save(state, str(path))
-    loaded = torch.load(path, weights_only=True)  # still a file torch.load reads alone
-    assert torch.equal(loaded["w"], state["w"]) and loaded["note"] == "plain data"
-    assert zipfile.ZipFile(path).comment.startswith(b"trainer-crc32:")
-    assert torch.equal(load_checkpoint_file(str(path))["w"], state["w"])
-    data = path.read_bytes()
-    at = data.index(struct.pack("<f", 500.0))  # a byte of a weight, flipped
-    path.write_bytes(data[:at] + bytes([data[at] ^ 1]) + data[at + 1 :])
-    assert torch.load(path, weights_only=True)["w"][500] != 500.0  # torch alone reads it wrong
-    for need_checksum in (True, False):  # checked wherever there is a checksum
-        with pytest.raises(RuntimeError, match="state.pth' is damaged: its bytes changed"):
-            load_checkpoint_file(str(path), need_checksum)
-    # a file from elsewhere, without a checksum, loads as weights only
-    torch.save(state, path)
-    assert torch.equal(load_checkpoint_file(str(path), need_checksum=False)["w"], state["w"])
-    with pytest.raises(RuntimeError, match="state.pth' is damaged: it carries no checksum"):
-        load_checkpoint_file(str(path))
+def test_torch_load_alone_loads_a_flipped_byte_that_the_records_crcs_refuse(tmp_path):
+    path = damaged(tmp_path, "a tensor's bytes")
+    loaded = torch.load(path, weights_only=True)  # torch reads the record as it is
+    assert not torch.equal(loaded["model"]["w"], STATE["model"]["w"])
+    with pytest.raises(RuntimeError, match="is damaged or is no torch.save file .*Bad CRC-32"):
+        read_file(path)
+
+
+@pytest.mark.parametrize("how", ["a comment", "appended bytes"])
+def test_bytes_outside_the_records_are_no_damage_to_what_loads(tmp_path, how):
+    """What torch.load reads is the records: a zip comment or bytes after the archive change
+    none of them (the trailer of earlier rounds refused these files)."""
+    torch.save(STATE, tmp_path / "good.pth")
+    whole = (tmp_path / "good.pth").read_bytes()
+    if how == "a comment":
+        whole = whole[:-2] + struct.pack("<H", 5) + b"hello"
+    else:
+        whole += b"appended"
+    (tmp_path / "x.pth").write_bytes(whole)
+    assert_same(read_file(str(tmp_path / "x.pth")), STATE)
+
+
+def assert_same(a, b):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b) and a.dtype == b.dtype
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys() and all(assert_same(a[k], b[k]) is None for k in a)
+    else:
+        assert a == b
+
+
+@pytest.mark.slow
+def test_every_byte_flipped_in_the_archives_structure_is_refused_or_loads_the_same(tmp_path):
+    """Each bit pattern of each byte of a tensor's local header, the central directory and
+    the end record: read_file refuses it, or loads exactly what was saved."""
+    torch.save(STATE, tmp_path / "good.pth")
+    whole = (tmp_path / "good.pth").read_bytes()
+    path = tmp_path / "x.pth"
+    parts = records(whole)
+    positions = [
+        i
+        for name, (start, end) in parts.items()
+        for i in range(start, end)
+        if name != "a tensor's bytes"
+    ]
+    outcomes = {"refused": 0, "the same": 0}
+    for i in positions:
+        for mask in (0x01, 0x10, 0x80, 0xFF):
+            path.write_bytes(whole[:i] + bytes([whole[i] ^ mask]) + whole[i + 1 :])
+            try:
+                loaded = read_file(str(path))
+            except RuntimeError:
+                outcomes["refused"] += 1
+                continue
+            assert_same(loaded, STATE)
+            outcomes["the same"] += 1
+    assert outcomes["refused"] > 0 and outcomes["the same"] > 0
 
 
 class Payload:
@@ -131,7 +211,7 @@ def test_pickled_code_is_refused_and_never_runs(tmp_path):
     with open(path, "wb") as f:
         torch.save({"model": Payload()}, f, pickle_module=pickle)
     with pytest.raises(RuntimeError, match="evil.pth"):
-        load_checkpoint_file(str(path))
+        read_file(str(path))
     assert not os.path.exists(marker)
 
 
@@ -148,11 +228,10 @@ def test_a_checkpoint_that_would_run_a_command_is_refused_without_torchs_advice(
     path = tmp_path / "evil.pth"
     save_checkpoint_file({"model": {"w": torch.ones(1)}, "extra": RunsACommand(marker)}, path)
     with pytest.raises(RuntimeError) as error:
-        load_checkpoint_file(str(path))
-    assert str(error.value) == (
-        f"Checkpoint {str(path)!r} could not be loaded safely (weights_only=True): it would call "
-        f"{os.system.__module__}.system, code that no checkpoint holds. Do not load this file."
-    )
+        read_file(str(path))
+    message = str(error.value)
+    assert message.startswith(f"Checkpoint {str(path)!r} could not be loaded safely")
+    assert f"it would call {os.system.__module__}.system" in message
     shown = "".join(traceback.format_exception(error.value))
     assert "weights_only=False" not in shown and "set to `False`" not in shown
     assert not marker.exists()
@@ -169,23 +248,60 @@ def test_a_checkpoint_holding_an_object_of_a_class_names_it_and_how_to_allow_it(
     path = tmp_path / "objects.pth"
     save_checkpoint_file({"model": {"w": torch.ones(1)}, "settings": Settings()}, path)
     with pytest.raises(RuntimeError) as error:
-        load_checkpoint_file(str(path))
+        read_file(str(path))
     message = str(error.value)
-    assert message.startswith(f"Checkpoint {str(path)!r} could not be loaded safely ")
+    assert message.startswith(f"Checkpoint {str(path)!r} could not be loaded safely")
     name = f"{Settings.__module__}.Settings"
     assert f"GLOBAL {name} was not an allowed global by default" in message
     assert f"torch.serialization.add_safe_globals([{name}])" in message
     assert "only if you trust the source of the checkpoint" in message
 
 
-def test_a_write_error_without_errno_still_names_the_path(tmp_path, monkeypatch):
-    def broken_save(obj, f):
+def test_a_write_error_without_errno_still_names_the_path(make_trainer, monkeypatch):
+    trainer = make_trainer(max_iters=4, checkpoint_period=100)
+    trainer.train()
+
+    def broken_save(obj, f, *args, **kwargs):
         raise OSError("device went away")
 
     monkeypatch.setattr(torch, "save", broken_save)
+    trainer.save_checkpoint("a.pth")
     with pytest.raises(OSError, match=r"^Could not write .*a.pth: device went away") as error:
-        atomic_save({"v": 1}, str(tmp_path / "a.pth"))
+        trainer.checkpointer.wait()
     assert error.value.errno is None
+    assert sorted(os.listdir(trainer.ckpt_dir)) == ["iter_4.pth", "latest.txt"]  # no .a.pth.tmp
+
+
+def test_a_checkpoint_replaced_while_it_loads_never_loads_damaged_weights(
+    make_trainer, monkeypatch
+):
+    """A sync tool that copies a checkpoint in and renames it over the old one (cp, then mv)
+    while a run loads it: the check and the load read the one file opened, never a mix."""
+    trainer = make_trainer(max_epochs=1)
+    trainer.train()
+    path = os.path.join(trainer.ckpt_dir, "epoch_1.pth")
+    good = load(path)["model"]
+    data = open(path, "rb").read()
+    at = data.index(good["linear.weight"].numpy().tobytes())  # a weight's bytes, flipped
+    copy = path + ".copy"
+    real_load = torch.load
+    for resume in (True, False):
+
+        def swapped_mid_load(f, *args, **kwargs):
+            with open(copy, "wb") as out:
+                out.write(data[:at] + bytes([data[at] ^ 0xFF]) + data[at + 1 :])
+            os.replace(copy, path)  # the damaged copy takes the name as the load begins
+            return real_load(f, *args, **kwargs)
+
+        with open(path, "wb") as f:
+            f.write(data)
+        monkeypatch.setattr(torch, "load", swapped_mid_load)
+        fresh = make_trainer(max_epochs=1)
+        fresh.load_checkpoint(path, resume=resume)  # the bytes opened, which are undamaged
+        monkeypatch.setattr(torch, "load", real_load)
+        assert all(torch.equal(v, good[k]) for k, v in fresh.model.state_dict().items())
+        with pytest.raises(RuntimeError, match="is damaged"):  # the copy, loaded now
+            fresh.load_checkpoint(path, resume=resume)
 
 
 # ---- background writes ---------------------------------------------------------------------
@@ -220,7 +336,7 @@ def test_save_returns_before_the_write_and_saves_the_state_of_the_call(make_trai
             p.add_(1.0)
     held.release.set()
     trainer.checkpointer.wait()
-    saved = load_checkpoint_file(path)["model"]
+    saved = read_file(path)["model"]
     assert all(torch.equal(saved[k], v) for k, v in expected.items())
     assert read_latest_pointer(trainer.ckpt_dir) == path
 
@@ -266,7 +382,7 @@ def test_a_failed_background_write_raises_at_the_next_wait(make_trainer, monkeyp
 
 
 def test_background_writer_runs_writes_one_at_a_time_in_order():
-    writer, order = BackgroundWriter(), []
+    writer, order = Background("test"), []
     for i in range(3):
         writer.submit(lambda i=i: (time.sleep(0.05), order.append(i)))
         assert order == list(range(i))  # submit waited for the previous write only
@@ -308,28 +424,34 @@ def test_a_checkpoint_in_a_sub_folder_has_its_own_latest_pointer(make_trainer):
         assert f.read() == "model.pth"
 
 
-def test_a_garbled_checksum_is_damage_even_for_weights_from_elsewhere(tmp_path):
-    path = tmp_path / "state.pth"
-    atomic_save({"w": torch.arange(1000.0)}, str(path))
-    data = path.read_bytes()
-    at = data.index(struct.pack("<f", 500.0))
-    garbled = data[:at] + bytes([data[at] ^ 1]) + data[at + 1 : -8] + b"zzzzzzzz"
-    path.write_bytes(garbled)
-    for need_checksum in (True, False):
-        with pytest.raises(RuntimeError, match="state.pth' is damaged: it carries no checksum"):
-            load_checkpoint_file(str(path), need_checksum)
-
-
 @pytest.mark.parametrize("error", [OSError(5, "Input/output error"), MemoryError()])
 def test_a_file_the_check_cannot_read_raises_what_reading_raised(tmp_path, monkeypatch, error):
-    """Not "damaged" (the bytes may be fine), and never taken for a checksum that holds."""
+    """Not "damaged" (the bytes may be fine), and never taken for CRCs that hold."""
     path = tmp_path / "state.pth"
-    atomic_save({"w": torch.ones(3)}, str(path))
+    atomic_save({"w": torch.ones(3)}, path)
 
-    def unreadable(f, size):
+    def unreadable(self, n=-1):
         raise error
 
-    monkeypatch.setattr(checksum, "_crc", unreadable)
+    monkeypatch.setattr(checkpoint_io._At, "read", unreadable)
     with pytest.raises(type(error)) as raised:
-        load_checkpoint_file(str(path))
+        read_file(str(path))
     assert raised.value is error
+
+
+def test_background_work_lets_a_signal_in_while_it_is_waited_for():
+    """wait() joins in short steps: a signal handler runs within them, not when the work ends
+    (a bare join could hold a Ctrl-C until a write finished)."""
+    import signal
+
+    handled = []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: handled.append(time.time()))
+    try:
+        work = Background("slow")
+        work.submit(lambda: time.sleep(1.0))
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGUSR1)).start()
+        start = time.time()
+        work.wait()
+        assert handled and handled[0] - start < 0.6  # handled while the work went on
+    finally:
+        signal.signal(signal.SIGUSR1, previous)

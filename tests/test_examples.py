@@ -154,7 +154,7 @@ def test_train_gan_killed_and_rerun_is_bit_exact(tmp_path):
     full, cut = (torch.load(tmp_path / f"{n}.pth", weights_only=True) for n in ("full", "cut"))
     assert full.keys() == cut.keys() and all(torch.equal(full[k], cut[k]) for k in full)
     ckpt = torch.load(tmp_path / "cut" / "checkpoints" / "epoch_4.pth", weights_only=True)
-    assert set(ckpt["extra"]) == {"optimizer_d"} and ckpt["extra"]["optimizer_d"]["state"]
+    assert ckpt["optimizer_d"]["state"]  # registered by name, beside the trainer's optimizer
     assert ckpt["config"]["amp"] == "bfloat16"
 
 

@@ -19,8 +19,8 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from trainer import Trainer, checksum
-from trainer.sharded_checkpoint import STATE_FILE, read_metadata, read_weights
+from trainer import Trainer
+from trainer.sharded_checkpoint import MANIFEST, STATE_FILE, read_metadata, read_weights
 from trainer.sharded_checkpoint import _main as sharded_main
 
 from conftest import (
@@ -62,9 +62,13 @@ def latest(work):
 def test_every_rank_writes_its_own_shards_and_rank_0_the_rest(runs):
     folder = runs / "sharded" / "checkpoints" / "iter_12.pth"
     assert sorted(os.listdir(folder)) == [
-        ".metadata", "__0_0.distcp", "__1_0.distcp", checksum.MANIFEST, STATE_FILE
-    ]  # fmt: skip
-    manifest = json.loads((folder / checksum.MANIFEST).read_text())
+        ".metadata",
+        "__0_0.distcp",
+        "__1_0.distcp",
+        MANIFEST,
+        STATE_FILE,
+    ]
+    manifest = json.loads((folder / MANIFEST).read_text())
     assert sorted(manifest) == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # DCP's files
     for name in manifest:
         data = (folder / name).read_bytes()
@@ -86,8 +90,11 @@ def test_every_rank_writes_its_own_shards_and_rank_0_the_rest(runs):
     assert rest["progress"]["iters_done"] == 12 and rest["progress"]["world_size"] == 2
     # the newest 3 kept, each a folder; no temporary folder left
     assert sorted(os.listdir(runs / "sharded" / "checkpoints")) == [
-        "epoch_3.pth", "iter_12.pth", "iter_9.pth", "latest.txt"
-    ]  # fmt: skip
+        "epoch_3.pth",
+        "iter_12.pth",
+        "iter_9.pth",
+        "latest.txt",
+    ]
     assert latest(runs / "sharded").name == "epoch_3.pth"
 
 
@@ -110,9 +117,16 @@ def plain_trainer(work_dir):
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
     data = TensorDataset(torch.randn(40, 4), torch.randn(40, 1), torch.arange(40))
     return Trainer(
-        net, optimizer, scheduler, DataLoader(data, batch_size=4), max_epochs=3,
-        work_dir=str(work_dir), checkpoint_period=0, warmup_t=5, warmup_init_lr=0.005,
-    )  # fmt: skip
+        net,
+        optimizer,
+        scheduler,
+        DataLoader(data, batch_size=4),
+        max_epochs=3,
+        work_dir=str(work_dir),
+        checkpoint_period=0,
+        warmup_t=5,
+        warmup_init_lr=0.005,
+    )
 
 
 def named_optimizer_state(trainer):
@@ -127,9 +141,10 @@ def test_two_ranks_checkpoint_resumes_exactly_in_one_unsharded_process(tmp_path,
     trainer.load_checkpoint(str(runs / "sharded" / "checkpoints" / "iter_12.pth"))
     full = load(runs / "full" / "checkpoints" / "iter_12.pth")  # the same state, in one file
     assert_bit_equal(trainer.model.state_dict(), full["model"])
-    assert_bit_equal(named_optimizer_state(trainer), {
-        name: s["momentum_buffer"] for name, s in full["optimizer"]["state"].items()
-    })  # fmt: skip
+    assert_bit_equal(
+        named_optimizer_state(trainer),
+        {name: s["momentum_buffer"] for name, s in full["optimizer"]["state"].items()},
+    )
     assert trainer.lr == full["optimizer"]["param_groups"][0]["lr"]
     assert trainer.lr_scheduler.state_dict() == full["lr_scheduler"]
     # 2 processes x 4 samples: epoch 2 (of 5 iterations) stopped after 2 = 16 samples
@@ -253,10 +268,10 @@ def test_the_export_refuses_to_write_into_the_checkpoint_and_leaves_it_byte_iden
     [
         ("-", "OUT is '-': the weights are not written to stdout (a state_dict file is binary)."),
         ("", "OUT is '': the weights are not written to stdout (a state_dict file is binary)."),
-        ("checkpoints", "OUT checkpoints is a directory: give the path of a file, e.g. "),
+        ("checkpoints", "OUT checkpoints exists: the export writes a new file"),
         ("checkpoints/latest.txt", "OUT checkpoints/latest.txt exists: the export writes a new"),
         ("checkpoints/other.pth/w.pth", "OUT checkpoints/other.pth/w.pth is inside the sharded "),
-        ("no/such/model.pth", "OUT no/such/model.pth cannot be written: its folder {cwd}/no/such"),
+        ("no/such/model.pth", "[Errno 2] No such file or directory: 'no/such/.model.pth.tmp'"),
     ],
 )
 def test_the_export_refuses_an_output_it_cannot_write(exporting, out, message):
@@ -284,6 +299,31 @@ def test_the_export_writes_the_weights_and_the_checkpoint_still_resumes(exportin
     assert_bit_equal(resumed.model.state_dict(), saved[1])
 
 
+def test_a_shard_replaced_while_it_loads_never_loads_damaged_weights(exporting, saved, monkeypatch):
+    """A damaged copy of a shard renamed over it as DCP begins to read: the checksums and DCP
+    read the files opened before, never a mix."""
+    shard = exporting / "__0_0.distcp"
+    data = shard.read_bytes()
+    damaged = data[: len(data) // 2] + bytes(b ^ 0xFF for b in data[len(data) // 2 :])
+    real_load = torch.load
+    for resume in (True, False):
+
+        def swapped_mid_load(f, *args, **kwargs):
+            copy = exporting / "copy"
+            copy.write_bytes(damaged)
+            os.replace(copy, shard)  # a sync tool's cp, then mv
+            return real_load(f, *args, **kwargs)
+
+        shard.write_bytes(data)
+        monkeypatch.setattr(torch, "load", swapped_mid_load)
+        trainer = plain_trainer("loaded")
+        trainer.load_checkpoint(str(exporting), resume=resume)
+        monkeypatch.setattr(torch, "load", real_load)
+        assert_bit_equal(trainer.model.state_dict(), saved[1])
+        with pytest.raises(RuntimeError, match=r"the bytes of __0_0\.distcp changed"):
+            plain_trainer("again").load_checkpoint(str(exporting), resume=resume)
+
+
 def test_the_export_command_says_what_is_wrong(exporting, capsys):
     with pytest.raises(SystemExit) as e:
         sharded_main(["--help"])
@@ -298,7 +338,7 @@ def test_the_export_command_says_what_is_wrong(exporting, capsys):
     assert "the following arguments are required: CHECKPOINT_FOLDER, OUT" in capsys.readouterr().err
     for args, message in [
         (["nope", "x.pth"], "CHECKPOINT_FOLDER nope is not a sharded checkpoint (a folder with"),
-        (["checkpoints/full.pth", "x.pth"], "checkpoints/full.pth is one checkpoint file already"),
+        (["checkpoints/full.pth", "x.pth"], "checkpoints/full.pth is not a sharded checkpoint"),
     ]:
         with pytest.raises(SystemExit, match=re.escape(message)):
             sharded_main(args)
@@ -343,8 +383,11 @@ def test_a_checkpoint_moved_aside_to_be_replaced_is_put_back_after_a_crash(tmp_p
     shutil.copytree(ckpt_dir / "iter_9.pth", ckpt_dir / ".iter_12.pth.tmp")
     plain_trainer(tmp_path / "work").checkpointer.remove_temp_files()
     assert sorted(os.listdir(ckpt_dir)) == [
-        "epoch_3.pth", "iter_12.pth", "iter_9.pth", "latest.txt"
-    ]  # fmt: skip
+        "epoch_3.pth",
+        "iter_12.pth",
+        "iter_9.pth",
+        "latest.txt",
+    ]
     saved = runs / "sharded" / "checkpoints" / "iter_12.pth"
     assert_bit_equal(read_weights(str(ckpt_dir / "iter_12.pth")), read_weights(str(saved)))
 
@@ -366,9 +409,16 @@ def test_either_kind_replaces_a_checkpoint_of_the_other_kind_and_name(tmp_path):
 def test_sigterm_to_one_rank_saves_one_sharded_checkpoint_and_reruns_bit_exact(tmp_path, runs):
     work, out = tmp_path / "work", tmp_path / "out.pth"
     proc = start_torchrun(
-        work, out, SHARD=1, CLIP=0.05, SLOW=0.2, CKPT_PERIOD=1000, LOG_PERIOD=1000,
-        PREEMPT_CHECK=2, PID_DIR=tmp_path,
-    )  # fmt: skip
+        work,
+        out,
+        SHARD=1,
+        CLIP=0.05,
+        SLOW=0.2,
+        CKPT_PERIOD=1000,
+        LOG_PERIOD=1000,
+        PREEMPT_CHECK=2,
+        PID_DIR=tmp_path,
+    )
     wait_for_training(work, proc)
     time.sleep(0.3)
     os.kill(int((tmp_path / "pid_1").read_text()), signal.SIGTERM)
@@ -474,9 +524,13 @@ def craft(folder, part, marker):
 
 def reseal(folder):
     """Write the checksums of a sharded checkpoint's folder anew, for the files it holds now."""
-    names = [name for name in os.listdir(folder) if name not in (checksum.MANIFEST, STATE_FILE)]
-    manifest = json.dumps(checksum.sums(str(folder), names))
-    (folder / checksum.MANIFEST).write_text(manifest)
+    names = [name for name in os.listdir(folder) if name not in (MANIFEST, STATE_FILE)]
+    sums = {
+        name: [len(data), zlib.crc32(data)]
+        for name in names
+        for data in [(folder / name).read_bytes()]
+    }
+    (folder / MANIFEST).write_text(json.dumps(sums))
 
 
 @pytest.mark.parametrize(
@@ -507,12 +561,12 @@ def flip(path, at):
 @pytest.mark.parametrize(
     "damage, reason",
     [
-        ("flipped", r"the bytes of __1_0\.distcp changed after it was written"),
-        ("link to an older shard", r"it holds a link, __1_0\.distcp"),
-        ("link outside", r"it holds a link, __1_0\.distcp"),
-        ("no checksums", r"it carries no checksums \(checksums\.json is missing: "),
+        ("flipped", r"the bytes of __1_0\.distcp changed"),
+        ("link to an older shard", r"__1_0\.distcp is a link"),
+        ("link outside", r"__1_0\.distcp is a link"),
+        ("no checksums", r"it has no checksums\.json"),
         ("cut short", r"__1_0\.distcp has 100 bytes, not \d+"),
-        ("extra file", r"it holds x\.distcp, which its checksums\.json does not list"),
+        ("extra file", r"x\.distcp is not in its checksums\.json"),
     ],
 )
 def test_a_damaged_sharded_checkpoint_is_refused_and_auto_resume_falls_back(
@@ -530,7 +584,7 @@ def test_a_damaged_sharded_checkpoint_is_refused_and_auto_resume_falls_back(
         shard.unlink()
         shard.symlink_to(older / "__1_0.distcp" if damage == "link to an older shard" else outside)
     elif damage == "no checksums":
-        (newest / checksum.MANIFEST).unlink()
+        (newest / MANIFEST).unlink()
     elif damage == "cut short":
         shard.write_bytes(shard.read_bytes()[:100])
     else:
@@ -584,9 +638,12 @@ def run_script(tmp_path, body, *args):
     script = tmp_path / "script.py"
     script.write_text(PREAMBLE + body + ENDING)
     proc = popen(
-        torchrun_command("--nproc_per_node", "2", str(script), *map(str, args)), env=cpu_env(),
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        torchrun_command("--nproc_per_node", "2", str(script), *map(str, args)),
+        env=cpu_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     out, err = communicate(proc, timeout=90)
     assert proc.returncode == 0, failure_output(err)
     return out

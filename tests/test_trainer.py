@@ -293,7 +293,7 @@ def test_checkpoint_holds_plain_data_only(make_trainer):
     data = torch.load(path, weights_only=True)
     assert set(data) == {
         "progress", "config", "model", "optimizer", "lr_scheduler", "grad_scaler", "metric_storage",
-        "hooks", "extra", "rng",
+        "hooks", "rng",
     }  # fmt: skip
     assert len(data["rng"]) == 1 and data["rng"][0]["epoch_start"] is None  # one rank, epoch end
     assert data["progress"] == {

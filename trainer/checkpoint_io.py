@@ -1,8 +1,7 @@
-"""Checkpoint bytes on disk: writes in the background, atomic writes, ``weights_only`` reads,
-what a save refuses (state that ``torch.load(weights_only=True)`` cannot rebuild, tensors not
-finite) and putting loaded weights into a model (matching keys and shapes, ``revise_keys``).
-What a checkpoint holds and how its files are named is ``checkpoint.py``'s; the temporary file
-of an atomic write ends in :data:`TEMP_SUFFIX`, which a start looks for."""
+"""Checkpoint bytes and what they may hold: the one background runner, atomic writes, the file
+format (one ``torch.save`` zip, checked and loaded through one open file), the one walk of a
+nested state (plain data only, copied to CPU), and putting loaded weights into a model. What a
+checkpoint holds and where it goes is ``checkpoint.py``'s."""
 
 import collections
 import logging
@@ -10,9 +9,9 @@ import os
 import pickle
 import re
 import shutil
-import tempfile
 import threading
-from collections.abc import Collection, Iterator
+import zipfile
+from collections.abc import Collection
 from typing import Any, Callable, NoReturn, Optional, Sequence
 
 import numpy as np
@@ -20,85 +19,105 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from . import checksum
-from .distributed import all_gather, get_world_size, is_dtensor
-from .fsdp import keyed_by_name, load_full_model_state, load_full_optimizer_state
-from .misc import plain_names
+from .distributed import all_gather, get_world_size, is_dtensor, is_main_process, is_sharded
+from .fsdp import (
+    full_state_dicts,
+    keyed_by_name,
+    load_full_model_state,
+    load_full_optimizer_state,
+)
+from .misc import plain_names, unwrapped
 
 logger = logging.getLogger(__name__)
 
-TEMP_SUFFIX = ".tmp"  # the end of a file being written (atomic_write's temporary file)
+TEMP_SUFFIX = ".tmp"  # the end of a file or folder being written, which a start removes
+ASIDE_SUFFIX = TEMP_SUFFIX + ".old"  # of a checkpoint moved aside while another replaces it
+
+
+# Work in the background
+
+
+class Background:
+    """Runs one function at a time on a thread; :meth:`submit` and :meth:`wait` raise what the
+    previous one raised. Not a daemon: an exiting interpreter finishes a checkpoint write."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self.failed = False  # the work raised, and wait() has not raised it yet
+
+    def submit(self, work: Callable[[], None]) -> None:
+        """Wait for the previous work, then start ``work()``."""
+        self.wait()
+        self._thread = threading.Thread(target=self._run, args=(work,), name=self._name)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Wait for the work in flight, if any; raise what it raised."""
+        if self._thread is not None:
+            # Short joins: a signal that lands as a join begins waits for the next one, not for
+            # the end of the work (a bare join can hold a Ctrl-C until the write ends).
+            while self._thread.is_alive():
+                self._thread.join(0.1)
+            self._thread = None
+        if self._error is not None:
+            error = self._error
+            self._error = None
+            self.failed = False
+            raise error
+
+    def _run(self, work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as e:  # handed to the waiting thread
+            self._error = e
+            self.failed = True
 
 
 # Writing
 
 
-class BackgroundWriter:
-    """Runs checkpoint writes on a thread, one at a time; :meth:`submit` and :meth:`wait` raise
-    what the previous write raised. Not a daemon: an exiting interpreter finishes the write."""
-
-    def __init__(self) -> None:
-        self._thread: Optional[threading.Thread] = None
-        self._error: Optional[BaseException] = None
-        self.failed = False  # a write failed and wait() has not raised it (read every iteration)
-
-    def submit(self, write: Callable[[], None]) -> None:
-        """Wait for the previous write, then start ``write()`` in the background."""
-        self.wait()
-        self._thread = threading.Thread(target=self._run, args=(write,), name="checkpoint-writer")
-        self._thread.start()
-
-    def wait(self) -> None:
-        """Wait for the write in flight, if any; raise what it raised."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error, self.failed = self._error, None, False
-            raise error
-
-    def _run(self, write: Callable[[], None]) -> None:
-        try:
-            write()
-        except BaseException as e:  # handed to the training thread at its next wait()
-            self._error, self.failed = e, True
-
-
-def atomic_save(obj: Any, path: str, mode: Optional[int] = None) -> None:
-    """``torch.save`` that leaves ``path`` untouched or complete (see :func:`atomic_write`),
-    ending with the checksum of its bytes (:func:`checksum.save`); a failure says that the
-    previous checkpoint is kept."""
-    write_checkpoint_file(path, lambda f: checksum.save(obj, f), mode)
-
-
-def write_checkpoint_file(path: str, write: Callable[[Any], Any], mode: Optional[int]) -> None:
-    """:func:`atomic_write` of a checkpoint's file, whose failure says what is kept."""
+def atomic_write(path: str, write: Callable[[Any], Any]) -> None:
+    """Write ``path`` through ``write(binary file)`` so that it is untouched or complete: a
+    temporary file beside it, fsynced, then :func:`replace`-d. The file gets the permissions
+    the umask gives any new file."""
+    temp = temp_path(path)
     try:
-        atomic_write(path, write, mode)
-    except BaseException as e:
-        raise_write_failure(path, e)
-
-
-def atomic_write(path: str, write: Callable[[Any], Any], mode: Optional[int] = None) -> None:
-    """Write ``path`` through ``write(binary file)`` so that it is either untouched or complete:
-    a temporary file in its folder, fsynced, ``os.replace``-d, then the folder fsynced. The file
-    gets permissions ``mode``, by default 0o666 less the umask (not mkstemp's 0o600)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    tmp = None
-    try:
-        prefix = f".{os.path.basename(path)}."
-        fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=TEMP_SUFFIX, dir=folder)
-        os.fchmod(fd, 0o666 & ~current_umask() if mode is None else mode)
-        with os.fdopen(fd, "wb") as f:
+        with open(temp, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_folder(folder)  # makes the rename itself durable
+        replace(temp, path)
     except BaseException:
-        if tmp is not None and os.path.exists(tmp):
-            os.remove(tmp)
+        if os.path.lexists(temp):
+            os.remove(temp)
         raise
+
+
+def temp_path(path: str) -> str:
+    """Where ``path`` is written before it takes its name (hidden, beside it)."""
+    folder, name = os.path.split(path)
+    return os.path.join(folder, f".{name}{TEMP_SUFFIX}")
+
+
+def replace(temp: str, path: str) -> None:
+    """Give the complete file or folder ``temp`` the name ``path``, durably. What ``os.replace``
+    cannot replace (a folder, or a file by a folder) is moved aside first and deleted after: a
+    crash between the renames leaves it there, and the next start puts it back."""
+    aside = None
+    if os.path.lexists(path) and (os.path.isdir(temp) or _is_folder(path)):
+        folder, name = os.path.split(path)
+        aside = os.path.join(folder, f".{name}{ASIDE_SUFFIX}")
+        os.replace(path, aside)
+    os.replace(temp, path)
+    fsync_folder(os.path.dirname(os.path.abspath(path)))
+    if aside is not None:
+        remove_checkpoint(aside)
+
+
+def _is_folder(path: str) -> bool:
+    return os.path.isdir(path) and not os.path.islink(path)
 
 
 def fsync_folder(folder: str) -> None:
@@ -113,57 +132,32 @@ def fsync_folder(folder: str) -> None:
 def remove_checkpoint(path: str) -> None:
     """Delete a checkpoint file, a link, or a sharded checkpoint's folder (never what a link
     points to)."""
-    if os.path.isdir(path) and not os.path.islink(path):
+    if _is_folder(path):
         shutil.rmtree(path)
     else:
         os.remove(path)
 
 
-def current_umask() -> int:
-    """The process's umask, read from Linux's /proc (setting and restoring it races threads)."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except OSError:
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def raise_write_failure(path: str, error: BaseException) -> NoReturn:
-    """Raise the error of a failed write of ``path``, saying what is kept, if an ``OSError`` is
-    behind ``error`` (torch.save reports a full disk as a RuntimeError of its own, with the
-    OSError as its context); else ``error`` itself."""
-    cause = next((c for c in _chain(error) if isinstance(c, OSError)), None)
+    """Raise ``error``, as an ``OSError`` naming ``path`` and what is kept where an ``OSError``
+    is behind it (torch.save reports a full disk as a RuntimeError, the OSError its context)."""
+    cause = error
+    while cause is not None and not isinstance(cause, OSError):
+        cause = cause.__cause__ or cause.__context__
     if cause is None:
         raise error
     message = (
-        f"Could not write {path}: {cause.strerror or cause}. The previous checkpoint "
-        "and latest.txt are untouched; free disk space or pick another work_dir."
+        f"Could not write {path}: {cause.strerror or cause}. The previous checkpoint and "
+        "latest.txt are untouched; free disk space or pick another work_dir."
     )
-    # OSError(None, message) would read "[Errno None] ..."
     raise (OSError(cause.errno, message) if cause.errno else OSError(message)) from error
 
 
-def _chain(error: Optional[BaseException]) -> Iterator[BaseException]:
-    """``error`` and the exceptions it was raised from or while handling."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        yield error
-        error = error.__cause__ or error.__context__
+# Plain data: what torch.load(weights_only=True) rebuilds as it was saved
 
-
-# What a save refuses
-
-
-# What ``torch.load(weights_only=True)`` rebuilds as it was saved: tensors, the containers that
-# _plain copies, and values of exactly these types (a subclass, such as an enum, does not load).
-_ATOMS = frozenset({str, bytes, int, float, complex, bool, type(None), torch.dtype,
-                    torch.device, torch.Size})  # fmt: skip
+# Values of exactly these types (a subclass, such as an enum, does not load).
+_ATOMS = frozenset({str, bytes, int, float, complex, bool, type(None), torch.dtype})
+_ATOMS |= {torch.device, torch.Size}
 # Any other mapping (a defaultdict, say) is refused: as a dict it would lose its behaviour.
 _MAPPINGS = (dict, collections.OrderedDict, collections.Counter)
 # A Parameter is saved as the plain tensor it holds; another subclass's type would not load.
@@ -173,68 +167,68 @@ _NUMPY_AS_PYTHON = (np.bool_, np.integer, np.float64)
 
 
 class UnloadableState(TypeError):
-    """A ``value`` at ``path`` (keys and indices) of a checkpoint's state that
+    """A ``value`` at ``path`` (keys and indices) of a state that
     ``torch.load(weights_only=True)`` cannot rebuild."""
 
     def __init__(self, path: tuple, value: Any) -> None:
         super().__init__(f"{type(value).__name__} at {list(path)}")
-        self.path, self.value = path, value
+        self.path = path
+        self.value = value
 
 
-def copy_to_cpu(state: Any) -> Any:
-    """A copy of ``state`` that training cannot change, as plain data (see :func:`_plain`);
-    CUDA tensors are copied through pinned memory, with one sync for all."""
-    copied_from_cuda: set[torch.device] = set()
-
-    def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
-        if tensor.device.type == "cpu":
-            return tensor.detach().clone()
-        copied_from_cuda.add(tensor.device)
-        return tensor.detach().to("cpu", non_blocking=True)  # lands in pinned memory
-
-    result = _plain(state, (), copy_tensor)
-    for device in copied_from_cuda:
-        torch.cuda.current_stream(device).synchronize()  # the copies are done when this returns
-    return result
-
-
-def check_plain(state: Any) -> None:
-    """Raise :class:`UnloadableState` where :func:`copy_to_cpu` would; copies nothing."""
-    _plain(state, (), lambda tensor: tensor)
-
-
-def _plain(obj: Any, path: tuple, tensor: Callable[[torch.Tensor], Any]) -> Any:
-    """``obj`` rebuilt by what it holds, never by ``type(obj)(items)``, with ``tensor()`` of each
-    tensor; NumPy bools, ints and float64s as Python numbers; anything else raises."""
+def walk(obj: Any, tensor: Callable[[tuple, torch.Tensor], Any], path: tuple = ()) -> Any:
+    """``obj`` rebuilt by what it holds (never by ``type(obj)(items)``), ``tensor(path, t)`` in
+    place of each tensor ``t``; NumPy bools, ints and float64s as Python numbers. Anything else
+    raises :class:`UnloadableState`."""
     kind = type(obj)
     if kind in _ATOMS:
         return obj
     if kind in _TENSORS or (isinstance(obj, torch.Tensor) and is_dtensor(obj)):
-        return tensor(obj)
+        return tensor(path, obj)
     if kind in _MAPPINGS:
-        items = {}
-        for key, value in obj.items():
-            items[_plain(key, (*path, key), tensor)] = _plain(value, (*path, key), tensor)
+        items = {walk(k, tensor, (*path, k)): walk(v, tensor, (*path, k)) for k, v in obj.items()}
         return items if kind is dict else kind(items)
     if kind is list or kind is tuple:
-        return kind([_plain(value, (*path, i), tensor) for i, value in enumerate(obj)])
+        return kind([walk(value, tensor, (*path, i)) for i, value in enumerate(obj)])
     if kind is set:
-        return {_plain(value, (*path, "{...}"), tensor) for value in obj}
+        return {walk(value, tensor, (*path, "{...}")) for value in obj}
     if isinstance(obj, _NUMPY_AS_PYTHON):
         return obj.item()
     raise UnloadableState(path, obj)
 
 
+def named_tensors(state: Any) -> list[tuple[str, torch.Tensor]]:
+    """The tensors in ``state``, named by their keys joined with dots (``optimizer.0.exp_avg``)."""
+    found: list[tuple[str, torch.Tensor]] = []
+    walk(state, lambda path, t: found.append((".".join(map(str, path)), t)))
+    return found
+
+
+def copy_to_cpu(state: Any) -> Any:
+    """A copy of ``state`` that training cannot change, as plain data (see :func:`walk`); CUDA
+    tensors are copied through pinned memory, with one sync for all."""
+    copied_from_cuda: set[torch.device] = set()
+
+    def copy_tensor(path: tuple, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.device.type == "cpu":
+            return tensor.detach().clone()
+        copied_from_cuda.add(tensor.device)
+        return tensor.detach().to("cpu", non_blocking=True)  # lands in pinned memory
+
+    result = walk(state, copy_tensor)
+    for device in copied_from_cuda:
+        torch.cuda.current_stream(device).synchronize()  # the copies are done when this returns
+    return result
+
+
 def bad_tensors(data: dict[str, Any], parameters: Collection[str]) -> list[str]:
-    """The names (``model.linear.weight``, ``optimizer.0.momentum_buffer``...) of the tensors in
-    ``data`` no run should go on from: parameters, optimizer and registered state not finite, or
-    a model buffer holding a NaN (a causal mask's -inf is on purpose). One host read per device,
-    and one more where a sum is not finite."""
-    state = {key: data[key] for key in ("model", "optimizer", "extra") if key in data}
-    buffers = {f"model.{key}" for key in state.get("model", {}) if key not in parameters}
+    """The names of the tensors in ``data`` no run should go on from: not finite, except model
+    buffers, which only a NaN makes bad (a causal mask's -inf is on purpose). One host read per
+    device, and one more where a sum is not finite."""
+    buffers = {f"model.{key}" for key in data.get("model", {}) if key not in parameters}
     by_device: dict[torch.device, list[tuple[str, torch.Tensor]]] = {}
-    for name, tensor in named_tensors(state, ""):
-        local = tensor.to_local() if hasattr(tensor, "to_local") else tensor  # a DTensor's shard
+    for name, tensor in named_tensors(data):
+        local = tensor.to_local() if is_dtensor(tensor) else tensor  # a DTensor's shard
         if local.is_floating_point() or local.is_complex():
             by_device.setdefault(local.device, []).append((name, local))
     bad = []
@@ -252,132 +246,193 @@ def bad_tensors(data: dict[str, Any], parameters: Collection[str]) -> list[str]:
     return bad
 
 
-def named_tensors(state: Any, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(state, torch.Tensor):
-        yield prefix, state
-    elif isinstance(state, (dict, list, tuple)):
-        items = state.items() if isinstance(state, dict) else enumerate(state)
-        for key, value in items:
-            yield from named_tensors(value, f"{prefix}.{key}" if prefix else str(key))
-
-
 def check_rank_state(state: dict[str, Any], group: Any, check_buffers: bool) -> bool:
-    """Of an FSDP2 model's checkpoint (either kind), what one copy keeps for every rank must
-    be the same on every rank. DTensors in the state of the hooks and registered objects (an
-    EMAHook's average, say), which rank 0 writes alone, are refused: every rank would resume
-    with rank 0's shard. Model buffers that differ by rank (BatchNorm's running statistics
-    without SyncBatchNorm) are named in a warning, if ``check_buffers`` (a collective over
-    ``group``): one copy of each is kept. Returns whether it warned."""
+    """Of an FSDP2 model's checkpoint, refuse DTensors outside the model and optimizer (rank 0
+    writes that part alone: every rank would resume with its shard), and, if ``check_buffers``,
+    name in a warning the model buffers that differ by rank (one copy is kept). A collective of
+    ``group``. Returns whether it warned."""
     rest = {key: value for key, value in state.items() if key not in ("model", "optimizer")}
-    named = named_tensors(rest, "")
-    parts = sorted({".".join(name.split(".")[:2]) for name, t in named if is_dtensor(t)})
-    if parts:
+    tensors = named_tensors(rest)
+    shards = sorted({".".join(name.split(".")[:2]) for name, t in tensors if is_dtensor(t)})
+    if shards:
         raise ValueError(
-            f"{', '.join(parts)} holds DTensors (shards of the FSDP2 model), which a checkpoint "
-            "cannot keep: rank 0 writes the state of the hooks and registered objects, and the "
-            "ranks' shards differ. Keep plain tensors there (a DTensor's full_tensor())."
+            f"{', '.join(shards)} holds DTensors (shards of the FSDP2 model), which rank 0 would "
+            "save alone. Keep plain tensors there (a DTensor's full_tensor())."
         )
     if get_world_size() == 1 or not check_buffers:
         return False
     buffers = {
-        name: t for name, t in state["model"].items()
+        name: t
+        for name, t in state["model"].items()
         if isinstance(t, torch.Tensor) and not is_dtensor(t) and t.is_floating_point()
-    }  # fmt: skip
+    }
     sums = torch.stack([t.double().sum() for t in buffers.values()]).tolist() if buffers else []
     everyone = all_gather(sums, group=group)
     differ = [name for i, name in enumerate(buffers) if len({s[i] for s in everyone}) > 1]
     if differ:
         logger.warning(
             f"The model's buffers {', '.join(differ[:5])}{' ...' if len(differ) > 5 else ''} "
-            "differ by rank (FSDP2 does not synchronize buffers), and a checkpoint keeps one "
-            "copy of each: a resumed run gives it to every rank, so it does not go on exactly "
-            "as this one would. Use SyncBatchNorm to keep them equal."
+            "differ by rank (FSDP2 does not synchronize them) and a checkpoint keeps one copy: "
+            "a resumed run is not exact. Use SyncBatchNorm to keep them equal."
         )
     return bool(differ)
 
 
-# Reading
+# The file format: one torch.save zip
 
 
-def load_checkpoint_file(
-    path: str, need_checksum: bool = True, check: Optional[Callable[[dict], None]] = None
-) -> dict[str, Any]:
-    """Load a checkpoint file with ``weights_only=True`` (tensors and plain data only, never
-    code), checking its checksum on a thread meanwhile (:func:`checksum.check_file`): a damaged
-    file, or one without a checksum unless not ``need_checksum`` (weights from elsewhere), is
-    refused. ``check(data)`` runs while the checksum is checked; what it raises is raised unless
-    the file is damaged (then the damage is the reason)."""
-    if os.path.isdir(path):
-        raise IsADirectoryError(f"Checkpoint {path!r} is a directory, not a file.")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"Checkpoint {path!r} does not exist.")
-    checked = checksum.in_background(lambda: checksum.check_file(path, need_checksum))
-    error: Optional[Exception] = None
-    try:
-        data = _read(path)
-        if check is not None:
+class FileFormat:
+    """A checkpoint as one ``torch.save`` file of the whole state, which rank 0 writes (an FSDP2
+    model's full state, which every rank gathers for it)."""
+
+    in_background = True  # every write runs on the writer's thread
+
+    def __init__(self, model: nn.Module, optimizer: Optimizer) -> None:
+        self._model = model
+        self._optimizer = optimizer
+
+    def write(self, state: dict[str, Any], temp: str) -> Optional[Callable[[Callable], None]]:
+        """Copy ``state`` (its tensors may be live) for the function returned on rank 0 (None
+        on the others), which writes it as ``temp`` and then calls ``publish()``. Every rank
+        calls it."""
+        full = full_state_dicts(self._model, self._optimizer) if is_sharded(self._model) else {}
+        if not is_main_process():
+            return None
+        # the gathered full states are fresh CPU tensors already: no second copy
+        copied = {**copy_to_cpu({k: v for k, v in state.items() if k not in full}), **full}
+
+        def write(publish: Callable[[], None]) -> None:
+            with open(temp, "wb") as f:
+                torch.save(copied, f)
+                f.flush()
+                os.fsync(f.fileno())
+            publish()
+
+        return write
+
+    def read(self, path: str, check: Callable[[dict], None]) -> dict[str, Any]:
+        """The checkpoint file at ``path``, once ``check(data)`` and its CRCs hold and the model's
+        and optimizer's tensors are finite."""
+
+        def check_all(data: dict[str, Any]) -> None:
             check(data)
-    except Exception as e:
-        error = e
-    checked()  # first: damage says more than what torch.load or the checks made of it
+            state = {"model": data["model"], "optimizer": data["optimizer"]["state"]}
+            refuse_non_finite(bad_tensors(state, parameters(unwrapped(self._model))), path)
+
+        return read_file(path, check_all)
+
+
+def read_file(path: str, check: Optional[Callable[[dict], None]] = None) -> dict[str, Any]:
+    """Load a ``torch.save`` file with ``weights_only=True`` while a thread checks the CRC-32
+    of each of its zip records; both read one open file, so a file replaced meanwhile is not
+    mixed in. ``check(data)`` runs before the CRCs are known; damage is raised first."""
+    with open(path, "rb") as f:
+        crcs = Background("checkpoint-check")
+        crcs.submit(lambda: _check_records(f.fileno(), path))
+        error: Optional[Exception] = None
+        try:
+            data = _load(f, path)
+            if check is not None:
+                check(data)
+        except Exception as e:
+            error = e
+        crcs.wait()  # first: damage says more than what torch.load or the checks made of it
     if error is not None:
         raise error
     return data
 
 
-def _read(path: str) -> dict[str, Any]:
+class _At:
+    """A read-only file over a descriptor (``os.pread``: the descriptor's offset, which
+    torch.load moves, stays as it is)."""
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._at = 0
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._at
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        start = {os.SEEK_SET: 0, os.SEEK_CUR: self._at}.get(whence)
+        self._at = (os.fstat(self._fd).st_size if start is None else start) + offset
+        if self._at < 0:  # an offset of a damaged archive
+            raise ValueError("seek before the start of the file")
+        return self._at
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            n = os.fstat(self._fd).st_size - self._at
+        data = os.pread(self._fd, n, self._at)
+        self._at += len(data)
+        return data
+
+
+def _check_records(fd: int, path: str) -> None:
+    """Raise a RuntimeError naming ``path`` as damaged unless every record of the zip archive
+    on ``fd`` has its CRC-32."""
     try:
-        data = torch.load(path, map_location="cpu", weights_only=True)
+        with zipfile.ZipFile(_At(fd)) as archive:
+            for record in archive.infolist():
+                # zipfile ignores this flag; torch's reader takes such a record for a directory
+                # and loads nothing into its tensor (the one bit a record's CRC does not cover)
+                if record.external_attr & 0x10:
+                    raise zipfile.BadZipFile(f"{record.filename} is marked as a directory")
+                with archive.open(record) as f:
+                    while f.read(16 << 20):
+                        pass
+    except (zipfile.BadZipFile, ValueError, EOFError, NotImplementedError, RuntimeError) as e:
+        if isinstance(e.__context__, OSError):  # zipfile's word for a file it could not read
+            raise e.__context__ from None
+        raise RuntimeError(
+            f"Checkpoint {path!r} is damaged or is no torch.save file ({e}). Use an older "
+            "checkpoint, or another copy of this one."
+        ) from None
+
+
+def _load(f: Any, path: str) -> dict[str, Any]:
+    """``torch.load(f, weights_only=True)``; what it refuses is a RuntimeError naming ``path``,
+    never with torch's advice to load it with ``weights_only=False``."""
+    try:
+        data = torch.load(f, map_location="cpu", weights_only=True)
+    except (OSError, MemoryError):
+        raise
     except Exception as e:
-        _raise_read_failure(path, e)
+        blocked = re.search(r"GLOBAL (\S+) whose module \S+ is blocked", str(e))
+        if isinstance(e, pickle.UnpicklingError) and blocked:  # code: a crafted file
+            raise RuntimeError(
+                f"Checkpoint {path!r} could not be loaded safely (weights_only=True): it would "
+                f"call {blocked[1]}. Do not load this file."
+            ) from None
+        if isinstance(e, pickle.UnpicklingError) and "GLOBAL " in str(e):  # a class of yours
+            raise RuntimeError(f"Checkpoint {path!r} could not be loaded safely: {e}") from e
+        raise RuntimeError(
+            f"Checkpoint {path!r} is damaged or is no torch.save file: torch.load raised "
+            f"{type(e).__name__}."
+        ) from None
     if not isinstance(data, dict):
-        raise RuntimeError(f"Checkpoint {path!r} holds a {type(data).__name__}, expected a dict.")
+        raise RuntimeError(f"Checkpoint {path!r} holds a {type(data).__name__}, not a dict.")
     return data
 
 
-def _raise_read_failure(path: str, error: Exception) -> NoReturn:
-    """Raise a RuntimeError naming ``path`` for what ``torch.load(weights_only=True)`` refused:
-    a pickle of code, of another object (a class of the user's: torch's message names it and how
-    to allow it), or a file that is no checkpoint or a damaged one. For code and for such files,
-    never torch's advice to load them with ``weights_only=False``, not even in the cause."""
-    text = str(error)
-    blocked = re.search(r"GLOBAL (\S+) whose module \S+ is blocked", text)
-    if isinstance(error, pickle.UnpicklingError) and blocked:
-        raise RuntimeError(
-            f"Checkpoint {path!r} could not be loaded safely (weights_only=True): it would call "
-            f"{blocked[1]}, code that no checkpoint holds. Do not load this file."
-        ) from None
-    if isinstance(error, pickle.UnpicklingError) and "GLOBAL " in text:
-        raise RuntimeError(
-            f"Checkpoint {path!r} could not be loaded safely (weights_only=True): {error}"
-        ) from error
-    advice = "weights_only" in text  # torch's, to load it with weights_only=False
-    sentence = "" if advice else text.split(". ")[0]
-    raise RuntimeError(
-        f"Checkpoint {path!r} is not a checkpoint torch can read, or is damaged (cut short or "
-        f"overwritten): torch.load failed with {type(error).__name__}"
-        f"{f': {sentence}' if sentence else ''}. Pass a file that torch.save wrote, whole (copy "
-        "it again if it was cut short)."
-    ) from (None if advice else error)
+# Loaded weights
 
 
-def check_finite(data: dict[str, Any], path: str, parameters: Collection[str]) -> None:
-    """Raise a RuntimeError naming ``path`` when its tensors hold values no run should go on
-    from (see :func:`bad_tensors`): a checkpoint written before saves refused them, or weights
-    from elsewhere."""
-    refuse_non_finite(bad_tensors(data, parameters), path, weights_only="optimizer" not in data)
+def parameters(module: nn.Module) -> set[str]:
+    """The names of ``module``'s parameters in a checkpoint (a tied weight's every one)."""
+    names = [name for name, _ in module.named_parameters(remove_duplicate=False)]
+    return set(plain_names(module, names).values())
 
 
-def refuse_non_finite(bad: list[str], path: str, weights_only: bool) -> None:
-    """Raise a RuntimeError naming ``path`` if ``bad`` names tensors that hold NaN or infinite
-    values (of weights alone, or of a whole training state)."""
+def refuse_non_finite(bad: list[str], path: str) -> None:
+    """Raise a RuntimeError naming ``path`` if ``bad`` names tensors (see :func:`bad_tensors`)."""
     if bad:
-        what = "resuming it would fail at once. Resume from an older checkpoint."
-        if weights_only:
-            what = "training or evaluating from them would give NaN. Load other weights."
         raise RuntimeError(
             f"Checkpoint {path!r} holds NaN or infinite values in {len(bad)} tensors "
-            f"({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}): {what}"
+            f"({', '.join(bad[:5])}{', ...' if len(bad) > 5 else ''}). Load an older one."
         )
 
 
@@ -390,28 +445,20 @@ def load_model_state(
     names = plain_names(module)
     own = {names[key]: value for key, value in module.state_dict().items()}
     state = _by_plain_name(state, own)
-    shape = {k: _shape(v) for k, v in own.items()}
-    wrong_shape = [k for k in own if k in state and _shape(state[k]) != shape[k]]
-    problems = "".join(
-        f"\n  {title}: {', '.join(keys)}"
-        for title, keys in [
-            ("missing from the checkpoint", [k for k in own if k not in state]),
-            ("not in the model", [k for k in state if k not in own]),
-            (
-                "shapes differ",
-                [f"{k} {_shape(state[k])} vs {shape[k]}" for k in wrong_shape],
-            ),
-        ]
-        if keys
-    )
+    wrong_shape = [k for k in own if k in state and _shape(state[k]) != _shape(own[k])]
+    differences = [
+        ("missing from the checkpoint", [k for k in own if k not in state]),
+        ("not in the model", [k for k in state if k not in own]),
+        ("shapes differ", [f"{k} {_shape(state[k])} vs {_shape(own[k])}" for k in wrong_shape]),
+    ]
+    problems = "".join(f"\n  {title}: {', '.join(keys)}" for title, keys in differences if keys)
     matching = [k for k in state if k in own and k not in wrong_shape]
     hint = _prefix_hint(list(state), list(own)) if problems else ""
     if problems and strict:
         raise RuntimeError(
             f"Checkpoint {path!r} does not match the model:{problems}\nIf the model changed on "
-            "purpose, train it in a new work_dir, or pass train(auto_resume=False) to start "
-            "afresh in this one. To fine-tune from these weights instead, loading those that "
-            f"match: load_checkpoint(path, resume=False, strict=False).{hint}"
+            "purpose, train in a new work_dir or with train(auto_resume=False); to fine-tune "
+            f"from the weights that match: load_checkpoint(path, resume=False, strict=False).{hint}"
         )
     if problems and not matching:  # strict=False would load nothing, and say it succeeded
         raise RuntimeError(
@@ -453,9 +500,8 @@ def model_weights(data: dict[str, Any], path: str) -> dict[str, Any]:
             break
     if not any(isinstance(value, torch.Tensor) for value in data.values()):
         raise RuntimeError(
-            f"Checkpoint {path!r} holds no weights: expected a model's state_dict (names to "
-            f"tensors), or a dict holding one under 'state_dict', 'model_state_dict' or 'model'; "
-            f"its keys are {_first(data)}."
+            f"Checkpoint {path!r} holds no weights (keys {_first(data)}): expected a state_dict, "
+            "or a dict holding one under 'state_dict', 'model_state_dict' or 'model'."
         )
     return data
 
@@ -468,9 +514,8 @@ def load_optimizer_state(
         load_full_optimizer_state(module, optimizer, state)
     elif sharded:
         raise RuntimeError(
-            f"Checkpoint {path!r} was saved by a model that was not sharded; this one is "
-            "(fully_shard), and the optimizer state cannot be mapped. Resume it without "
-            "sharding, or load the weights alone: load_checkpoint(path, resume=False)."
+            f"Checkpoint {path!r} holds the optimizer state of an unsharded model, which does not "
+            "fit this fully_shard-ed one: load the weights alone, with resume=False."
         )
     else:
         optimizer.load_state_dict(state)
@@ -480,10 +525,7 @@ def check_revise_keys(revise_keys: Any, resume: bool) -> None:
     """Refuse ``revise_keys`` that are not ``(regex, replacement)`` pairs of strings, or that
     come with ``resume=True``, whose checkpoint is loaded as it was saved."""
     if resume:
-        raise ValueError(
-            "revise_keys renames the weights of a file loaded with resume=False (fine-tuning, "
-            "evaluation); a resumed run loads its own checkpoint as saved. Pass resume=False."
-        )
+        raise ValueError("revise_keys renames the weights of a load with resume=False only.")
     pairs = list(revise_keys) if isinstance(revise_keys, (list, tuple)) else None
     if pairs is None or not all(
         isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, str) for x in p)

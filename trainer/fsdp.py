@@ -31,16 +31,17 @@ def no_gradient_sync(model: nn.Module) -> Iterator[None]:
         model.set_requires_gradient_sync(True)
 
 
-def full_state_dicts(model: nn.Module, optimizer: Optimizer) -> tuple[dict, dict]:
-    """The full model and optimizer state dicts (the optimizer's keyed by parameter names), in
-    CPU memory on rank 0 and empty elsewhere. A collective: every rank calls it."""
+def full_state_dicts(model: nn.Module, optimizer: Optimizer) -> dict[str, dict]:
+    """``{"model": ..., "optimizer": ...}``, the full state dicts (the optimizer's keyed by
+    parameter names), in CPU memory on rank 0 and empty elsewhere. A collective: every rank
+    calls it."""
     from torch.distributed.checkpoint import state_dict as dcp
 
     options = dcp.StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return (
-        dcp.get_model_state_dict(model, options=options),
-        dcp.get_optimizer_state_dict(model, optimizer, options=options),
-    )
+    return {
+        "model": dcp.get_model_state_dict(model, options=options),
+        "optimizer": dcp.get_optimizer_state_dict(model, optimizer, options=options),
+    }
 
 
 def load_full_model_state(model: nn.Module, state: dict[str, Any], strict: bool) -> None:

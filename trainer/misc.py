@@ -57,7 +57,8 @@ def check_file_name(name: str, value: Any) -> None:
     inside the checkpoint folder (a sub-folder's too): never outside ``work_dir``."""
     check_type(name, value, str, "a file name in the checkpoint folder, e.g. 'iter_8.pth'")
     relative = os.path.normpath(value) if value else ""
-    if relative in ("", ".", "..") or os.path.isabs(value) or relative.startswith(".." + os.sep):
+    outside = relative in ("", ".", "..") or relative.startswith(".." + os.sep)
+    if outside or os.path.isabs(value) or "\0" in value:
         raise ValueError(
             f"{name} must name a file inside the checkpoint folder, e.g. 'iter_8.pth' or "
             f"'best/model.pth', got {value!r}: checkpoints are never written outside work_dir."

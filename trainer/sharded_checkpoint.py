@@ -3,15 +3,12 @@
 A sharded checkpoint is a folder named as a checkpoint file is (``iter_8.pth/``). Every rank
 writes its own shards of the model and optimizer there (DCP's ``.distcp`` files; rank 0 adds
 DCP's ``.metadata``), and rank 0 writes the rest of the training state as ``trainer.pth`` and
-the checksums of DCP's files as ``checksums.json`` (each rank sums a share of them). The folder
-is written under a temporary name and renamed once every rank's files are complete, so a
-checkpoint is whole or absent. Training waits only while the shards are copied off the live
-tensors; the writing goes on in the background, on a gloo group of its own.
-
-Loading runs no code from the files: ``.metadata`` is read by an unpickler that builds DCP's own
-classes only, and every other entry by ``torch.load(weights_only=True)``. A folder holding a link,
-a file its checksums do not list, or bytes that changed is refused as damaged. A checkpoint loads on
-any number of processes, sharded or not (DCP reshards)::
+the size and CRC-32 of each of DCP's files as ``checksums.json`` (each rank sums a share of
+them). Training waits only while the shards are copied off the live tensors; the writing goes
+on in the background, on a gloo group of its own. Loading runs no code from the files:
+``.metadata`` is read by an unpickler that builds DCP's own classes only, and every other entry
+by ``torch.load(weights_only=True)``. A checkpoint loads on any number of processes, sharded or
+not (DCP reshards)::
 
     python -m trainer.sharded_checkpoint work_dir/checkpoints/epoch_3.pth model.pth
 
@@ -21,13 +18,17 @@ checkpoint, and refuses an output inside its folder.
 
 import argparse
 import contextlib
+import errno
 import io
+import json
 import os
 import pickle
+import stat
 import sys
 import warnings
-from collections.abc import Collection, Iterator
-from typing import Any, Callable, Optional
+import zlib
+from collections.abc import Iterator
+from typing import Any, Callable, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,30 +37,38 @@ from torch import nn
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint._nested_dict import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.filesystem import FileSystem, _StorageInfo
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 from torch.optim import Optimizer
 
-from . import checksum
 from .checkpoint_io import (
-    BackgroundWriter,
-    atomic_save,
+    Background,
+    atomic_write,
     bad_tensors,
-    load_checkpoint_file,
+    copy_to_cpu,
     load_model_state,
     named_tensors,
-    raise_write_failure,
+    parameters,
+    read_file,
     refuse_non_finite,
-    write_checkpoint_file,
+    walk,
 )
-from .distributed import all_gather, get_rank, get_world_size, raise_on_every_rank
+from .distributed import (
+    CpuGroup,
+    all_gather,
+    get_rank,
+    get_world_size,
+    is_main_process,
+    raise_on_every_rank,
+)
 from .misc import plain_state_dict
 
 # DCP warns whenever one process saves or loads alone, even when asked to (no_dist=True).
 warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
 
 STATE_FILE = "trainer.pth"  # rank 0's part: everything but the model's and optimizer's shards
+MANIFEST = "checksums.json"  # {DCP's file name: [size, CRC-32]}
 
 
 def is_sharded_checkpoint(path: str) -> bool:
@@ -67,99 +76,110 @@ def is_sharded_checkpoint(path: str) -> bool:
     return os.path.isdir(path) and os.path.isfile(os.path.join(path, STATE_FILE))
 
 
-# Saving
+class ShardedFormat:
+    """A checkpoint as a folder of every rank's shards (see the module's docstring)."""
 
+    def __init__(self, module: nn.Module, optimizer: Optimizer, cpu: CpuGroup) -> None:
+        self._module = module
+        self._optimizer = optimizer
+        self._cpu = cpu  # the trainer's gloo group, over which the ranks agree on a load
+        self.write_group: Any = None  # the gloo group of the background writes, while training
 
-def save(
-    module: nn.Module,
-    optimizer: Optimizer,
-    rest: Optional[dict[str, Any]],
-    folder: str,
-    *,
-    mode: int,
-    group: Any,
-    writer: BackgroundWriter,
-    publish: Callable[[], None],
-    then: Optional[Callable[[], None]] = None,
-) -> None:
-    """Save ``module``'s and ``optimizer``'s shards (every rank its own) and, on rank 0, ``rest``
-    (the rest of the training state, copied; None on the other ranks) as ``folder``, then call
-    ``publish()`` on rank 0 once every rank's files are complete, and ``then()`` once every
-    rank knows it; ``rest``'s file gets permissions ``mode``. Every rank calls it. With
-    ``group`` (the :func:`write_group` of a running ``train()``), or in one process, the shards
-    are copied now and ``writer`` writes them in the background; otherwise they are written when
-    this returns."""
-    model_state = get_model_state_dict(module)  # this rank's shards, as DTensors
-    optimizer_state = get_optimizer_state_dict(module, optimizer)  # keyed by name
-    shards = {"model": model_state, "optimizer": optimizer_state}
-    storage = dcp.FileSystemWriter(folder)
-    if group is None and dist.is_initialized():  # outside train(): over the default group
+    @property
+    def in_background(self) -> bool:
+        """Whether writes run on the writer's thread: in one process, or on :attr:`write_group`
+        (outside ``train()`` under torchrun they are done when ``write`` returns)."""
+        return self.write_group is not None or not dist.is_initialized()
+
+    def write(self, state: dict[str, Any], temp: str) -> Callable[[Callable], None]:
+        """Copy this rank's shards of ``state``'s model and optimizer (rank 0 the rest of it)
+        for the function returned, which writes the folder ``temp`` (every rank its shards) and
+        calls ``publish()`` on rank 0 once every rank's files are complete. Every rank calls
+        both."""
+        shards = {
+            "model": get_model_state_dict(self._module),  # this rank's shards, as DTensors
+            "optimizer": get_optimizer_state_dict(self._module, self._optimizer),  # by name
+        }
+        rest = None
+        if is_main_process():
+            rest = copy_to_cpu({k: v for k, v in state.items() if k not in shards})
+        group = self.write_group
+        storage = dcp.FileSystemWriter(temp)
         future: Any = None
-        _as_write_error(lambda: dcp.save(shards, storage_writer=storage), folder)
-    else:  # training waits while the shards are copied (staged); a thread writes them
-        future = dcp.async_save(
-            shards, storage_writer=storage, process_group=group, async_stager=_Stager(),
-            no_dist=group is None,
-        )  # fmt: skip
-
-    def write() -> None:
-        if future is not None:  # raises on every rank alike: DCP shares a rank's error
-            _as_write_error(future.result, folder)
-        try:  # DCP writes its metadata last, on rank 0: every rank's files are complete
-            manifest = checksum.manifest_bytes(_checksums(folder, group))
-            if rest is not None:
-                atomic_save(rest, os.path.join(folder, STATE_FILE), mode)  # with its own
-                path = os.path.join(folder, checksum.MANIFEST)
-                write_checkpoint_file(path, lambda f: f.write(manifest), mode)
-                publish()
-        finally:
-            if dist.is_initialized():  # every rank's wait() returns once the folder is in place
-                dist.barrier(group=group)
-        if rest is not None and then is not None:
-            then()
-
-    if future is None:
-        write()
-    else:
-        writer.submit(write)
-
-
-def _checksums(folder: str, group: Any) -> dict[str, list[int]]:
-    """``{name: [size, CRC-32]}`` of DCP's files in ``folder``, on every rank; each rank reads a
-    share of them, and the ranks must list the same files. A collective of ``group`` under
-    torchrun."""
-    rank, world = get_rank(), get_world_size()
-    error, names, own = None, [], {}
-    try:
-        names = sorted(os.listdir(folder))
-        own = checksum.sums(folder, names[rank::world])
-    except OSError as e:
-        error = e
-    shares = raise_on_every_rank(error, (names, own), group=group)
-    for other, (listed, _) in enumerate(shares):
-        if listed != shares[0][0]:  # a file system that shows the ranks different files
-            raise RuntimeError(
-                f"Could not write the checkpoint folder {folder}: rank {other} lists the files "
-                f"{listed} in it, rank 0 {shares[0][0]}."
+        if not self.in_background:  # outside train(): now, over the default group
+            _first_failure(lambda: dcp.save(shards, storage_writer=storage))
+        else:  # training waits while the shards are copied (staged); a thread writes them
+            future = dcp.async_save(
+                shards,
+                storage_writer=storage,
+                process_group=group,
+                async_stager=_Stager(),
+                no_dist=group is None,
             )
-    return {name: value for _, share in shares for name, value in share.items()}
 
+        def write(publish: Callable[[], None]) -> None:
+            if future is not None:  # raises on every rank alike: DCP shares a rank's error
+                _first_failure(future.result)
+            try:  # DCP writes its metadata last, on rank 0: every rank's files are complete
+                manifest = json.dumps(dict(sorted(_checksums(temp, group).items())), indent=0)
+                if rest is not None:
+                    atomic_write(os.path.join(temp, STATE_FILE), lambda f: torch.save(rest, f))
+                    atomic_write(os.path.join(temp, MANIFEST), lambda f: f.write(manifest.encode()))
+                    publish()
+            finally:
+                if dist.is_initialized():  # every rank's wait() returns once the folder is there
+                    dist.barrier(group=group)
 
-def _as_write_error(step: Callable[[], Any], folder: str) -> None:
-    """Run ``step``; a failure of DCP's (a ``CheckpointException``, a ``BaseException`` that
-    ``except Exception`` misses) is raised as this rank's error, or the first failed rank's:
-    an ``OSError`` naming the folder where it is one (a full disk, say)."""
-    try:
-        step()
-    except dcp.CheckpointException as e:
-        failures = e.failures
-        error = (failures.get(get_rank()) or next(iter(failures.values())))[0]
+        return write
+
+    def read(self, path: str, check: Callable[[dict], None]) -> dict[str, Any]:
+        """The sharded checkpoint at ``path`` as a checkpoint file is read to resume a run:
+        ``trainer.pth`` and this process's part of the model's and optimizer's state (its shards
+        for a sharded model, the whole for another) read into fresh tensors, checked finite,
+        once ``check(data)`` holds. A collective: the ranks agree on every refusal."""
+        with contextlib.ExitStack() as opened:
+            return self._read(path, check, opened)
+
+    def _read(
+        self, path: str, check: Callable[[dict], None], opened: contextlib.ExitStack
+    ) -> dict[str, Any]:
+        group = self._cpu.group
+        problem: Optional[Exception] = None
         try:
-            raise_write_failure(folder, error)
-        except OSError:
-            raise
-        except BaseException:
-            raise RuntimeError(f"Could not write the checkpoint folder {folder}: {error!r}") from e
+            if not is_sharded_checkpoint(path):
+                raise IsADirectoryError(f"Checkpoint {path!r} is a directory, not a checkpoint.")
+            files = opened.enter_context(contextlib.closing(_Folder(path, need_checksums=True)))
+            data = read_file(os.path.join(path, STATE_FILE))
+            if "model" in data or "optimizer" in data:
+                _refuse(path, f"its {STATE_FILE} holds model state")
+            metadata = read_metadata(path, files)
+        except (RuntimeError, OSError) as e:
+            problem = e
+        raise_on_every_rank(problem, group=group)
+        module = self._module
+        saved = _saved_keys(metadata, "model.")
+        shapes = {key: tuple(getattr(entry, "size", ())) for key, entry in saved.items()}
+        if {k: tuple(v.shape) for k, v in plain_state_dict(module).items()} != shapes:
+            # raises, naming the keys and shapes that differ (the weights are not read)
+            meta = {key: torch.empty(shape, device="meta") for key, shape in shapes.items()}
+            load_model_state(module, meta, path, strict=True, sharded=False)
+        model = _empty_like(get_model_state_dict(module))  # DTensor shards
+        optimizer = _empty_like(get_optimizer_state_dict(module, self._optimizer))
+        # the state of parameters that had none when saved (no gradient yet) stays out
+        in_file = _saved_keys(metadata, "optimizer.state.")
+        optimizer["state"] = {
+            name: kept
+            for name, entry in optimizer["state"].items()
+            if (kept := {key: v for key, v in entry.items() if f"{name}.{key}" in in_file})
+        }
+        _load_checked({"model": model, "optimizer": optimizer}, files, group)
+        bad = bad_tensors({"model": model, "optimizer": optimizer["state"]}, parameters(module))
+        if get_world_size() > 1:  # each rank checked its own shards: the ranks agree
+            bad = sorted({name for names in all_gather(bad, group=group) for name in names})
+        refuse_non_finite(bad, path)
+        data = {**data, "model": model, "optimizer": optimizer}
+        check(data)  # (every rank read the same trainer.pth: they agree)
+        return data
 
 
 @contextlib.contextmanager
@@ -178,15 +198,148 @@ def write_group() -> Iterator[Any]:
         del group  # the last reference: its threads are joined
 
 
+def _first_failure(step: Callable[[], Any]) -> None:
+    """Run ``step``; DCP's ``CheckpointException`` (which ``except Exception`` misses) is
+    raised as this rank's error, or the first failed rank's."""
+    try:
+        step()
+    except dcp.CheckpointException as e:
+        failures = e.failures
+        raise (failures.get(get_rank()) or next(iter(failures.values())))[0] from e
+
+
+def _empty_like(state: Any) -> Any:
+    return walk(state, lambda path, t: torch.empty_like(t))
+
+
+# Checksums: the manifest
+
+
+def _checksums(folder: str, group: Any) -> dict[str, list[int]]:
+    """``{name: [size, CRC-32]}`` of DCP's files in ``folder``, each rank summing a share of
+    them (the ranks must list the same files). A collective of ``group`` under torchrun."""
+    error = None
+    names: list[str] = []
+    own = {}
+    try:
+        names = sorted(os.listdir(folder))
+        share = names[get_rank() :: get_world_size()]
+        own = {name: _sum(os.path.join(folder, name)) for name in share}
+    except OSError as e:
+        error = e
+    shares = raise_on_every_rank(error, (names, own), group=group)
+    return {name: value for _, share in shares for name, value in share.items()}
+
+
+def _sum(path: str) -> list[int]:
+    """``[size, CRC-32]`` of the file at ``path``."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return [os.fstat(fd).st_size, _crc(fd)]
+    finally:
+        os.close(fd)
+
+
+def _crc(fd: int) -> int:
+    """The CRC-32 of the file open as ``fd`` (read with ``os.pread``: its offset stays)."""
+    crc = 0
+    at = 0
+    buffer = memoryview(bytearray(16 << 20))
+    while n := os.preadv(fd, [buffer], at):
+        crc = zlib.crc32(buffer[:n], crc)
+        at += n
+    return crc
+
+
+class _Folder(FileSystem):
+    """A sharded checkpoint's files, each opened once (no link followed) and checked against
+    its manifest. DCP reads them as its file system, through the descriptors that the
+    checksums read, so a file replaced meanwhile is never mixed in."""
+
+    def __init__(self, folder: str, need_checksums: bool) -> None:
+        self.folder = folder
+        self.sums: dict[str, list[int]] = {}  # the manifest: {name: [size, CRC-32]}
+        self._fds: dict[str, int] = {}
+        try:
+            self._open(need_checksums)
+        except BaseException:
+            self.close()
+            raise
+
+    def _open(self, need_checksums: bool) -> None:
+        """Open every file; read the manifest (none: refused if ``need_checksums``), once the
+        folder's names, sizes and file types match it and its ``.metadata``'s bytes do (it is
+        unpickled before anything else is read)."""
+        folder = self.folder
+        sizes = {}
+        for entry in os.scandir(folder):
+            try:  # (O_NONBLOCK: a FIFO would block the open)
+                fd = os.open(entry.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+            except OSError as e:
+                if e.errno != errno.ELOOP:
+                    raise
+                _refuse(folder, f"{entry.name} is a link")
+            self._fds[entry.name] = fd
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                _refuse(folder, f"{entry.name} is no regular file")
+            sizes[entry.name] = info.st_size
+        if MANIFEST not in sizes:
+            if need_checksums:
+                _refuse(folder, f"it has no {MANIFEST} (weights may load with resume=False)")
+            return
+        try:
+            manifest = json.loads(os.pread(self._fds[MANIFEST], sizes[MANIFEST], 0))
+            files = {str(k): [int(size), int(crc)] for k, (size, crc) in manifest.items()}
+        except (ValueError, TypeError, AttributeError) as e:
+            _refuse(folder, f"its {MANIFEST} does not parse ({e})")
+        for name in sorted(files.keys() | sizes.keys() - {MANIFEST, STATE_FILE}):
+            if name not in files:
+                _refuse(folder, f"{name} is not in its {MANIFEST}")
+            if name not in sizes:
+                _refuse(folder, f"{name} is missing")
+            if sizes[name] != files[name][0]:
+                _refuse(folder, f"{name} has {sizes[name]} bytes, not {files[name][0]}")
+        self.sums = files
+        self.check([".metadata"])
+
+    def check(self, names: list[str]) -> None:
+        """Refuse the folder as damaged unless its files ``names`` have their CRC-32s."""
+        for name in names:
+            if name in self.sums and _crc(self._fds[name]) != self.sums[name][1]:
+                _refuse(self.folder, f"the bytes of {name} changed (its CRC-32 differs)")
+
+    @contextlib.contextmanager
+    def create_stream(self, path: Any, mode: str) -> Iterator[Any]:
+        """DCP's way to open a file of the folder: the one opened (read one at a time)."""
+        fd = self._fds.get(os.path.basename(path))
+        if fd is None or mode != "rb":
+            raise FileNotFoundError(f"{path} is not a file of the checkpoint, to read")
+        with os.fdopen(os.dup(fd), "rb") as f:  # (a duplicate shares the offset)
+            f.seek(0)
+            yield f
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+
+def _refuse(path: str, why: str) -> NoReturn:
+    raise RuntimeError(f"Checkpoint {path!r} is damaged: {why}. Use an older checkpoint.")
+
+
 # Loading, without running code from the files
 
 
 _METADATA_CLASSES = {
-    **{("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name)
-       for name in (*dcp_metadata.__all__, "_MEM_FORMAT_ENCODING")},
+    **{
+        ("torch.distributed.checkpoint.metadata", name): getattr(dcp_metadata, name)
+        for name in (*dcp_metadata.__all__, "_MEM_FORMAT_ENCODING")
+    },
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"): _StorageInfo,
     ("torch", "Size"): torch.Size,
-}  # fmt: skip
+}
 _PATHS = ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
 
 
@@ -221,11 +374,17 @@ def _layout(name: str) -> torch.layout:
 
 
 class _SafeReader(dcp.FileSystemReader):
-    """DCP's reader of a folder, whose ``.metadata`` is read by :class:`_MetadataUnpickler`
-    (DCP's own uses ``pickle.load``) and may name files of the folder only."""
+    """DCP's reader of a folder (through ``files``, its files opened once, if given), whose
+    ``.metadata`` is read by :class:`_MetadataUnpickler` (DCP's own uses ``pickle.load``) and
+    may name files of the folder only."""
+
+    def __init__(self, path: str, files: Optional[_Folder] = None) -> None:
+        super().__init__(path)
+        if files is not None:
+            self.fs = files
 
     def read_metadata(self) -> Any:
-        with open(os.path.join(self.path, ".metadata"), "rb") as f:
+        with self.fs.create_stream(os.path.join(self.path, ".metadata"), "rb") as f:
             metadata = _MetadataUnpickler(f).load()
         if not isinstance(metadata, dcp_metadata.Metadata):
             raise pickle.UnpicklingError(f"it holds a {type(metadata).__name__}, not Metadata")
@@ -251,10 +410,11 @@ class _SafePlanner(DefaultLoadPlanner):
             self.state_dict[read_item.dest_index.fqn] = obj
 
 
-def read_metadata(path: str) -> Any:
-    """The DCP metadata of the sharded checkpoint at ``path``, read safely."""
+def read_metadata(path: str, files: Optional[_Folder] = None) -> Any:
+    """The DCP metadata of the sharded checkpoint at ``path`` (its ``files``, if opened
+    already), read safely."""
     try:
-        return _SafeReader(path).read_metadata()
+        return _SafeReader(path, files).read_metadata()
     except Exception as e:
         how = "" if isinstance(e, OSError) else " safely"  # a missing file is not a threat
         raise RuntimeError(
@@ -263,13 +423,14 @@ def read_metadata(path: str) -> Any:
         ) from e
 
 
-def _dcp_load(state: dict[str, Any], path: str, group: Any = None, alone: bool = False) -> None:
-    """Fill ``state``'s tensors in place from the checkpoint at ``path``: a collective of
+def _dcp_load(state: dict[str, Any], files: _Folder, group: Any, alone: bool) -> None:
+    """Fill ``state``'s tensors in place from the checkpoint's ``files``: a collective of
     ``group`` (None: the default one) under torchrun, unless this process reads ``alone``."""
+    path = files.folder
     try:
         dcp.load(
             state,
-            storage_reader=_SafeReader(path),
+            storage_reader=_SafeReader(path, files),
             planner=_SafePlanner(),
             process_group=group,
             no_dist=alone or not dist.is_initialized(),
@@ -296,8 +457,13 @@ def _saved_keys(metadata: Any, prefix: str) -> dict[str, Any]:
 def read_weights(path: str) -> dict[str, torch.Tensor]:
     """The model's full weights in the sharded checkpoint at ``path``, as CPU tensors; each
     process reads them alone (no collective)."""
-    files = _read_manifest(path, need_checksum=False)  # weights may come from older folders
-    entries = _saved_keys(read_metadata(path), "model.")
+    with contextlib.closing(_Folder(path, need_checksums=False)) as files:  # (older folders too)
+        return _read_weights(files)
+
+
+def _read_weights(files: _Folder) -> dict[str, torch.Tensor]:
+    path = files.folder
+    entries = _saved_keys(read_metadata(path, files), "model.")
     try:
         template = {
             f"model.{key}": torch.empty(entry.size, dtype=entry.properties.dtype)
@@ -305,87 +471,31 @@ def read_weights(path: str) -> dict[str, torch.Tensor]:
             if isinstance(entry, dcp_metadata.TensorStorageMetadata)
         }
     except Exception as e:  # a size or dtype that is no such thing
-        raise RuntimeError(f"Checkpoint {path!r} is damaged: its metadata says {e}") from e
+        _refuse(path, f"its metadata says {e}")
     if not template:
         raise RuntimeError(f"Checkpoint {path!r} holds no model weights.")
-    _load_checked(template, path, files, alone=True)
+    _load_checked(template, files, alone=True)
     return {key[len("model.") :]: value for key, value in template.items()}
 
 
-def read_resumable(
-    path: str, module: nn.Module, optimizer: Optimizer, group: Any, parameters: Collection[str]
-) -> dict[str, Any]:
-    """The sharded checkpoint at ``path`` as a checkpoint file is read to resume a run: rank 0's
-    ``trainer.pth``, and this process's part of ``module``'s and ``optimizer``'s state (its shards
-    for a sharded model, the whole for another) read into fresh tensors and checked finite
-    (``parameters``: the model's parameter names). A collective of ``group`` under torchrun
-    (None: the default group): the ranks agree on every refusal, so they skip the same
-    checkpoints."""
-    problem: Optional[Exception] = None
-    try:
-        if not is_sharded_checkpoint(path):
-            raise IsADirectoryError(
-                f"Checkpoint {path!r} is a directory, not a file (nor a sharded checkpoint: it "
-                f"holds no {STATE_FILE})."
-            )
-        files = _read_manifest(path, need_checksum=True)
-        data = load_checkpoint_file(os.path.join(path, STATE_FILE))
-        if any(key in data for key in ("model", "optimizer")):
-            raise RuntimeError(f"Checkpoint {path!r} is damaged: {STATE_FILE} holds model state.")
-        metadata = read_metadata(path)
-    except (RuntimeError, OSError) as e:
-        problem = e
-    raise_on_every_rank(problem, group=group)
-    saved = _saved_keys(metadata, "model.")
-    shapes = {key: tuple(getattr(entry, "size", ())) for key, entry in saved.items()}
-    if {k: tuple(v.shape) for k, v in plain_state_dict(module).items()} != shapes:
-        # raises, naming the keys and shapes that differ (the weights are not read)
-        meta = {key: torch.empty(shape, device="meta") for key, shape in shapes.items()}
-        load_model_state(module, meta, path, strict=True, sharded=False)
-    model = _mapped(get_model_state_dict(module), torch.empty_like)  # DTensor shards
-    optimizer_state = _mapped(get_optimizer_state_dict(module, optimizer), torch.empty_like)
-    # the state of parameters that had none when saved (no gradient yet) stays out
-    in_file = _saved_keys(metadata, "optimizer.state.")
-    optimizer_state["state"] = {
-        name: kept
-        for name, entry in optimizer_state["state"].items()
-        if (kept := {key: v for key, v in entry.items() if f"{name}.{key}" in in_file})
-    }
-    _load_checked({"model": model, "optimizer": optimizer_state}, path, files, group)
-    bad = bad_tensors({"model": model, "optimizer": optimizer_state}, parameters)
-    if get_world_size() > 1:  # each rank checked its own shards: the ranks agree
-        bad = sorted({name for names in all_gather(bad, group=group) for name in names})
-    refuse_non_finite(bad, path, weights_only=False)
-    return {**data, "model": model, "optimizer": optimizer_state}
-
-
-def _read_manifest(path: str, need_checksum: bool) -> dict[str, list[int]]:
-    """The checksums of the sharded checkpoint at ``path`` (see :func:`checksum.read_manifest`),
-    its ``.metadata`` checked already (it is unpickled before anything else is read)."""
-    files = checksum.read_manifest(path, STATE_FILE, need_checksum)
-    if files:
-        checksum.check_files(path, files, [".metadata"])
-    return files
-
-
 def _load_checked(
-    state: dict[str, Any], path: str, files: dict[str, list[int]], group: Any = None,
-    alone: bool = False,
-) -> None:  # fmt: skip
-    """:func:`_dcp_load`, while a thread checks the bytes of the shards against ``files``
-    (the manifest), each rank a share of them unless it reads ``alone``. Damage that any rank
-    finds is what every rank raises, rather than the error DCP made of it."""
-    shards = sorted(name for name in files if name != ".metadata")
+    state: dict[str, Any], files: _Folder, group: Any = None, alone: bool = False
+) -> None:
+    """:func:`_dcp_load`, while a thread checks the shards' bytes against the manifest, each
+    rank a share of them unless it reads ``alone``. Damage that any rank finds is what every
+    rank raises, rather than the error DCP made of it."""
+    shards = sorted(name for name in files.sums if name != ".metadata")
     share = shards if alone else shards[get_rank() :: get_world_size()]
-    checked = checksum.in_background(lambda: checksum.check_files(path, files, share))
+    checking = Background("checkpoint-check")
+    checking.submit(lambda: files.check(share))
     problem: Optional[Exception] = None
     try:
-        _dcp_load(state, path, group, alone)
+        _dcp_load(state, files, group, alone)
     except RuntimeError as e:
         problem = e
     damage: Optional[Exception] = None
     try:
-        checked()
+        checking.wait()
     except (RuntimeError, OSError) as e:
         damage = e
     for error in (damage, problem):  # damage first: every rank names it, rather than DCP's
@@ -395,31 +505,21 @@ def _load_checked(
             raise error
 
 
-def _mapped(state: Any, tensor: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``state`` with ``tensor(t)`` in place of every tensor ``t`` (a DTensor's, a DTensor)."""
-    if isinstance(state, torch.Tensor):
-        return tensor(state)
-    if isinstance(state, dict):
-        return {key: _mapped(value, tensor) for key, value in state.items()}
-    if isinstance(state, (list, tuple)):
-        return type(state)(_mapped(value, tensor) for value in state)
-    return state
-
-
 class _Stager(BlockingAsyncStager):
     """DCP's blocking staging, except that a state on the CPU (FSDP2 on CPU) is cloned once:
     DCP's own deep-copies every tensor, then copies it again into that copy."""
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        if any(t.device.type != "cpu" for _, t in named_tensors(state_dict, "")):
+        if any(t.device.type != "cpu" for _, t in named_tensors(state_dict)):
             return super().stage(state_dict)
-        return _mapped(state_dict, lambda t: t.detach().clone())
+        return walk(state_dict, lambda path, t: t.detach().clone())
 
 
 def consolidate(path: str, out: str) -> None:
     """Write the model weights of the sharded checkpoint at ``path`` to ``out`` as one
     ``state_dict`` file that ``torch.load(out, weights_only=True)`` loads."""
-    atomic_save(read_weights(path), out)
+    weights = read_weights(path)
+    atomic_write(out, lambda f: torch.save(weights, f))
 
 
 def _main(args: list[str]) -> str:
@@ -444,15 +544,12 @@ def _main(args: list[str]) -> str:
         "(the file is binary: it is not written to stdout)",
     )
     parsed = parser.parse_args(args)
-    folder, out = parsed.folder, parsed.out
-    if os.path.isfile(folder):
-        raise SystemExit(
-            f"CHECKPOINT_FOLDER {folder} is one checkpoint file already: "
-            "torch.load(path, weights_only=True)['model'] holds its weights."
-        )
+    folder = parsed.folder
+    out = parsed.out
     if not is_sharded_checkpoint(folder):
         raise SystemExit(
-            f"CHECKPOINT_FOLDER {folder} is not a sharded checkpoint (a folder with {STATE_FILE})."
+            f"CHECKPOINT_FOLDER {folder} is not a sharded checkpoint (a folder with {STATE_FILE}); "
+            "a checkpoint file holds its weights: torch.load(path, weights_only=True)['model']."
         )
     _check_out(out, folder)
     try:
@@ -483,22 +580,8 @@ def _check_out(out: str, folder: str) -> None:
             f"OUT {out} is inside the sharded checkpoint {inside}: writing there would damage "
             "it. Give a path outside every checkpoint, e.g. model.pth."
         )
-    if os.path.isdir(out):
-        raise SystemExit(
-            f"OUT {out} is a directory: give the path of a file, e.g. "
-            f"{os.path.join(out, 'model.pth')}."
-        )
     if os.path.lexists(out):  # another checkpoint, latest.txt, the weights of another export...
-        raise SystemExit(
-            f"OUT {out} exists: the export writes a new file and never replaces one. Remove it "
-            "first, or give another path."
-        )
-    parent = os.path.dirname(os.path.abspath(out))
-    if not os.path.isdir(parent):
-        raise SystemExit(
-            f"OUT {out} cannot be written: its folder {parent} does not exist. Create it, or "
-            "give a path in a folder that exists."
-        )
+        raise SystemExit(f"OUT {out} exists: the export writes a new file. Give another path.")
 
 
 def _ancestors(path: str) -> Iterator[str]:

@@ -180,14 +180,12 @@ class Trainer:
             self.progress,
             self._data,
             self._cpu,
-            parts={
-                "lr_scheduler": self.lr_scheduler,
-                "grad_scaler": self.grad_scaler,
-                "metric_storage": self._storage,
-            },
-            hooks=self._hooks.checkpointable,
-            by_epoch=self.train_by_epoch,
             config={"amp": self._step.amp_name, "accumulation_steps": accumulation_steps},
+            by_epoch=self.train_by_epoch,
+            lr_scheduler=self.lr_scheduler,
+            grad_scaler=self.grad_scaler,
+            metric_storage=self._storage,
+            hooks=self._hooks,
         )
         self._interrupt = Interrupt(self.progress, self._checkpointer.held)  # Ctrl-C
         if cuda_graph:  # the loop's train_one_iter replays a CUDA graph of the built-in one

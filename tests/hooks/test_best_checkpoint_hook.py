@@ -7,7 +7,6 @@ import time
 import pytest
 import torch
 
-from trainer import checkpoint
 from trainer.hooks import BestCheckpointHook, EvalHook
 
 from conftest import evaluating, load
@@ -77,13 +76,13 @@ def test_every_save_is_named_once_and_a_new_best_names_its_file(make_trainer, ca
 def test_the_summary_names_a_best_checkpoint_still_being_written(make_trainer, caplog, monkeypatch):
     """The first best, found at the last evaluation, is the last save, written in the
     background while the summary is logged: the summary left out its 'best checkpoint' row."""
-    real = checkpoint.atomic_save
+    real = torch.save
 
-    def slow(obj, path, mode=None):
-        time.sleep(0.3 if path.endswith("best.pth") else 0)
-        real(obj, path, mode)
+    def slow(obj, f, *args, **kwargs):
+        time.sleep(0.3 if f.name.endswith(".best.pth.tmp") else 0)
+        real(obj, f, *args, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "atomic_save", slow)
+    monkeypatch.setattr(torch, "save", slow)
     trainer = evaluating(make_trainer(max_epochs=1), [0.7], BestCheckpointHook("acc"))
     trainer.train()
     best = os.path.join(trainer.ckpt_dir, "best.pth")

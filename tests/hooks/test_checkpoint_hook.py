@@ -57,8 +57,13 @@ def test_iteration_checkpoints_wait_for_the_epoch_end(make_trainer):
     )  # None keeps them all
     trainer.train()
     assert listing(trainer) == [
-        "iter_12.pth", "iter_16.pth", "iter_20.pth", "iter_4.pth", "iter_8.pth", "latest.txt",
-    ]  # fmt: skip
+        "iter_12.pth",
+        "iter_16.pth",
+        "iter_20.pth",
+        "iter_4.pth",
+        "iter_8.pth",
+        "latest.txt",
+    ]
     for name in ("iter_4.pth", "iter_8.pth", "iter_12.pth"):
         data = torch.load(os.path.join(trainer.ckpt_dir, name), weights_only=True)
         progress[name] = (data["progress"]["epoch"], data["progress"]["inner_iter"])
@@ -88,8 +93,9 @@ def test_atomic_writes_leave_no_temporary_files(make_trainer):
 
 
 @pytest.mark.parametrize("crafted", ["/abs", "../victim.pth", "../../work/victim.pth"])
-def test_a_crafted_state_never_deletes_outside_the_checkpoint_folder(make_trainer, tmp_path,
-                                                                      caplog, crafted):  # fmt: skip
+def test_a_crafted_state_never_deletes_outside_the_checkpoint_folder(
+    make_trainer, tmp_path, caplog, crafted
+):
     make_trainer(max_epochs=1, max_num_checkpoints=1).train()
     ckpt_dir = make_trainer(max_epochs=1).ckpt_dir
     victim = tmp_path / "victim.pth" if crafted == "/abs" else tmp_path / "work" / "victim.pth"

@@ -5,7 +5,7 @@ import os
 from typing import Any, Optional
 
 from ..checkpoint_io import remove_checkpoint
-from ..misc import check_int
+from ..misc import check_file_name, check_int
 from .hookbase import HookBase, Priority
 
 logger = logging.getLogger(__name__)
@@ -44,7 +44,8 @@ class CheckpointHook(HookBase):
     def before_train(self) -> None:
         """Count a checkpoint that this run resumed from and the trainer saved outside this hook
         (a preemption's) among this hook's, so that preemptions do not pile up checkpoints."""
-        name, resumed = self.trainer.checkpointer.name(), self.trainer.start_iter > 0
+        name = self.trainer.checkpointer.name()
+        resumed = self.trainer.start_iter > 0
         if resumed and name not in self._saved and os.path.exists(self._path(name)):
             self._add(name, save=False)
 
@@ -86,9 +87,16 @@ class CheckpointHook(HookBase):
         return {"saved": list(self._saved)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned, plain file names only (never deleting
-        outside ``ckpt_dir``)."""
-        self._saved = _file_names(state["saved"])
+        """Restore what :meth:`state_dict` returned; a name leading out of ``ckpt_dir`` is
+        ignored with a warning, never deleted."""
+        self._saved = []
+        for name in state["saved"]:
+            try:
+                check_file_name("saved", name)
+            except (TypeError, ValueError):
+                logger.warning(f"Ignoring {name!r} among the checkpoints the loaded state lists.")
+                continue
+            self._saved.append(name)
 
 
 def _delete(paths: list[str]) -> None:
@@ -99,27 +107,7 @@ def _delete(paths: list[str]) -> None:
                 remove_checkpoint(path)
                 logger.debug(f"Deleted old checkpoint {path}")
         except OSError as e:
-            logger.warning(f"Could not delete the old checkpoint {path} ({e.strerror or e}); "
-                           "it stays, and training goes on.")  # fmt: skip
-
-
-def _file_names(names: list[Any]) -> list[str]:
-    """The plain file names (no folder, no ``..``) among a loaded CheckpointHook's ``names``;
-    the others are ignored with a warning."""
-    kept = [name for name in names if _is_file_name(name)]
-    for name in names:
-        if not _is_file_name(name):
             logger.warning(
-                f"Ignoring {name!r} among the checkpoints the loaded state lists: not a file "
-                "name in the checkpoint folder, so it is never deleted."
+                f"Could not delete the old checkpoint {path} ({e.strerror or e}); it stays, "
+                "and training goes on."
             )
-    return kept
-
-
-def _is_file_name(name: Any) -> bool:
-    return (
-        isinstance(name, str)
-        and name not in ("", ".", "..")
-        and os.path.basename(name) == name
-        and not any(sep in name for sep in (os.sep, os.altsep, "\0") if sep)
-    )

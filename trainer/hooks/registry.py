@@ -139,6 +139,16 @@ class HookRegistry:
             totals[hook.class_name] = totals.get(hook.class_name, 0.0) + seconds
         return totals
 
+    def state_dict(self) -> dict[str, Any]:
+        """The states of the hooks with state, keyed as :meth:`checkpointable` keys them."""
+        return {key: hook.state_dict() for key, hook in self.checkpointable().items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Give each hook its state from :meth:`state_dict`; one without keeps its own."""
+        for key, hook in self.checkpointable().items():
+            if key in state:
+                hook.load_state_dict(state[key])
+
     def checkpointable(self) -> dict[str, HookBase]:
         """The hooks with state, keyed by class name (``Name_1``, ... for repeats)."""
         keys: dict[str, HookBase] = {}
