@@ -28,31 +28,21 @@ def check_graphable(
     built_in_step: bool = True,
 ) -> None:
     """Raise a clear error when the trainer's step cannot be captured in a CUDA graph."""
-    fix = "; or train without cuda_graph=True."
     if not built_in_step:
-        raise ValueError(
-            f"cuda_graph=True captures the built-in train_one_iter, not an override{fix}"
-        )
+        raise ValueError("cuda_graph=True captures the built-in train_one_iter, not an override.")
     if device.type != "cuda":
-        raise ValueError(f"cuda_graph=True needs a model on a CUDA device, got {device}{fix}")
+        raise ValueError(f"cuda_graph=True needs a model on a CUDA device, got {device}.")
     if isinstance(model, (DistributedDataParallel, DataParallel)):
-        raise ValueError(
-            f"cuda_graph=True does not support a {type(model).__name__}-wrapped model yet{fix}"
-        )
+        raise ValueError(f"cuda_graph=True does not support a {type(model).__name__} model yet.")
     groups = optimizer.param_groups
     # Optimizers with a `capturable` option (Adam, AdamW, ...) refuse a capture without it, fused
     # or not; SGD has none, and only its fused kernel reads a tensor LR without a host sync.
     if not all(g.get("capturable") or ("capturable" not in g and g.get("fused")) for g in groups):
-        raise ValueError(
-            f"cuda_graph=True needs an optimizer a CUDA graph can hold, got "
-            f"{type(optimizer).__name__}: pass capturable=True to Adam, AdamW and the like, "
-            f"fused=True to SGD{fix}"
-        )
+        name = type(optimizer).__name__
+        raise ValueError(f"cuda_graph=True needs capturable=True (SGD: fused=True), got {name}.")
+    # the GradScaler of a float16 run reads the inf flag on the host unless the step is fused
     if float16_scaler and not all(g.get("fused") for g in groups):
-        raise ValueError(
-            "cuda_graph=True with float16 AMP needs fused=True on the optimizer (the GradScaler "
-            f"reads its inf flag on the host otherwise), or enable_amp=torch.bfloat16{fix}"
-        )
+        raise ValueError("cuda_graph=True with float16 AMP needs fused=True on the optimizer.")
 
 
 class GraphedStep:
@@ -147,11 +137,8 @@ class GraphedStep:
             ):
                 self._step()
         except Exception as e:
-            raise RuntimeError(
-                f"cuda_graph=True could not capture the step: {type(e).__name__}: {e}. It needs "
-                "static shapes, no host sync and no data-dependent control flow; or pass "
-                "cuda_graph=False."
-            ) from e
+            # what a capture needs: docs/internals.md, "Whole-step CUDA graphs"
+            raise RuntimeError(f"cuda_graph=True could not capture the step: {e!r}") from e
         finally:
             for group, lr in zip(groups, self._lr_values):
                 group["lr"] = lr  # checkpoints and schedulers see plain numbers
