@@ -147,7 +147,7 @@ def test_options_of_one_hook_or_of_torch_are_not_trainer_arguments(tmp_path, opt
 def test_an_optimizer_over_another_models_parameters_is_refused(tmp_path):
     model, other = TinyModel(), TinyModel()
     optimizer = torch.optim.SGD(other.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=r"optimizer holds 2 parameters that are not the model's"):
+    with pytest.raises(ValueError, match=r"optimizer holds 2 parameters not the model's"):
         Trainer(model, optimizer, None, tiny_loader(), max_epochs=1, work_dir=tmp_path)
 
 

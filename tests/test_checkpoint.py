@@ -412,15 +412,6 @@ def test_progress_out_of_range_is_refused_as_damage(
         make_trainer(max_epochs=3).load_checkpoint(str(tmp_path / "bad.pth"))
 
 
-@pytest.mark.parametrize("groups", [[], [{"params": []}]])
-def test_an_optimizer_without_parameters_is_refused(tmp_path, groups):
-    model = TinyModel()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    optimizer.param_groups[:] = [{**optimizer.defaults, **group} for group in groups]
-    with pytest.raises(ValueError, match="optimizer holds no parameters: SGD would step nothing"):
-        Trainer(model, optimizer, None, tiny_loader(), max_epochs=1, work_dir=tmp_path)
-
-
 # ---- pretrained weights -------------------------------------------------------------------
 
 

@@ -47,7 +47,7 @@ def test_checkpoints_move_between_plain_and_compiled_models(make_trainer, tmp_pa
 
 
 def test_a_compiled_model_with_cuda_graph_is_refused_naming_the_fix(make_trainer):
-    with pytest.raises(ValueError, match='cuda_graph=True do not combine.*mode="reduce-overhead"'):
+    with pytest.raises(ValueError, match="cuda_graph=True with a compiled model.*reduce-overhead"):
         make_trainer(compile=EAGER, cuda_graph=True)
 
 

@@ -355,7 +355,7 @@ def test_an_override_with_compute_losses_trains_as_the_built_in_step(tmp_path):
 def test_a_closure_optimizer_is_refused_pointing_at_an_override_that_works(tmp_path):
     model = TinyModel()
     lbfgs = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4)
-    with pytest.raises(TypeError, match=r"optimizer is a LBFGS, whose step\(\) needs a closure"):
+    with pytest.raises(TypeError, match=r"optimizer LBFGS needs a closure.*docs/loop\.md"):
         Trainer(model, lbfgs, None, tiny_loader(), max_epochs=1, work_dir=tmp_path)
     # the override docs/loop.md shows, as written
     with open(os.path.join(os.path.dirname(__file__), "..", "docs", "loop.md")) as f:

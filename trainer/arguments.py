@@ -128,43 +128,33 @@ def _check_work_dir(work_dir: Any) -> None:
 
 
 def _check_wiring(model: nn.Module, optimizer: Optimizer, lr_scheduler: Any) -> None:
-    name = type(optimizer).__name__
-    if not any(group["params"] for group in optimizer.param_groups):
-        raise ValueError(f"optimizer holds no parameters: {name} would step nothing.")
     own = {id(p) for p in model.parameters()}
     foreign = [p for group in optimizer.param_groups for p in group["params"] if id(p) not in own]
     if foreign:
+        # built before the model was moved or wrapped, say: the model would never change
         raise ValueError(
-            f"optimizer holds {len(foreign)} parameters that are not the model's; build it with "
-            f"torch.optim.{name}(model.parameters(), ...) after moving and wrapping the model."
+            f"optimizer holds {len(foreign)} parameters not the model's: build it after model.to()."
         )
     scheduler = lr_scheduler
     if isinstance(scheduler, LRWarmupScheduler):
         scheduler = scheduler.torch_scheduler or scheduler
     if getattr(scheduler, "optimizer", optimizer) is not optimizer:
-        raise ValueError(
-            "lr_scheduler schedules another optimizer than the trainer's, whose LR would never "
-            f"change; build it with {type(lr_scheduler).__name__}(optimizer, ...)."
-        )
+        raise ValueError("lr_scheduler schedules another optimizer: build it on the trainer's.")
 
 
 def _check_closure_free(optimizer: Optimizer) -> None:
     """Refuse an optimizer whose ``step`` needs a closure (LBFGS) for the built-in step."""
     closure = inspect.signature(optimizer.step).parameters.get("closure")
     if closure is not None and closure.default is inspect.Parameter.empty:
-        raise TypeError(
-            f"optimizer is a {type(optimizer).__name__}, whose step() needs a closure, and the "
-            "built-in step gives none: override train_one_iter (docs/loop.md shows how)."
-        )
+        name = type(optimizer).__name__
+        raise TypeError(f"optimizer {name} needs a closure in step(): see docs/loop.md.")
 
 
 def _check_epochs_or_iters(max_epochs: Any, max_iters: Any) -> None:
     for name, value in (("max_epochs", max_epochs), ("max_iters", max_iters)):
         check_int(name, value, minimum=0)
     if (max_epochs > 0) == (max_iters > 0):
-        raise ValueError(
-            f"Pass exactly one of max_epochs, max_iters; got {max_epochs}, {max_iters}."
-        )
+        raise ValueError(f"Pass one of max_epochs, max_iters; got {max_epochs}, {max_iters}.")
 
 
 def _check_checkpoints(checkpoint_period: Any, max_num_checkpoints: Any) -> None:
@@ -181,10 +171,7 @@ def _check_step(model: nn.Module, clip_grad_norm: Any, enable_amp: Any, cuda_gra
     if isinstance(enable_amp, torch.dtype) and enable_amp not in _AMP_DTYPES:
         raise ValueError("enable_amp must be True, False, torch.float16 or torch.bfloat16.")
     if cuda_graph and _compiled(model):
-        raise ValueError(
-            "A torch.compile-d model and cuda_graph=True do not combine here; pass "
-            'cuda_graph=False and compile with mode="reduce-overhead".'
-        )
+        raise ValueError('cuda_graph=True with a compiled model: compile(mode="reduce-overhead").')
     if cuda_graph and is_sharded(model):  # its collectives cannot be captured
         raise ValueError("cuda_graph=True does not support models sharded with fully_shard.")
 
@@ -192,9 +179,7 @@ def _check_step(model: nn.Module, clip_grad_norm: Any, enable_amp: Any, cuda_gra
 def _check_epoch_len(data_loader: Any, accumulation_steps: int, max_epochs: int) -> Optional[int]:
     num_batches = loader_length(data_loader)
     if num_batches is None and max_epochs:
-        raise ValueError(
-            "max_epochs needs a data_loader with a length; pass max_iters for a stream."
-        )
+        raise ValueError("max_epochs needs a data_loader with a length: pass max_iters.")
     if num_batches is None:
         return None  # a stream: its epochs end with its passes
     if num_batches == 0:
@@ -205,7 +190,8 @@ def _check_epoch_len(data_loader: Any, accumulation_steps: int, max_epochs: int)
 
 
 def model_device(model: nn.Module) -> torch.device:
-    """The device of ``model``'s first parameter (check_arguments refused a model without any)."""
+    """The device of ``model``'s first parameter (one without any has an optimizer of other
+    parameters, which check_arguments refused)."""
     return next(model.parameters()).device
 
 
