@@ -67,10 +67,7 @@ def evaluate(
     lengths = raise_on_every_rank(error, batches, group)
     if shard is None and len(set(lengths)) > 1:
         # evaluation shares one loader's batches among the ranks
-        raise ValueError(
-            f"The ranks' data_loaders gave {lengths} batches: give each the same, or a "
-            "DistributedSampler."
-        )
+        raise ValueError(f"Ranks' data_loaders gave {lengths} batches: use a DistributedSampler.")
     # note: the evaluation's one CPU-GPU sync
     numbers = torch.stack(list(sums.values())).tolist() if sums else []
     totals = {name: [total] for name, total in zip(sums, numbers)} if count else None
@@ -134,13 +131,10 @@ def _shard(data_loader: Any, rank: int, world_size: int) -> Optional[tuple[int, 
         replicas = sampler.num_replicas
         if (replicas, sampler.rank) != (world_size, rank):
             raise ValueError(
-                f"data_loader's DistributedSampler has num_replicas={replicas}, rank="
-                f"{sampler.rank}, not {world_size} and {rank}: build it with the defaults."
+                f"data_loader's DistributedSampler is for rank {sampler.rank} of {replicas}."
             )
         if sampler.drop_last and n % replicas:
-            raise ValueError(
-                "data_loader's DistributedSampler drops samples: build it with drop_last=False."
-            )
+            raise ValueError("data_loader's DistributedSampler drops samples (drop_last=True).")
         _refuse_a_dropped_batch(batches, sampler.num_samples)
         return len(range(rank, n, replicas)), sampler.num_samples
     drawn = isinstance(sampler, WeightedRandomSampler) or (
@@ -148,15 +142,9 @@ def _shard(data_loader: Any, rank: int, world_size: int) -> Optional[tuple[int, 
         and (sampler.replacement or sampler.num_samples != len(sampler.data_source))
     )
     if drawn:
-        raise ValueError(
-            f"data_loader's {type(sampler).__name__} would not draw each sample once: pass "
-            "shuffle=False."
-        )
+        raise ValueError(f"data_loader's {type(sampler).__name__} would not draw each sample once.")
     if world_size > 1 and isinstance(sampler, _SHUFFLING):  # each rank's RNG orders it its way
-        raise ValueError(
-            f"data_loader shuffles ({type(sampler).__name__}) on each rank its own way: pass "
-            "shuffle=False."
-        )
+        raise ValueError("data_loader shuffles on each rank its own way: pass shuffle=False.")
     if dataset is not None and sampler is not None:
         _refuse_a_dropped_batch(batches, len(sampler))
     return None
@@ -169,21 +157,16 @@ def _check_stream(dataset: IterableDataset, batches: Any, world_size: int) -> No
     ``get_worker_info()``, as PyTorch documents)."""
     name = type(dataset).__name__
     if world_size > 1:  # it may give each rank a part of its own, or all of it
-        raise ValueError(
-            f"data_loader is over an IterableDataset ({name}), which evaluation reads in one "
-            "process only."
-        )
+        raise ValueError(f"data_loader is an IterableDataset ({name}): evaluate it in one process.")
     if getattr(batches, "drop_last", False):
-        raise ValueError(f"data_loader drops a last batch of {name}: pass drop_last=False.")
+        raise ValueError(f"data_loader drops a last batch of {name} (drop_last=True).")
 
 
 def _refuse_a_dropped_batch(batches: Any, samples: int) -> None:
     """Refuse a batch sampler that drops the last batch of ``samples``, smaller than the rest."""
     size = getattr(batches, "batch_size", None)
     if getattr(batches, "drop_last", False) and size and samples % size:
-        raise ValueError(
-            f"data_loader drops {samples % size} of {samples} samples: pass drop_last=False."
-        )
+        raise ValueError(f"data_loader drops the last {samples % size} samples (drop_last=True).")
 
 
 @contextlib.contextmanager
@@ -223,8 +206,7 @@ def _checked(values: Any, names: Optional[Any]) -> dict[str, torch.Tensor]:
     the first batch (shapes only: no host-device sync)."""
     if not isinstance(values, dict) or not values:
         raise TypeError(
-            f"metric_fn must return {{name: tensor of shape [batch]}}, got {type(values)}; "
-            "e.g. {'acc': (logits.argmax(1) == y).float()}."
+            f"metric_fn must return {{name: tensor of shape [batch]}}, got {type(values)}."
         )
     lengths = set()
     for name, value in values.items():
@@ -235,7 +217,5 @@ def _checked(values: Any, names: Optional[Any]) -> dict[str, torch.Tensor]:
     if len(lengths) > 1:
         raise ValueError(f"metric_fn returned {sorted(lengths)} values for one batch's names.")
     if names is not None and values.keys() != names:
-        raise ValueError(
-            f"metric_fn returned {sorted(values)}, then {sorted(names)}: not the same."
-        )
+        raise ValueError(f"metric_fn returned {sorted(names)}, then {sorted(values)}.")
     return values
