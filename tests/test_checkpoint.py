@@ -79,7 +79,7 @@ def test_a_buffer_that_holds_infinities_on_purpose_saves_resumes_and_loads(make_
     torch.save({f"_orig_mod.{k}": v for k, v in weights.items()}, tmp_path / "compiled.pth")
     with pytest.raises(RuntimeError, match=r"compiled\.pth' holds NaN or infinite values"):
         fresh.load_checkpoint(str(tmp_path / "compiled.pth"), resume=False)
-    with pytest.raises(RuntimeError, match=r"nan\.pth' holds NaN .* \(model\.linear\.weight\)"):
+    with pytest.raises(RuntimeError, match=r"nan\.pth' holds NaN .* \['model\.linear\.weight'\]"):
         fresh.load_checkpoint(str(tmp_path / "nan.pth"), resume=False)
 
 
@@ -117,7 +117,7 @@ def test_a_nan_under_a_tied_weights_second_name_is_refused(make_trainer, tmp_pat
     weights["head.weight"] = torch.full_like(weights["head.weight"], float("nan"))
     torch.save(weights, tmp_path / "tied.pth")
     trainer = make_trainer(model=Tied(), max_epochs=1)
-    with pytest.raises(RuntimeError, match=r"holds NaN .* \(model\.head\.weight\)"):
+    with pytest.raises(RuntimeError, match=r"holds NaN .* \['model\.head\.weight'\]"):
         trainer.load_checkpoint(str(tmp_path / "tied.pth"), resume=False)
 
 
@@ -141,9 +141,7 @@ def test_auto_resume_skips_a_checkpoint_with_non_finite_weights(make_trainer, ca
     rerun = make_trainer(max_epochs=2)
     rerun.train()
     assert rerun.start_iter == 8  # from epoch_1.pth
-    assert (
-        "epoch_2.pth' holds NaN or infinite values in 1 tensors (model.linear.bias)" in caplog.text
-    )
+    assert "epoch_2.pth' holds NaN or infinite values in ['model.linear.bias']" in caplog.text
     with pytest.raises(RuntimeError, match="holds NaN or infinite values"):
         make_trainer(max_epochs=2).load_checkpoint(str(tmp_path / "bad.pth"))
 
@@ -452,12 +450,11 @@ def test_revise_keys_renames_a_ddp_checkpoints_keys_before_loading(tmp_path):
     # had loaded nothing)
     with pytest.raises(RuntimeError) as e:
         trainer.load_checkpoint(path, resume=False, strict=False)
-    assert str(e.value) == (
-        f"Checkpoint {path!r} holds no weight that matches the model in name and shape: its "
-        "keys begin ['module.linear.weight', 'module.linear.bias'] (2 in all), the model's "
-        "['linear.weight', 'linear.bias'] (2 in all). The keys differ by a prefix: "
-        "load_checkpoint(path, resume=False, " + rename
-    )
+    message = str(e.value)
+    assert message.startswith(f"Checkpoint {path!r} holds none of the model's weights")
+    assert "['module.linear.weight', 'module.linear.bias'] (2 in all)" in message
+    assert "['linear.weight', 'linear.bias'] (2 in all)" in message
+    assert message.endswith(rename)
     assert trainer.load_checkpoint(path, resume=False, revise_keys=[(r"^module\.", "")])
     assert torch.equal(trainer.model.linear.weight, weights["linear.weight"])
 
@@ -482,11 +479,8 @@ def test_strict_false_loads_what_matches_in_name_and_shape_and_says_what_it_skip
     "revise_keys, resume, error, message",
     [
         ([(r"^module\.", "")], True, ValueError, "revise_keys renames the weights of a load with"),
-        ("^module", False, TypeError, "a list of (regex, replacement) pairs of strings"),
-        ([("^module",)], False, TypeError, "a list of (regex, replacement) pairs"),
-        ([("(", "")], False, ValueError, "holds ('(', ''), which re.sub refuses"),
-        ([(r"^module\.", r"\1")], False, ValueError, "which re.sub refuses: invalid group"),
-        ([(r"^module\.", r"\g<x>")], False, ValueError, "which re.sub refuses: unknown group"),
+        ("^module", False, TypeError, "revise_keys must be a list of (regex, replacement)"),
+        ([("^module",)], False, TypeError, "revise_keys must be a list of (regex, replacement)"),
         ([(r"\.(weight|bias)$", "")], False, ValueError, "renames two keys of"),
     ],
 )
@@ -502,7 +496,7 @@ def test_revise_keys_is_checked(tmp_path, revise_keys, resume, error, message):
 def test_a_file_without_weights_is_refused_and_pickled_code_never_runs(tmp_path):
     _, trainer = pretrained(tmp_path)
     torch.save({"epoch": 3, "note": "no weights"}, tmp_path / "meta.pth")
-    with pytest.raises(RuntimeError, match=r"meta\.pth' holds no weights \(keys \['epoch'"):
+    with pytest.raises(RuntimeError, match=r"(?s)meta\.pth' does not match.*model: epoch"):
         trainer.load_checkpoint(str(tmp_path / "meta.pth"), resume=False)
     marker = tmp_path / "payload-ran"
 
@@ -526,7 +520,7 @@ def test_load_checkpoint_of_a_file_of_zeros_is_refused_without_torchs_advice(tmp
         f.truncate(4 << 20)  # 4 MiB of zeros
     with pytest.raises(RuntimeError) as error:
         trainer.load_checkpoint(str(path), resume=resume)
-    expected = f"Checkpoint {str(path)!r} is damaged or is no torch.save file"
+    expected = f"Checkpoint {str(path)!r} is damaged or no torch.save file"
     assert str(error.value).startswith(expected)
     shown = "".join(traceback.format_exception(error.value))  # what the user sees, causes too
     assert "weights_only=False" not in shown and "set to `False`" not in shown

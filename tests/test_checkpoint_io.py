@@ -131,7 +131,7 @@ def test_a_file_that_is_no_checkpoint_or_a_damaged_one_is_named_as_such(tmp_path
     """Not with torch's advice to load it with weights_only=False (which, for a file from
     elsewhere, would run whatever code it holds), not even in the traceback's causes."""
     path = damaged(tmp_path, how)
-    with pytest.raises(RuntimeError, match=r"iter_8\.pth' is damaged or is no torch.save file"):
+    with pytest.raises(RuntimeError, match=r"iter_8\.pth' is damaged or no torch.save file"):
         read_file(path)
     with pytest.raises(RuntimeError) as error:
         read_file(path)
@@ -143,7 +143,7 @@ def test_torch_load_alone_loads_a_flipped_byte_that_the_records_crcs_refuse(tmp_
     path = damaged(tmp_path, "a tensor's bytes")
     loaded = torch.load(path, weights_only=True)  # torch reads the record as it is
     assert not torch.equal(loaded["model"]["w"], STATE["model"]["w"])
-    with pytest.raises(RuntimeError, match="is damaged or is no torch.save file .*Bad CRC-32"):
+    with pytest.raises(RuntimeError, match="is damaged or no torch.save file .*Bad CRC-32"):
         read_file(path)
 
 

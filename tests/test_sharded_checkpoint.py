@@ -737,7 +737,7 @@ except ValueError as e:
 def test_shards_in_a_hooks_state_are_refused_not_saved_as_rank_0s(tmp_path, kind):
     out = run_script(tmp_path, EMA_SCRIPT, tmp_path / "work", kind)
     for rank in (0, 1):
-        assert f"{rank} refused: hooks.EMAHook holds DTensors (shards of the FSDP2 model)" in out
+        assert f"{rank} refused: hooks.EMAHook holds DTensors: keep their full_tensor()" in out
     assert os.listdir(tmp_path / "work" / "checkpoints") == []
 
 

@@ -413,7 +413,7 @@ class Checkpointer:
         elif os.path.isdir(path):
             weights = _dcp().read_weights(path)
         else:
-            weights = model_weights(read_file(path), path)  # weights from anywhere
+            weights = model_weights(read_file(path))  # weights from anywhere
         weights = revised(weights, revise_keys or (), path)
         if not resume and not auto_picked:  # _load_newest checked the one it picked
             refuse_non_finite(bad_tensors({"model": weights}, self.parameters()), path)
