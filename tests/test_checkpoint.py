@@ -39,8 +39,8 @@ def test_non_finite_weights_are_never_saved_and_the_rerun_resumes_the_last_good_
     # the NaN gradient comes at the last iteration of epoch 2, whose loss is finite
     trainer = make_trainer(max_epochs=3, model=NaNGradientAt(15))
     expected = (
-        r"Not saving epoch_2\.pth: after iteration 16, 2 tensors hold NaN or infinite values "
-        r"\(model\.linear\.weight, optimizer\.0\.momentum_buffer\)"
+        r"Not saving epoch_2\.pth: after iteration 16, "
+        r"\['model\.linear\.weight', 'optimizer\.0\.momentum_buffer'\] hold NaN or infinite"
     )
     with pytest.raises(FloatingPointError, match=expected):
         trainer.train()
@@ -101,7 +101,7 @@ class NaNStatistics(Masked):
 
 def test_a_buffer_that_turns_nan_is_never_saved(make_trainer):
     trainer = make_trainer(model=NaNStatistics(), max_epochs=1)
-    with pytest.raises(FloatingPointError, match=r"hold NaN or infinite values \(model\.running\)"):
+    with pytest.raises(FloatingPointError, match=r"\['model\.running'\] hold NaN"):
         trainer.train()
 
 
@@ -158,8 +158,9 @@ def test_resuming_with_another_optimizer_class_names_the_checkpoint_and_both_cla
         max_epochs=2,
         work_dir=tmp_path,
     )
-    expected = r"epoch_1\.pth' holds the state of a SGD for optimizer, and this trainer's optimizer"
-    with pytest.raises(ValueError, match=expected + r" is a Adam"):
+    with pytest.raises(
+        ValueError, match=r"epoch_1\.pth' holds a SGD's state for optimizer, not a Adam"
+    ):
         adam.train()
 
 

@@ -127,8 +127,7 @@ class Checkpointer:
         an extra optimizer, scheduler or module that an overridden step uses."""
         if not all(callable(getattr(obj, m, None)) for m in ("state_dict", "load_state_dict")):
             raise TypeError(
-                f"checkpointer.register({name!r}, ...) needs an object with state_dict() and "
-                f"load_state_dict(), got a {type(obj).__name__}."
+                f"checkpointer.register({name!r}, obj) needs state_dict() and load_state_dict()."
             )
         if name in _OWN_KEYS or name in self._things:
             raise ValueError(f"{name!r} is registered already (or the trainer's); pick another.")
@@ -146,9 +145,7 @@ class Checkpointer:
             if registered is obj:
                 return name
         raise ValueError(
-            f"This {type(obj).__name__} is not the trainer's and not registered with "
-            "trainer.checkpointer.register(name, obj), so no checkpoint holds its state and a "
-            "resume would not be exact; register it once, where you create it (docs/loop.md)."
+            f"This {type(obj).__name__} is in no checkpoint: checkpointer.register(name, it) first."
         )
 
     def name(self) -> str:
@@ -297,10 +294,8 @@ class Checkpointer:
             raise TypeError(unloadable)
         if bad:
             raise FloatingPointError(
-                f"Not saving {file_name}: after iteration {self._progress.iter + 1}, "
-                f"{len(bad)} tensors hold NaN or infinite values ({', '.join(bad[:5])}"
-                f"{', ...' if len(bad) > 5 else ''}). Lower the LR or clip gradients "
-                "(docs/checkpoints.md); latest.txt names the last good checkpoint."
+                f"Not saving {file_name}: after iteration {self._progress.iter + 1}, {bad[:5]} "
+                "hold NaN or infinite values. Lower the LR or clip gradients."
             )
 
     def wait(self) -> None:
@@ -323,11 +318,8 @@ class Checkpointer:
     def raise_write_error(self) -> None:
         """Raise the failed write's error on the rank that failed, elsewhere one pointing at it."""
         self.writer.wait()
-        raise RuntimeError(
-            f"{'A rank' if self.sharded else 'Rank 0'} could not write a checkpoint (its log "
-            "names the file and the reason); every rank stops after iteration "
-            f"{self._progress.iter + 1}."
-        )
+        who = "A rank" if self.sharded else "Rank 0"
+        raise RuntimeError(f"{who} could not write a checkpoint: its log names the file and why.")
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[None]:
@@ -477,9 +469,7 @@ class Checkpointer:
 
         missing = [key for key in _OWN_KEYS if key not in data]
         if missing:
-            raise RuntimeError(
-                f"Checkpoint {path!r} lacks {missing}: for weights alone, pass resume=False."
-            )
+            raise RuntimeError(f"Checkpoint {path!r} lacks {missing}: load it with resume=False.")
         for key in (*_OWN_KEYS, *self._things):
             kind = list if key == "rng" else dict
             if key in data and not isinstance(data[key], kind):
@@ -517,9 +507,8 @@ class Checkpointer:
                 logger.warning(f"Resuming from {path}, the newest checkpoint that loads.")
             return path, data
         raise RuntimeError(
-            f"None of the {len(failures)} checkpoints in {self.ckpt_dir} loads:\n"
+            f"No checkpoint in {self.ckpt_dir} loads; move them away to start afresh:\n"
             + "\n".join(failures)
-            + "\nMove them out of the folder to start afresh, or pass resume_from_checkpoint=."
         )
 
 
@@ -594,19 +583,14 @@ def _check_config(saved: dict[str, Any], now: dict[str, Any], path: str) -> None
     """Refuse a checkpoint whose ``accumulation_steps`` (the data position would not map) or
     optimizer classes differ; warn about a changed AMP setting (training goes on, not bit for
     bit)."""
-    if saved["accumulation_steps"] != now["accumulation_steps"]:
-        raise ValueError(
-            f"Checkpoint {path!r} was trained with accumulation_steps="
-            f"{saved['accumulation_steps']}, this trainer has {now['accumulation_steps']}: "
-            "resume with the same accumulation_steps."
-        )
+    steps = saved["accumulation_steps"]
+    if steps != now["accumulation_steps"]:
+        raise ValueError(f"Checkpoint {path!r} was trained with accumulation_steps={steps}.")
     for key, saved_class in saved["classes"].items():
         now_class = now["classes"].get(key, saved_class)
         if now_class != saved_class:
             raise ValueError(
-                f"Checkpoint {path!r} holds the state of a {saved_class} for {key}, and this "
-                f"trainer's {key} is a {now_class}: resume with a {saved_class}, or load the "
-                "weights alone, load_checkpoint(path, resume=False), in a new work_dir."
+                f"Checkpoint {path!r} holds a {saved_class}'s state for {key}, not a {now_class}'s."
             )
     if saved["amp"] != now["amp"]:
         logger.warning(
