@@ -417,10 +417,7 @@ def read_metadata(path: str, files: Optional[_Folder] = None) -> Any:
         return _SafeReader(path, files).read_metadata()
     except Exception as e:
         how = "" if isinstance(e, OSError) else " safely"  # a missing file is not a threat
-        raise RuntimeError(
-            f"Checkpoint {path!r} could not be loaded{how}: its DCP metadata does not load "
-            f"({type(e).__name__}: {e})."
-        ) from e
+        raise RuntimeError(f"Checkpoint {path!r} could not be loaded{how}: .metadata: {e!r}") from e
 
 
 def _dcp_load(state: dict[str, Any], files: _Folder, group: Any, alone: bool) -> None:
@@ -439,9 +436,7 @@ def _dcp_load(state: dict[str, Any], files: _Folder, group: Any, alone: bool) ->
         failures = getattr(e, "failures", {})
         cause = (failures.get(get_rank()) or next(iter(failures.values()), (e,)))[0]
         how = " safely" if isinstance(cause, pickle.UnpicklingError) else ""  # code in it
-        raise RuntimeError(
-            f"Checkpoint {path!r} could not be loaded{how}: {type(cause).__name__}: {cause}"
-        ) from e
+        raise RuntimeError(f"Checkpoint {path!r} could not be loaded{how}: {cause!r}") from e
 
 
 def _saved_keys(metadata: Any, prefix: str) -> dict[str, Any]:
@@ -548,8 +543,7 @@ def _main(args: list[str]) -> str:
     out = parsed.out
     if not is_sharded_checkpoint(folder):
         raise SystemExit(
-            f"CHECKPOINT_FOLDER {folder} is not a sharded checkpoint (a folder with {STATE_FILE}); "
-            "a checkpoint file holds its weights: torch.load(path, weights_only=True)['model']."
+            f"CHECKPOINT_FOLDER {folder} is not a sharded checkpoint (a folder with {STATE_FILE})."
         )
     _check_out(out, folder)
     try:
@@ -563,23 +557,15 @@ def _check_out(out: str, folder: str) -> None:
     """Refuse an ``out`` that the export cannot write, or cannot write without touching the
     checkpoint ``folder`` it reads, whose every byte must stay as it was."""
     if out in ("-", ""):
-        raise SystemExit(
-            f"OUT is {out!r}: the weights are not written to stdout (a state_dict file is "
-            "binary). Give the path of a file to write, e.g. model.pth."
-        )
+        raise SystemExit(f"OUT is {out!r}: give a file to write (not stdout), e.g. model.pth.")
     real = os.path.realpath(out)
     if _within(out, folder):
         raise SystemExit(
-            f"OUT {out} is CHECKPOINT_FOLDER {folder} or a path inside it (it resolves to "
-            f"{real}): writing there would damage the checkpoint. Give a path outside that "
-            "folder, e.g. model.pth."
+            f"OUT {out} is CHECKPOINT_FOLDER {folder} or inside it (as {real}): write elsewhere."
         )
     inside = next((p for p in _ancestors(real) if is_sharded_checkpoint(p)), None)
     if inside is not None:
-        raise SystemExit(
-            f"OUT {out} is inside the sharded checkpoint {inside}: writing there would damage "
-            "it. Give a path outside every checkpoint, e.g. model.pth."
-        )
+        raise SystemExit(f"OUT {out} is inside the sharded checkpoint {inside}: write elsewhere.")
     if os.path.lexists(out):  # another checkpoint, latest.txt, the weights of another export...
         raise SystemExit(f"OUT {out} exists: the export writes a new file. Give another path.")
 
