@@ -468,10 +468,7 @@ class Trainer:
             fix = "build a new model, optimizer and Trainer to train from scratch"
             if not auto_resume and self.cur_iter + 1 < self.max_iters:
                 fix = f"call train() to go on from the last checkpoint, or {fix}"
-            raise RuntimeError(
-                f"This Trainer has trained up to {done} already: its model and optimizer hold "
-                f"that state, not a checkpoint's. To train on, {fix}."
-            )
+            raise RuntimeError(f"This Trainer trained up to {done} already: to train on, {fix}.")
         if self.progress.stay_stopped(continue_after_stop):
             logger.info(
                 f"The run was ended by stop() after iteration {self.start_iter}: not training on. "
@@ -487,9 +484,7 @@ class Trainer:
         )
         if len(set(lengths)) > 1:
             raise RuntimeError(
-                f"The ranks' data loaders differ in length per epoch ({lengths}, by rank), so the "
-                "ranks would hang at different epoch ends: give every rank as many batches (a "
-                "DistributedSampler does)."
+                f"Ranks' data_loaders differ in length ({lengths}): use a DistributedSampler."
             )
 
     def stop(self) -> None:
@@ -627,16 +622,11 @@ def _total_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     losses = {"total_loss": out} if isinstance(out, torch.Tensor) else out
     if not isinstance(losses, dict) or not losses:
         raise TypeError(
-            "model must return a scalar loss tensor or a non-empty dict of them, got "
-            f"{type(out).__name__}."
+            f"model must return a loss or a non-empty dict of losses, got {type(out).__name__}."
         )
     for name, value in losses.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"Loss {name!r} must be a scalar tensor, got {type(value).__name__}.")
-        if value.dim() != 0:
-            raise ValueError(
-                f"Loss {name!r} must be a scalar tensor, got shape {tuple(value.shape)}."
-            )
     logged = {name: value.detach() for name, value in losses.items()}
     if any(value.requires_grad for value in losses.values()):
         losses = {name: value for name, value in losses.items() if value.requires_grad}
