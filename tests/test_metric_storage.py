@@ -182,7 +182,11 @@ def test_log_keeps_tensors_on_device_until_the_log_point(make_trainer):
         (None, TypeError, "must be a number or a one-element tensor, not None"),
         ([0.5], TypeError, "must be a number or a one-element tensor, not [0.5]"),
         (np.ones(3), TypeError, "must be a number or a one-element tensor, not array"),
-        (torch.ones(2), ValueError, "must be a number or a one-element tensor, got shape (2,)"),
+        (
+            torch.ones(2),
+            ValueError,
+            "must be a number or a one-element tensor, got torch.Size([2])",
+        ),
         (torch.empty(3, device="meta"), ValueError, "is a tensor on the meta device"),
         (torch.empty((), device="meta"), ValueError, "is a tensor on the meta device"),
     ],

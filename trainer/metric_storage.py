@@ -237,8 +237,7 @@ def _check_metric(name: str, value: Any) -> None:
             raise ValueError(f"Metric {name!r} is a tensor on the meta device: no value to log.")
         if value.numel() != 1:
             raise ValueError(
-                f"Metric {name!r} must be a number or a one-element tensor, got shape "
-                f"{tuple(value.shape)}; reduce it first (e.g. .mean())."
+                f"Metric {name!r} must be a number or a one-element tensor, got {value.shape}."
             )
         return
     # a number has __float__ (bool, NumPy scalars and 0-d arrays too; a str has not)
