@@ -195,7 +195,7 @@ def _flatten(obj: Any) -> tuple[list[torch.Tensor], Any]:
 
 
 def _unflatten(layout: Any, tensors: Any) -> Any:
-    kind, content = layout[0], layout[1]
+    kind, content = layout[:2]  # a tensor's layout holds its shape and dtype too
     if kind == "tensor":
         return next(tensors)
     if kind == "value":

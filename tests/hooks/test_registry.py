@@ -62,7 +62,7 @@ def test_a_hook_is_registered_once_and_on_one_trainer(make_trainer, tmp_path):
     with pytest.raises(ValueError, match="This HookBase is registered already: it would run twice"):
         trainer.register_hook(hook)
     other = make_trainer(work_dir=tmp_path / "other")
-    with pytest.raises(ValueError, match="registered on another trainer"):
+    with pytest.raises(ValueError, match="belongs to another trainer"):
         other.register_hook(hook)
     assert hook.trainer.work_dir == trainer.work_dir  # not re-pointed
     trainer.unregister_hook(hook)

@@ -288,8 +288,8 @@ def _log_changes(
         if key == "hooks":  # class names, sorted: the same hooks, perhaps reordered, are equal
             if old == new:
                 continue
-            old, new = old or [], new or []
-            gone, added = [h for h in old if h not in new], [h for h in new if h not in old]
+            gone = [h for h in old or [] if h not in (new or [])]
+            added = [h for h in new or [] if h not in (old or [])]
             changes.append(f"hooks {', '.join([f'+{h}' for h in added] + [f'-{h}' for h in gone])}")
         elif old == new:
             continue

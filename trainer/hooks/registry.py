@@ -54,7 +54,7 @@ class HookRegistry:
             raise ValueError(f"This {hook.class_name} is registered already: it would run twice.")
         if _alive(hook.trainer):
             raise ValueError(
-                f"This {hook.class_name} is registered on another trainer: register a new one."
+                f"This {hook.class_name} belongs to another trainer: register a new one."
             )
         for cls, twice in self._one_of_each.items():
             if isinstance(hook, cls) and any(isinstance(h, cls) for h in self._hooks):
@@ -154,9 +154,11 @@ class HookRegistry:
         keys: dict[str, HookBase] = {}
         for h in self._hooks:
             if h.checkpointable:
-                key, n = h.class_name, 1
+                key = h.class_name
+                n = 0
                 while key in keys:
-                    key, n = f"{h.class_name}_{n}", n + 1
+                    n += 1
+                    key = f"{h.class_name}_{n}"
                 keys[key] = h
         return keys
 
