@@ -424,7 +424,9 @@ def test_a_stream_drops_a_last_iteration_that_its_pass_cannot_fill(tmp_path):
 def test_a_stream_that_yields_once_only_is_refused_at_its_second_pass(tmp_path):
     once = (batch for batch in DataLoader(Stream(6), batch_size=2))  # a generator: one pass
     trainer, _ = stream_trainer(tmp_path, None, 5, loader=once)
-    with pytest.raises(RuntimeError, match="^data_loader yielded 0 batches in a pass"):
+    with pytest.raises(
+        RuntimeError, match="^data_loader yielded 0 batches in a pass: is it a generator"
+    ):
         trainer.train()
     assert trainer.cur_iter == 2  # the first pass trained
 
@@ -492,4 +494,4 @@ def test_resume_from_a_stream_with_a_loader_of_a_length_is_refused(tmp_path):
     with pytest.raises(ValueError) as error:
         trainer.train()
     assert os.path.join(trainer.ckpt_dir, "iter_4.pth") in str(error.value)
-    assert "saved with None iterations per epoch, this trainer has 8" in str(error.value)
+    assert "saved with None iterations per epoch, now 8" in str(error.value)

@@ -13,7 +13,7 @@ from conftest import Recording, tiny_loader
 def test_resume_with_a_different_epoch_length_is_refused(make_trainer):
     make_trainer(max_epochs=1).train()
     trainer = make_trainer(max_epochs=2, loader=tiny_loader(n=16))  # another dataset
-    with pytest.raises(ValueError, match="saved with 8 iterations per epoch, this trainer has 4"):
+    with pytest.raises(ValueError, match="saved with 8 iterations per epoch, now 4"):
         trainer.train()
 
 

@@ -80,13 +80,11 @@ class DataStream:
         except StopIteration:
             if self.sized:
                 raise RuntimeError(
-                    f"data_loader ended before its len() of {len(self.data_loader)} batches; "
-                    "make the __len__ of its dataset or sampler match what it yields."
+                    f"data_loader yielded fewer batches than its len(), {len(self.data_loader)}."
                 ) from None
             # a loader without a length: an iteration fetches accumulation_steps batches ahead
             raise RuntimeError(
-                "train_one_iter asked for more batches than accumulation_steps from a "
-                "data_loader without a length; pass that many accumulation_steps."
+                "train_one_iter took more batches than accumulation_steps from a stream."
             ) from None
         self.data_time += time.perf_counter() - start
         return batch
@@ -283,8 +281,7 @@ class UnsizedDataStream(DataStream):
         if not full:
             if self._drawn < n and not self._restored_pass:  # a generator's second pass, say
                 raise RuntimeError(
-                    f"data_loader yielded {self._drawn} batches in a pass, fewer than one "
-                    "iteration's; pass an iterable whose __iter__ starts a new pass."
+                    f"data_loader yielded {self._drawn} batches in a pass: is it a generator?"
                 )
             self._ahead.clear()
             self.pass_ended = True

@@ -114,21 +114,14 @@ def map_position(
     epoch = saved["epoch"]
     inner = saved["inner_iter"]
     saved_len = saved["epoch_len"]
-    if (saved_len is None) != (epoch_len is None):
-        raise ValueError(
-            f"Checkpoint {path!r} was saved with {saved_len} iterations per epoch, this trainer "
-            f"has {epoch_len} (None: a loader without a length); resume with the same kind."
-        )
-    if epoch_len is None:
-        return epoch, inner
     before = (saved["world_size"], saved["batch_size"])
     now = (get_world_size(), batch_size)
-    if before == now:
-        if saved_len != epoch_len:
-            raise ValueError(
-                f"Checkpoint {path!r} was saved with {saved_len} iterations per epoch, this "
-                f"trainer has {epoch_len}; resume with the same data loader."
-            )
+    # None: a loader without a length; with the same processes and batches, the same length
+    if (saved_len is None) != (epoch_len is None) or (before == now and saved_len != epoch_len):
+        raise ValueError(
+            f"Checkpoint {path!r} was saved with {saved_len} iterations per epoch, now {epoch_len}."
+        )
+    if epoch_len is None or before == now:
         return epoch, inner
     how = f"{before[0]} processes x batches of {before[1]} to {now[0]} x {now[1]}"
     if inner in (0, saved_len):  # between epochs: nothing to map
