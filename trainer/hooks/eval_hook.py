@@ -150,8 +150,7 @@ class EvalHook(HookBase):
             if clash is not None:  # logged in training or by another EvalHook
                 source = "eval_func" if self._eval_func else "metric_fn"
                 raise ValueError(
-                    f"{source} returned {name!r}, which would mix with the {clash!r} logged under "
-                    "that name or TensorBoard tag: rename the result."
+                    f"{source} returned {name!r}, which would mix with the {clash!r}: rename it."
                 )
         self._names |= new
 

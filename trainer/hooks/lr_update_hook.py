@@ -40,10 +40,7 @@ class LRUpdateHook(HookBase):
         scheduler = self.trainer.lr_scheduler
         if self._metric_named and not scheduler.is_plateau:
             name = type(scheduler.torch_scheduler or scheduler).__name__
-            raise ValueError(
-                f"plateau_metric is only read for ReduceLROnPlateau, and lr_scheduler is a {name}; "
-                "remove plateau_metric."
-            )
+            raise ValueError(f"plateau_metric is for ReduceLROnPlateau, not {name}: remove it.")
 
     def after_eval(self, results: dict[str, float]) -> None:
         """Warn if the first evaluation lacks the plateau metric."""
@@ -67,9 +64,9 @@ class LRUpdateHook(HookBase):
         if scheduler.is_plateau:
             buffer = self.trainer.metric_storage.get(self._plateau_metric)
             if buffer is None and not self._metric_named:
+                epoch = self.trainer.cur_epoch + 1
                 raise RuntimeError(
-                    f"ReduceLROnPlateau judges the default plateau_metric, 'Eval Metric', which "
-                    f"nothing logged by epoch {self.trainer.cur_epoch + 1}: pass plateau_metric."
+                    f"No 'Eval Metric', the default plateau_metric, by epoch {epoch}: pass yours."
                 )
             if buffer is not None and buffer.count > self._metric_count:
                 metric = buffer.latest
