@@ -93,9 +93,7 @@ def refuse_link(path: str) -> None:
     """Raise a ``RuntimeError`` if ``path`` is a symbolic link: one planted in ``work_dir`` must
     not make the trainer write outside it."""
     if os.path.islink(path):
-        raise RuntimeError(
-            f"{path} is a symbolic link (the trainer never writes through one): remove it."
-        )
+        raise RuntimeError(f"{path} is a symbolic link (never written through): remove it.")
 
 
 def ensure_console_logging(name: str, rank: int) -> None:

@@ -59,10 +59,7 @@ def check_file_name(name: str, value: Any) -> None:
     relative = os.path.normpath(value) if value else ""
     outside = relative in ("", ".", "..") or relative.startswith(".." + os.sep)
     if outside or os.path.isabs(value) or "\0" in value:
-        raise ValueError(
-            f"{name} must name a file inside the checkpoint folder, e.g. 'iter_8.pth' or "
-            f"'best/model.pth', got {value!r}: checkpoints are never written outside work_dir."
-        )
+        raise ValueError(f"{name} must name a file inside the checkpoint folder, got {value!r}.")
 
 
 # The model without its wrappers

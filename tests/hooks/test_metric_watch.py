@@ -30,7 +30,7 @@ def test_a_hook_without_mode_judges_a_loss_by_its_minimum(make_trainer):
 
 @pytest.mark.parametrize("hook", [EarlyStoppingHook, BestCheckpointHook, MetricWatch])
 def test_a_name_that_does_not_tell_the_mode_is_refused(hook):
-    with pytest.raises(ValueError, match="^mode: 'step' does not tell"):
+    with pytest.raises(ValueError, match="^mode: is 'step' better high or low"):
         hook("step")
 
 

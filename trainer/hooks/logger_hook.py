@@ -64,9 +64,7 @@ class LoggerHook(HookBase):
         if not isinstance(extra, (list, tuple)) or not all(
             isinstance(w, MetricWriter) for w in extra
         ):
-            raise TypeError(
-                f"writers must be a list of trainer.writers.MetricWriter objects, got {writers!r}."
-            )
+            raise TypeError(f"writers must be a list of MetricWriter objects, got {writers!r}.")
         self._period = period
         self._extra = list(extra)
         self._tensorboard = tensorboard
@@ -82,9 +80,9 @@ class LoggerHook(HookBase):
         """Open the writers (a resumed run drops what it repeats), write the settings, time it."""
         trainer = self.trainer
         if self._period not in (None, trainer.log_period):
+            # the values it writes are flushed at the trainer's log points
             raise ValueError(
-                f"LoggerHook(period={self._period}) must be the trainer's log_period="
-                f"{trainer.log_period}, where its values are flushed: pass LoggerHook()."
+                f"LoggerHook(period={self._period}) but log_period={trainer.log_period}: omit it."
             )
         self._log_start()
         self._train_start = time.perf_counter()

@@ -64,10 +64,7 @@ class MetricWatch:
         if mode is None:
             mode = infer_mode(metric)
             if mode is None:
-                raise ValueError(
-                    f"mode: {metric!r} does not tell whether higher or lower is better; "
-                    "pass mode='min' or mode='max'."
-                )
+                raise ValueError(f"mode: is {metric!r} better high or low? Pass 'max' or 'min'.")
         if mode not in ("min", "max"):
             raise ValueError(f"mode must be 'min', 'max' or None, got {mode!r}.")
         if not min_delta >= 0:
