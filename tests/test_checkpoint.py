@@ -158,9 +158,7 @@ def test_resuming_with_another_optimizer_class_names_the_checkpoint_and_both_cla
         max_epochs=2,
         work_dir=tmp_path,
     )
-    with pytest.raises(
-        ValueError, match=r"epoch_1\.pth' holds a SGD's state for optimizer, not a Adam"
-    ):
+    with pytest.raises(ValueError, match=r"epoch_1\.pth' holds SGD state for optimizer, not Adam"):
         adam.train()
 
 

@@ -144,7 +144,7 @@ def test_loaders_that_would_leave_samples_out_are_refused(make_trainer):
         RandomSampler(data(10), replacement=True),
         RandomSampler(data(10), num_samples=5),
     ):
-        with pytest.raises(ValueError, match="would not draw each sample once"):
+        with pytest.raises(ValueError, match="does not draw each sample once"):
             trainer.evaluate(DataLoader(data(10), sampler=sampler), squared_error)
     assert trainer.evaluate(DataLoader(data(10), shuffle=True), squared_error)["one"] == 1.0
     # a DistributedSampler of this one process is fine: the whole set, in its order

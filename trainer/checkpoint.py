@@ -585,12 +585,15 @@ def _check_config(saved: dict[str, Any], now: dict[str, Any], path: str) -> None
     bit)."""
     steps = saved["accumulation_steps"]
     if steps != now["accumulation_steps"]:
-        raise ValueError(f"Checkpoint {path!r} was trained with accumulation_steps={steps}.")
+        raise ValueError(
+            f"Checkpoint {path!r} was trained with accumulation_steps={steps}: resume with it."
+        )
     for key, saved_class in saved["classes"].items():
         now_class = now["classes"].get(key, saved_class)
         if now_class != saved_class:
             raise ValueError(
-                f"Checkpoint {path!r} holds a {saved_class}'s state for {key}, not a {now_class}'s."
+                f"Checkpoint {path!r} holds {saved_class} state for {key}, not {now_class}: "
+                f"resume with {saved_class}, or load the weights alone (resume=False)."
             )
     if saved["amp"] != now["amp"]:
         logger.warning(

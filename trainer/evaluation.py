@@ -142,7 +142,7 @@ def _shard(data_loader: Any, rank: int, world_size: int) -> Optional[tuple[int, 
         and (sampler.replacement or sampler.num_samples != len(sampler.data_source))
     )
     if drawn:
-        raise ValueError(f"data_loader's {type(sampler).__name__} would not draw each sample once.")
+        raise ValueError(f"data_loader's {type(sampler).__name__} does not draw each sample once.")
     if world_size > 1 and isinstance(sampler, _SHUFFLING):  # each rank's RNG orders it its way
         raise ValueError("data_loader shuffles on each rank its own way: pass shuffle=False.")
     if dataset is not None and sampler is not None:
