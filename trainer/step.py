@@ -49,6 +49,8 @@ class StepTools:
         self._cache_autocast = not cuda_graph
         # bfloat16 has float32's range: only float16 needs loss scaling
         self.grad_scaler = torch.amp.GradScaler(device.type, enabled=amp_dtype == torch.float16)
+        #: Whether float16 losses are scaled (and steps with inf or NaN gradients skipped).
+        self.scaling = self.grad_scaler.is_enabled()
         self.clip_grad_norm = clip_grad_norm
         self._optimizer = optimizer
         # DDP (also under torch.compile) skips its gradient all-reduce with no_sync()
@@ -60,11 +62,6 @@ class StepTools:
         #: with fused optimizers, which read the inf flag on the device.
         self.skipped: Union[bool, torch.Tensor] = False
         self._update_due = False  # the scaler stepped an optimizer since its last update
-
-    @property
-    def scaling(self) -> bool:
-        """Whether float16 losses are scaled (and steps with inf or NaN gradients skipped)."""
-        return self.grad_scaler.is_enabled()
 
     def autocast(self) -> contextlib.AbstractContextManager:
         """Mixed precision for the forward pass; a no-op without AMP."""
@@ -81,7 +78,7 @@ class StepTools:
         return contextlib.nullcontext()
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.grad_scaler.scale(loss).backward()  # scale() returns the loss itself when disabled
+        self.grad_scaler.scale(loss).backward()  # scale() returns the loss as it is when off
 
     def clip_and_step(self, optimizer: Optimizer) -> Optional[torch.Tensor]:
         """Unscale, clip and step ``optimizer``; the norm before clipping, or None."""
@@ -90,9 +87,12 @@ class StepTools:
             self.grad_scaler.unscale_(optimizer)  # first, so the threshold means what it says
             params = [p for group in optimizer.param_groups for p in group["params"]]
             norm = local_value(nn.utils.clip_grad_norm_(params, self.clip_grad_norm).detach())
-        if optimizer is self._optimizer and self.scaling:
+        if not self.scaling:
+            optimizer.step()
+            return norm
+        if optimizer is self._optimizer:
             self.skipped = True  # until _on_optimizer_step says otherwise
-        self.grad_scaler.step(optimizer)  # optimizer.step(), unless float16 gradients overflowed
+        self.grad_scaler.step(optimizer)  # skipped if the float16 gradients overflowed
         self._update_due = True
         return norm
 

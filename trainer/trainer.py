@@ -597,9 +597,9 @@ class Trainer:
             metrics[name or default] = norm
         if self._step.scaling and optimizer is self.optimizer:
             metrics["amp_skipped_steps"] = self._step.skipped
-        # on the device until the next log point: no sync; a NaN norm fails like a NaN loss,
-        # unless float16's GradScaler skipped that step
-        self.log(self.cur_iter, reduce=True, check_finite=not self._step.scaling, **metrics)
+        if metrics:  # on the device until the next log point: no sync; a NaN norm fails like a
+            # NaN loss, unless float16's GradScaler skipped that step
+            self.log(self.cur_iter, reduce=True, check_finite=not self._step.scaling, **metrics)
         return norm
 
     def update_scaler(self) -> None:
@@ -619,7 +619,9 @@ class Trainer:
 def _total_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss to back-propagate and the detached values to log, from a scalar loss or a dict
     of them; in a dict, values without a gradient beside ones with are metrics, not losses."""
-    losses = {"total_loss": out} if isinstance(out, torch.Tensor) else out
+    if isinstance(out, torch.Tensor):
+        return out, {"total_loss": out.detach()}
+    losses = out
     if not isinstance(losses, dict) or not losses:
         raise TypeError(
             f"model must return a loss or a non-empty dict of losses, got {type(out).__name__}."

@@ -105,7 +105,8 @@ class HookRegistry:
             done = self._owner.cur_iter + 1
             last = done == self._owner.max_iters
             handlers = [h for h, p in zip(handlers, self._periods) if last or done % p == 0]
-        self._run(handlers, args, every_handler)
+        if handlers:
+            self._run(handlers, args, every_handler)
 
     def _run(
         self, handlers: list[tuple[int, Callable]], args: tuple, every_handler: bool = False
