@@ -51,7 +51,11 @@ class BackgroundWriter:
     def wait(self) -> None:
         """Wait for the write in flight, if any; raise what it raised."""
         if self._thread is not None:
-            self._thread.join()
+            # Short waits, not one join(): CPython's lock wait is not woken by a signal that came
+            # just before it blocked, or that another thread took, so a Ctrl-C's handler would
+            # run only when the write ends, however long it takes.
+            while self._thread.is_alive():
+                self._thread.join(timeout=0.1)
             self._thread = None
         if self._error is not None:
             error, self._error, self.failed = self._error, None, False
