@@ -1,5 +1,6 @@
 """A tiny model, a tiny in-memory dataset and a ``make_trainer(**overrides)`` factory."""
 
+import contextlib
 import glob
 import json
 import logging
@@ -258,7 +259,8 @@ def pytest_runtest_protocol(item, nextitem):
     global _records_start
     if item.get_closest_marker("slow") is not None:
         _records_start = _records_size()
-        yield
+        with _noting_signals_and_torchrun(item.nodeid):
+            yield
         return
 
     def refuse(self, args, *_, **__):
@@ -270,6 +272,42 @@ def pytest_runtest_protocol(item, nextitem):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(subprocess.Popen, "__init__", refuse)
         yield
+
+
+@contextlib.contextmanager
+def _noting_signals_and_torchrun(nodeid: str):
+    """Where ``$TRAINER_TEST_SIGNALS_AND_TORCHRUN`` names a file, append ``nodeid`` to it if the
+    test sends a signal to another process or starts torchrun: .ci/run runs those tests again,
+    each process a fresh interpreter (torchrun's own launcher, no fork server)."""
+    path = os.environ.get("TRAINER_TEST_SIGNALS_AND_TORCHRUN")
+    if not path:
+        yield
+        return
+    noted = []
+    kill, killpg, start = os.kill, os.killpg, subprocess.Popen.__init__
+
+    def noting_kill(pid, signum):
+        if pid != os.getpid():
+            noted.append(signum)
+        kill(pid, signum)
+
+    def noting_killpg(group, signum):
+        noted.append(signum)
+        killpg(group, signum)
+
+    def noting_start(self, args, *rest, **kwargs):
+        if "torch.distributed.run" in (args if isinstance(args, (list, tuple)) else [args]):
+            noted.append("torchrun")
+        start(self, args, *rest, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "kill", noting_kill)
+        patch.setattr(os, "killpg", noting_killpg)
+        patch.setattr(subprocess.Popen, "__init__", noting_start)
+        yield
+    if noted:
+        with open(path, "a") as f:  # one write a line: the pytest-xdist workers share the file
+            f.write(nodeid + "\n")
 
 
 @pytest.hookimpl(hookwrapper=True)
