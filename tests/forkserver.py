@@ -11,12 +11,13 @@ signals, exit statuses, gloo groups, crashes.
 What a forked process cannot have of its own is the hash seed: the interpreter fixes it at
 start, and every str hash already computed depends on it. So there are :data:`SERVERS` servers,
 each a fresh interpreter started with its own random ``PYTHONHASHSEED``, and each request goes
-to the next one in turn that no running process came from: a process never shares its seed
-with the one started just before it, nor with any of up to ``SERVERS - 1`` processes running
-beside it (a torchrun launcher and its workers, two launchers and theirs). A bug that depends
-on the order of a set or a dict of strings differing between ranks or runs can show, as it would
-for users. ``TRAINER_TEST_HASHSEEDS=s0,s1,...`` gives the servers these seeds instead (a failed
-test's report lists its processes' seeds and the value that replays them), and
+to the next one in turn that no running process came from, never to the last request's: a
+process never shares its seed with the one started just before it, nor with those running
+beside it while they are ``SERVERS - 1`` or fewer, that one included (a torchrun launcher and
+its two workers; two launchers of one worker each). A bug that depends on the order of a set or
+a dict of strings differing between ranks or runs can show, as it would for users.
+``TRAINER_TEST_HASHSEEDS=s0,s1,...`` gives the servers these seeds instead (a failed test's
+report lists its processes' seeds and the value that replays them), and
 ``TRAINER_TEST_FORKSERVER=0`` runs every process from a fresh interpreter.
 
 ``ForkedPopen`` is a ``subprocess.Popen`` whose child comes from a server: ``communicate``,
@@ -42,8 +43,8 @@ import subprocess
 import sys
 
 ENV_FOLDER = "TRAINER_TEST_FORKSERVERS"  # the servers' folder: sockets, turn, records
-# Enough for a process to differ in seed from every other running beside it in the tests: two
-# torchrun launchers of one worker each, or a launcher and its two workers, and the next one.
+# Enough for every process in the tests to differ in seed from all those running beside it: at
+# most four run at once (a torchrun launcher and its two workers; two launchers of one each)
 SERVERS = 4
 # what the interpreter or the import of torch read at start, which a forked child cannot change
 _FIXED_AT_START = ("PYTHONPATH", "PYTHONHASHSEED", "PYTHONHOME", "MKL_NUM_THREADS", "LD_PRELOAD")
@@ -174,9 +175,9 @@ class ForkedPopen(subprocess.Popen):
 
 
 def _next_server(folder: str, turn: int) -> int:
-    """The server whose turn it is, or the next after it with no process running; ``turn``'s
-    where all have one."""
-    for index in [(turn + i) % SERVERS for i in range(SERVERS)]:
+    """The server whose turn it is, or the next after it with no process running, never the
+    one before it (the last request's); ``turn``'s where all the others have one."""
+    for index in [(turn + i) % SERVERS for i in range(SERVERS - 1)]:
         with open(_running_file(folder, index)) as f:
             if f.read() == "0":
                 return index
