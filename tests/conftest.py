@@ -250,6 +250,14 @@ def _quiet_trainer_logs():
 # and caches it: run here, so that the in-process tests using MLflow start no process.
 platform.platform()
 
+# A shell without job control starts a background job (`pytest &` in a script) with SIGINT
+# ignored: Python then installs no KeyboardInterrupt handler, the trainer rightly leaves Ctrl-C
+# alone, and every process the tests start inherits the ignoring. The tests press Ctrl-C as at a
+# terminal, so they get Python's handler back, as CPython's own test runner does (gh-154167);
+# the processes started from here on then begin with the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
