@@ -1,9 +1,12 @@
 """A tiny model, a tiny in-memory dataset and a ``make_trainer(**overrides)`` factory."""
 
+import contextlib
 import glob
+import json
 import logging
 import os
 import platform
+import random
 import select
 import shutil
 import signal
@@ -254,14 +257,25 @@ def _quiet_trainer_logs():
 # and caches it: run here, so that the in-process tests using MLflow start no process.
 platform.platform()
 
+# A shell without job control starts a background job (`pytest &` in a script) with SIGINT
+# ignored: Python then installs no KeyboardInterrupt handler, the trainer rightly leaves Ctrl-C
+# alone, and every process the tests start inherits the ignoring. The tests press Ctrl-C as at a
+# terminal, so they get Python's handler back, as CPython's own test runner does (gh-154167);
+# the processes started from here on then begin with the default.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     """A test that starts a process (a script, torchrun) must be marked slow, so that
     ``pytest -m "not slow"`` stays quick: in any other, starting one fails the test. The whole
     protocol, setup and teardown included: a module-scoped fixture that starts one counts."""
+    global _records_start
     if item.get_closest_marker("slow") is not None:
-        yield
+        _records_start = _records_size()
+        with _noting_signals_and_torchrun(item.nodeid):
+            yield
         return
 
     def refuse(self, args, *_, **__):
@@ -273,6 +287,75 @@ def pytest_runtest_protocol(item, nextitem):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(subprocess.Popen, "__init__", refuse)
         yield
+
+
+@contextlib.contextmanager
+def _noting_signals_and_torchrun(nodeid: str):
+    """Where ``$TRAINER_TEST_SIGNALS_AND_TORCHRUN`` names a file, append ``nodeid`` to it if the
+    test sends a signal to another process or starts torchrun: .ci/run runs those tests again,
+    each process a fresh interpreter (torchrun's own launcher, no fork server)."""
+    path = os.environ.get("TRAINER_TEST_SIGNALS_AND_TORCHRUN")
+    if not path:
+        yield
+        return
+    noted = []
+    kill, killpg, start = os.kill, os.killpg, subprocess.Popen.__init__
+
+    def noting_kill(pid, signum):
+        if pid != os.getpid():
+            noted.append(signum)
+        kill(pid, signum)
+
+    def noting_killpg(group, signum):
+        noted.append(signum)
+        killpg(group, signum)
+
+    def noting_start(self, args, *rest, **kwargs):
+        if "torch.distributed.run" in (args if isinstance(args, (list, tuple)) else [args]):
+            noted.append("torchrun")
+        start(self, args, *rest, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "kill", noting_kill)
+        patch.setattr(os, "killpg", noting_killpg)
+        patch.setattr(subprocess.Popen, "__init__", noting_start)
+        yield
+    if noted:
+        with open(path, "a") as f:  # one write a line: the pytest-xdist workers share the file
+            f.write(nodeid + "\n")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test's report lists the processes the fork servers started for it, each with
+    its hash seed, and how to rerun the test with the same seeds."""
+    report = (yield).get_result()
+    forked = forked_processes(item.nodeid) if report.failed else ""
+    if forked:
+        report.sections.append(("processes forked, with their hash seeds", forked))
+
+
+def forked_processes(nodeid: str) -> str:
+    """The processes that the fork servers started since the test ``nodeid`` began, a line
+    each with its hash seed, then a command that reruns the test with the same seeds in the
+    same order; "" if none."""
+    if not _servers:
+        return ""
+    lines, first = [], None
+    with open(forkserver.records_file(_servers_folder)) as f:
+        f.seek(_records_start)
+        for line in f:
+            pid, _, server, argv = line.split(" ", 3)
+            seed = _seeds[int(server)]
+            lines.append(f"pid {pid}, hash seed {seed}: python {' '.join(json.loads(argv))}")
+            first = int(server) if first is None else first
+    if first is None:
+        return ""
+    order = _seeds[first:] + _seeds[:first]  # a new session's turns start at the first server
+    seeds = ",".join(map(str, order))
+    rerun = f"TRAINER_TEST_HASHSEEDS={seeds} pytest -n 0 '{nodeid}'"
+    lines.append(f"The same seeds in the same order: {rerun}")
+    return "\n".join(lines)
 
 
 def failure_output(stderr: str, tail: int = 3000) -> str:
@@ -333,7 +416,7 @@ def _signal(pid: int, signum: int) -> None:
 
 
 def _process_tree(root: int) -> list[int]:
-    """``root`` and the processes under it, those that the fork server started for a process
+    """``root`` and the processes under it, those that the fork servers started for a process
     (see ``popen``) counted as that process's children."""
     parents: dict[int, int] = {}
     for stat in glob.glob("/proc/[0-9]*/stat"):
@@ -342,11 +425,11 @@ def _process_tree(root: int) -> list[int]:
                 parents[int(stat.split("/")[2])] = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
             continue
-    if _forkserver is not None:
-        with open(forkserver.children_file(_forkserver_socket)) as f:
+    if _servers:
+        with open(forkserver.records_file(_servers_folder)) as f:
             for line in f:
-                child, requester = map(int, line.split())
-                if parents.get(child) == _forkserver.pid:  # still the server's: not a reused pid
+                child, requester, server = map(int, line.split(" ", 3)[:3])
+                if parents.get(child) == _servers[server].pid:  # still its: not a reused pid
                     parents[child] = requester
     children: dict[int, list[int]] = {}
     for pid, ppid in parents.items():
@@ -383,35 +466,77 @@ def torchrun_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--master-port", str(free_port()), *args]
 
 
-_forkserver = None  # the fork server's process, started by the first popen
-_forkserver_socket = ""
+_servers: list[subprocess.Popen] = []  # the fork servers, started by the first popen
+_servers_folder = ""  # their sockets, turn and records (tests/forkserver.py)
+_seeds: list[int] = []  # their hash seeds
+_records_start = 0  # the size of the records file when the running test began
 
 
 def popen(cmd, **kwargs) -> subprocess.Popen:
     """``subprocess.Popen(cmd, **kwargs)``; ``[sys.executable, script or -m module, ...]``
-    forked by tests/forkserver.py, which has torch and trainer imported already (a torchrun
-    launcher's workers too), instead of a fresh interpreter that spends about 2 s of CPU
-    importing torch. ``TRAINER_TEST_FORKSERVER=0`` starts fresh interpreters."""
-    global _forkserver, _forkserver_socket
+    forked by tests/forkserver.py's servers, which have torch and trainer imported already (a
+    torchrun launcher's workers too), instead of a fresh interpreter that spends about 2 s of
+    CPU importing torch. ``TRAINER_TEST_FORKSERVER=0`` starts fresh interpreters."""
     if os.environ.get("TRAINER_TEST_FORKSERVER") == "0":
         return subprocess.Popen(cmd, **kwargs)
-    if _forkserver is None:
-        _forkserver_socket = os.path.join(tempfile.mkdtemp(prefix="trainer-tests-"), "socket")
-        env = cpu_env()
-        env.pop("OMP_NUM_THREADS", None)  # the default; a child sets the number it is given
-        _forkserver = subprocess.Popen(
-            [sys.executable, forkserver.__file__, _forkserver_socket], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, env=env,
-        )  # fmt: skip
-        if not select.select([_forkserver.stdout], [], [], 120)[0]:
-            pytest.fail("the fork server (tests/forkserver.py) did not start within 120 s")
-        assert _forkserver.stdout.readline() == b"ready\n", "the fork server failed to start"
-        os.environ[forkserver.ENV_SOCKET] = _forkserver_socket
+    if not _servers:
+        _start_servers()
     return forkserver.ForkedPopen(cmd, **kwargs)
 
 
+def _start_servers() -> None:
+    """Start the fork servers, each a fresh interpreter with its own hash seed, and wait until
+    they are ready."""
+    global _servers_folder
+    folder = tempfile.mkdtemp(prefix="trainer-tests-")
+    with open(os.path.join(folder, "turn"), "w") as f:
+        f.write("0")
+    open(forkserver.records_file(folder), "w").close()
+    _seeds.extend(_hash_seeds())
+    for index, seed in enumerate(_seeds):
+        env = cpu_env(PYTHONHASHSEED=str(seed))
+        env.pop("OMP_NUM_THREADS", None)  # the default; a child sets the number it is given
+        command = [sys.executable, forkserver.__file__, folder, str(index)]
+        _servers.append(
+            subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
+        )
+    _servers_folder = folder
+    for server in _servers:
+        if not select.select([server.stdout], [], [], 120)[0]:
+            pytest.fail("a fork server (tests/forkserver.py) did not start within 120 s")
+        assert server.stdout.readline() == b"ready\n", "a fork server failed to start"
+    os.environ[forkserver.ENV_FOLDER] = folder
+
+
+def _hash_seeds() -> list[int]:
+    """The servers' hash seeds: ``$TRAINER_TEST_HASHSEEDS`` (comma-separated), else
+    ``$PYTHONHASHSEED`` for all where it is fixed (as fresh interpreters would have it), else
+    random and distinct."""
+    given = os.environ.get("TRAINER_TEST_HASHSEEDS")
+    if given:
+        seeds = [int(seed) for seed in given.split(",")]
+        if len(seeds) != forkserver.SERVERS:
+            raise ValueError(
+                f"TRAINER_TEST_HASHSEEDS={given} has {len(seeds)} seeds: give one for each of "
+                f"the {forkserver.SERVERS} fork servers, as a failed test's report does."
+            )
+        return seeds
+    fixed = os.environ.get("PYTHONHASHSEED", "random")
+    if fixed != "random":
+        return [int(fixed)] * forkserver.SERVERS
+    return random.SystemRandom().sample(range(1, 2**32), forkserver.SERVERS)
+
+
+def _records_size() -> int:
+    if not _servers:
+        return 0
+    return os.path.getsize(forkserver.records_file(_servers_folder))
+
+
 def pytest_unconfigure(config):
-    if _forkserver is not None:  # its standard input closed, it exits
-        _forkserver.stdin.close()
-        _forkserver.wait(timeout=30)
-        shutil.rmtree(os.path.dirname(_forkserver_socket), ignore_errors=True)
+    for server in _servers:  # its standard input closed, it exits
+        server.stdin.close()
+    for server in _servers:
+        server.wait(timeout=30)
+    if _servers:
+        shutil.rmtree(_servers_folder, ignore_errors=True)

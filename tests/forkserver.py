@@ -1,25 +1,37 @@
-"""A fork server for the tests' Python processes: ``python script.py`` and ``python -m module``
+"""Fork servers for the tests' Python processes: ``python script.py`` and ``python -m module``
 without paying for ``import torch`` each time.
 
 Half the slow tests' time went into starting interpreters: every run of a script, every torchrun
-launcher and each of its workers imported torch (about 2 s of CPU here), and ran for less. The
+launcher and each of its workers imported torch (about 2 s of CPU here), and ran for less. A
 server imports torch and trainer once, then forks a process per request, which sets up the
 requested stdio, environment and working directory and runs the script or module as
 ``__main__``, as the interpreter would. The processes are real and separate: their own pids,
-signals, exit statuses, gloo groups, crashes; what they share is the interpreter's start (and
-so its hash seed: ``TRAINER_TEST_FORKSERVER=0`` runs every process from a fresh interpreter).
+signals, exit statuses, gloo groups, crashes.
 
-``ForkedPopen`` is a ``subprocess.Popen`` whose child comes from the server: ``communicate``,
+What a forked process cannot have of its own is the hash seed: the interpreter fixes it at
+start, and every str hash already computed depends on it. So there are :data:`SERVERS` servers,
+each a fresh interpreter started with its own random ``PYTHONHASHSEED``, and each request goes
+to the next one in turn that no running process came from, never to the last request's: a
+process never shares its seed with the one started just before it, nor with those running
+beside it while they are ``SERVERS - 1`` or fewer, that one included (a torchrun launcher and
+its two workers; two launchers of one worker each). A bug that depends on the order of a set or
+a dict of strings differing between ranks or runs can show, as it would for users.
+``TRAINER_TEST_HASHSEEDS=s0,s1,...`` gives the servers these seeds instead (a failed test's
+report lists its processes' seeds and the value that replays them), and
+``TRAINER_TEST_FORKSERVER=0`` runs every process from a fresh interpreter.
+
+``ForkedPopen`` is a ``subprocess.Popen`` whose child comes from a server: ``communicate``,
 ``poll``, ``wait``, ``send_signal``, ``kill`` and ``returncode`` behave as Popen's. A child of
-the server that starts processes (a torchrun launcher starting its workers) has them forked
-by the server too. A command the server cannot run as asked (not this interpreter, options
+a server that starts processes (a torchrun launcher starting its workers) has them forked
+by the servers too. A command the servers cannot run as asked (not this interpreter, options
 other than ``-u``, an environment that differs in what the import already read) starts a
 fresh interpreter as Popen does.
 
-Run as ``python forkserver.py SOCKET``: serves until its standard input closes (the pytest
-process that started it ended).
+Run as ``python forkserver.py FOLDER INDEX``: serves ``FOLDER/INDEX.socket`` until its standard
+input closes (the pytest process that started it ended).
 """
 
+import fcntl
 import io
 import json
 import os
@@ -30,43 +42,97 @@ import struct
 import subprocess
 import sys
 
-ENV_SOCKET = "TRAINER_TEST_FORKSERVER_SOCKET"
+ENV_FOLDER = "TRAINER_TEST_FORKSERVERS"  # the servers' folder: sockets, turn, records
+# Enough for every process in the tests to differ in seed from all those running beside it: at
+# most four run at once (a torchrun launcher and its two workers; two launchers of one each)
+SERVERS = 4
 # what the interpreter or the import of torch read at start, which a forked child cannot change
 _FIXED_AT_START = ("PYTHONPATH", "PYTHONHASHSEED", "PYTHONHOME", "MKL_NUM_THREADS", "LD_PRELOAD")
 
 
-def children_file(socket_path: str) -> str:
-    """The file where the server records ``child requester`` pids: the process each child
-    stands for the child of (``conftest._process_tree`` reads it)."""
-    return socket_path + ".children"
+def records_file(folder: str) -> str:
+    """The file where the servers record each child they fork, a line each: ``pid requester
+    server argv``, the requester being the process that the child stands for the child of
+    (``conftest`` reads it), ``argv`` as JSON."""
+    return os.path.join(folder, "children")
+
+
+def socket_path(folder: str, index: int) -> str:
+    return os.path.join(folder, f"{index}.socket")
+
+
+def _running_file(folder: str, index: int) -> str:
+    return os.path.join(folder, f"{index}.running")  # how many children of server index run
 
 
 class ForkedPopen(subprocess.Popen):
     """``subprocess.Popen`` whose child, where it is ``sys.executable`` running a script or a
-    module, is forked by the server at ``$TRAINER_TEST_FORKSERVER_SOCKET``."""
+    module, is forked by a server of ``$TRAINER_TEST_FORKSERVERS``."""
 
-    def _execute_child(self, args, executable, preexec_fn, close_fds, pass_fds, cwd, env,
-                       startupinfo, creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite,
-                       errread, errwrite, *rest):  # fmt: skip
+    def _execute_child(
+        self,
+        args,
+        executable,
+        preexec_fn,
+        close_fds,
+        pass_fds,
+        cwd,
+        env,
+        startupinfo,
+        creationflags,
+        shell,
+        p2cread,
+        p2cwrite,
+        c2pread,
+        c2pwrite,
+        errread,
+        errwrite,
+        *rest,
+    ):
         # rest: restore_signals, gid, gids, uid, umask, start_new_session[, process_group]
         request = _request(args, executable, preexec_fn, pass_fds, cwd, env, shell, rest)
         if request is None:
             self._conn = None
             return super()._execute_child(
-                args, executable, preexec_fn, close_fds, pass_fds, cwd, env, startupinfo,
-                creationflags, shell, p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite,
+                args,
+                executable,
+                preexec_fn,
+                close_fds,
+                pass_fds,
+                cwd,
+                env,
+                startupinfo,
+                creationflags,
+                shell,
+                p2cread,
+                p2cwrite,
+                c2pread,
+                c2pwrite,
+                errread,
+                errwrite,
                 *rest,
-            )  # fmt: skip
+            )
         self.args = args
         fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1]
         fds.append(errwrite if errwrite != -1 else 2)
         self._conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._buffer = b""
+        folder = os.environ[ENV_FOLDER]
         try:
-            self._conn.connect(os.environ[ENV_SOCKET])
-            payload = json.dumps(request).encode() + b"\n"
-            self._conn.sendmsg([payload], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, _ints(fds))])
-            self.pid = int(self._read_line())
+            # One request at a time, held until the server has recorded the child: the next
+            # request then sees which servers have a process running.
+            with open(os.path.join(folder, "turn"), "r+") as turn:
+                fcntl.flock(turn, fcntl.LOCK_EX)
+                server = _next_server(folder, int(turn.read()))
+                turn.seek(0)
+                turn.truncate()
+                turn.write(str((server + 1) % SERVERS))
+                turn.flush()
+                self._conn.connect(socket_path(folder, server))
+                payload = json.dumps(request).encode() + b"\n"
+                ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, _ints(fds))]
+                self._conn.sendmsg([payload], ancillary)
+                self.pid = int(self._read_line())
             self._child_created = True
         finally:  # the child's ends of the pipes, as Popen closes them
             for fd, other in ((p2cread, p2cwrite), (c2pwrite, c2pread), (errwrite, errread)):
@@ -108,13 +174,23 @@ class ForkedPopen(subprocess.Popen):
         return self.returncode
 
 
+def _next_server(folder: str, turn: int) -> int:
+    """The server whose turn it is, or the next after it with no process running, never the
+    one before it (the last request's); ``turn``'s where all the others have one."""
+    for index in [(turn + i) % SERVERS for i in range(SERVERS - 1)]:
+        with open(_running_file(folder, index)) as f:
+            if f.read() == "0":
+                return index
+    return turn
+
+
 def _ints(values) -> bytes:
     return struct.pack(f"{len(values)}i", *values)
 
 
 def _request(args, executable, preexec_fn, pass_fds, cwd, env, shell, rest):
     """What the server is asked to run, or None where only a fresh interpreter does as asked."""
-    if not os.environ.get(ENV_SOCKET) or shell or executable or preexec_fn or pass_fds:
+    if not os.environ.get(ENV_FOLDER) or shell or executable or preexec_fn or pass_fds:
         return None
     restore_signals, gid, gids, uid, umask, start_new_session = rest[:6]
     if any(x is not None for x in (gid, gids, uid)) or umask != -1 or rest[6:7] not in ((), (-1,)):
@@ -132,7 +208,7 @@ def _request(args, executable, preexec_fn, pass_fds, cwd, env, shell, rest):
     )
     if any(env.get(name) != os.environ.get(name) for name in _FIXED_AT_START):
         return None
-    env[ENV_SOCKET] = os.environ[ENV_SOCKET]  # for the processes it starts
+    env[ENV_FOLDER] = os.environ[ENV_FOLDER]  # for the processes it starts
     return {
         "argv": options,
         "unbuffered": unbuffered,
@@ -145,17 +221,19 @@ def _request(args, executable, preexec_fn, pass_fds, cwd, env, shell, rest):
 # ---- the server --------------------------------------------------------------------------------
 
 
-def _serve(path: str):
+def _serve(folder: str, index: int):
     """Forks a child per request; returns the request in each child, and never in the server."""
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
+    listener.bind(socket_path(folder, index))
     listener.listen(64)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)  # wakes the select below
     waiting = {}  # pid -> the requester's connection, told the exit status
-    record = open(children_file(path), "a")
+    _set_running(folder, index, 0)
+    # one write a line, appended: the servers share the file
+    record = os.open(records_file(folder), os.O_WRONLY | os.O_APPEND | os.O_CREAT)
     print("ready", flush=True)
     while True:
         try:
@@ -180,26 +258,37 @@ def _serve(path: str):
                 except OSError:
                     pass  # the requester is gone
                 conn.close()
+            _set_running(folder, index, len(waiting))
         if listener in ready:
             conn, _ = listener.accept()
             request, fds = _receive(conn)
-            requester = struct.unpack("3i", conn.getsockopt(
-                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))[0]  # fmt: skip
+            credentials = conn.getsockopt(
+                socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")
+            )
+            requester = struct.unpack("3i", credentials)[0]
             pid = os.fork()
             if pid == 0:
                 signal.set_wakeup_fd(-1)
                 signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-                for held in (listener, record, conn, *waiting.values()):
+                for held in (listener, conn, *waiting.values()):
                     held.close()  # this process's copies; the server keeps its own
-                os.close(wake_r)
-                os.close(wake_w)
+                for fd in (record, wake_r, wake_w):
+                    os.close(fd)
                 return request, fds
             for fd in fds:
                 os.close(fd)
-            record.write(f"{pid} {requester}\n")
-            record.flush()
-            conn.sendall(f"{pid}\n".encode())
+            os.write(record, f"{pid} {requester} {index} {json.dumps(request['argv'])}\n".encode())
             waiting[pid] = conn
+            _set_running(folder, index, len(waiting))
+            conn.sendall(f"{pid}\n".encode())
+
+
+def _set_running(folder: str, index: int, count: int) -> None:
+    """Publish how many of this server's children run (read by :func:`_next_server`)."""
+    path = _running_file(folder, index)
+    with open(path + ".tmp", "w") as f:
+        f.write(str(count))
+    os.replace(path + ".tmp", path)  # whole: a reader never sees it half written
 
 
 def _receive(conn):
@@ -250,9 +339,11 @@ def _become(request, fds, default_threads):
 def _stream(fd, line_buffered, errors, unbuffered=False):
     raw = io.FileIO(fd, "w", closefd=False)
     return io.TextIOWrapper(
-        io.BufferedWriter(raw), errors=errors, line_buffering=line_buffered or raw.isatty(),
+        io.BufferedWriter(raw),
+        errors=errors,
+        line_buffering=line_buffered or raw.isatty(),
         write_through=unbuffered,
-    )  # fmt: skip
+    )
 
 
 def _run(argv):
@@ -289,6 +380,6 @@ if __name__ == "__main__":
         pass
 
     threads = torch.get_num_threads()
-    job = _serve(sys.argv[1])
+    job = _serve(sys.argv[1], int(sys.argv[2]))
     if job is not None:
         _run(_become(*job, threads))

@@ -47,6 +47,13 @@ def test_paired_overhead_and_checkpoint_save_report():
                      rf"{ms}, torch.load {ms} \(median \(min-max\) of 1\)", load)  # fmt: skip
 
 
+def test_paired_resnet_reports_the_ratio_of_its_pairs():
+    # 4 epochs of 20 iterations: 2 to warm up, then 2 pairs
+    out = run(os.path.join(BENCHMARKS, "paired_resnet.py"), "--iters", "80", "--batch-size", "2")
+    ratio = r"median [\d.]+ \(quartiles [\d.]+-[\d.]+, 2 pairs of 20 iterations\)"
+    assert re.search(rf"ResNet-18 class, CPU, bfloat16: .* steps/s, paired: {ratio}", out)
+
+
 def test_checkpoint_save_fsdp_reports_both_modes_on_both_ranks():
     script = os.path.join(BENCHMARKS, "checkpoint_save.py")
     out = run(script, "--fsdp", "--state-gb", "0.01", "--saves", "1")  # launches 2 gloo ranks

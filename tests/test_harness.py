@@ -1,11 +1,15 @@
-"""The test harness itself: a subprocess that hangs fails its test with every process's stack."""
+"""The test harness itself: a subprocess that hangs fails its test with every process's stack;
+processes differ in hash seed as fresh interpreters do, and a failure says how to replay them."""
 
 import os
+import re
 import subprocess
+import sys
 import time
 
 import pytest
 
+import conftest
 from conftest import communicate, cpu_env, popen, torchrun_command
 
 HANG = """import os, pathlib, time
@@ -38,3 +42,33 @@ def test_a_test_not_marked_slow_cannot_start_a_process():
     # conftest's pytest_runtest_protocol: pytest -m "not slow" starts no process
     with pytest.raises(pytest.fail.Exception, match=r"starts a process \(\['true'\]\): mark it"):
         subprocess.run(["true"])
+
+
+SEED = """import os
+print(os.environ.get("RANK", "script"), hash("a str"))
+"""
+
+
+@pytest.mark.slow
+def test_processes_differ_in_hash_seed_from_the_one_before_and_those_beside(tmp_path):
+    # so the order of a set of strings differs too, and a bug that needs it to can show
+    script = tmp_path / "seed.py"
+    script.write_text(SEED)
+
+    def hashes(cmd) -> dict[str, str]:
+        proc = popen(cmd, env=cpu_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = communicate(proc, timeout=120)
+        assert proc.returncode == 0, err[-3000:]
+        return dict(line.split() for line in out.splitlines())
+
+    first = hashes([sys.executable, str(script)])
+    assert hashes([sys.executable, str(script)])["script"] != first["script"]
+    ranks = hashes(torchrun_command("--nproc_per_node", "2", str(script)))
+    assert ranks["0"] != ranks["1"]
+    if os.environ.get("TRAINER_TEST_FORKSERVER") != "0":
+        # the launcher's seed differs from its workers'; a failure's report lists every seed
+        report = conftest.forked_processes("test_x").splitlines()
+        launch = [re.fullmatch(r"pid \d+, hash seed (\d+): python (.*)", x) for x in report[2:5]]
+        assert "torch.distributed.run" in launch[0][2] and len({m[1] for m in launch}) == 3
+        assert report[5].startswith("The same seeds in the same order: TRAINER_TEST_HASHSEEDS=")
+        assert report[5].endswith(" pytest -n 0 'test_x'")
