@@ -97,7 +97,7 @@ class GANTrainer(Trainer):
             g_loss = bce(self.discriminator(self.generator(noise)).float(), labels[: len(real)])
         self.backward(g_loss)
         self.clip_and_step()  # the trainer's optimizer: the generator's
-        self.update_scaler()  # once per iteration, after both steps
+        # (the trainer updates the float16 loss scale after train_one_iter, both steps done)
 
         # 4. log: NaN-checked and averaged over ranks at the next log point, no sync now
         self.log_losses(d_loss=d_loss.detach(), g_loss=g_loss.detach())

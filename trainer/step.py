@@ -15,6 +15,8 @@ from .distributed import is_sharded
 from .fsdp import local_value, no_gradient_sync
 from .misc import wrappers
 
+NO_OP = contextlib.nullcontext()  # reusable: one for every step that needs no context
+
 
 class StepTools:
     """Autocast, the GradScaler, clipping and the gradient sync of one model's training step.
@@ -66,7 +68,7 @@ class StepTools:
     def autocast(self) -> contextlib.AbstractContextManager:
         """Mixed precision for the forward pass; a no-op without AMP."""
         if self.amp_dtype is None:
-            return contextlib.nullcontext()
+            return NO_OP
         return torch.autocast(self._device_type, self.amp_dtype, cache_enabled=self._cache_autocast)
 
     def no_sync(self, skip: bool) -> contextlib.AbstractContextManager:
@@ -75,10 +77,7 @@ class StepTools:
             return self.ddp.no_sync()
         if skip and self._sharded is not None:
             return no_gradient_sync(self._sharded)
-        return contextlib.nullcontext()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        self.grad_scaler.scale(loss).backward()  # scale() returns the loss as it is when off
+        return NO_OP
 
     def clip_and_step(self, optimizer: Optimizer) -> Optional[torch.Tensor]:
         """Unscale, clip and step ``optimizer``; the norm before clipping, or None."""

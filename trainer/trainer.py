@@ -376,8 +376,8 @@ class Trainer:
             yield progress.iter
 
     def _end_iteration(self) -> None:
-        """Update the float16 loss scale if an override stepped without doing it, and move the
-        position a checkpoint taken now resumes from past this iteration."""
+        """Update the float16 loss scale now that every optimizer of the iteration stepped, and
+        move the position a checkpoint taken now resumes from past this iteration."""
         self._step.update_scaler()
         self.progress.position = (self.progress.epoch, self.progress.inner_iter + 1)
 
@@ -538,15 +538,15 @@ class Trainer:
     def log_losses(self, **losses: torch.Tensor) -> None:
         """Record losses of the current iteration as the built-in step does: NaN-checked at the
         next log point and averaged over ranks."""
-        self.log(self.progress.iter, reduce=True, check_finite=True, **losses)
+        self._storage.add(self.progress.iter, losses, check_finite=True, reduce=True)
 
     # The step, and the public building blocks it is made of
 
     def train_one_iter(self) -> None:
         """Fetch, forward, backward and step once; subclass and override it for anything
         fancier, with the same building blocks: :meth:`next_batch`, :meth:`compute_losses` (or
-        :meth:`autocast`), :meth:`no_gradient_sync`, :meth:`backward`, :meth:`clip_and_step`,
-        :meth:`update_scaler` and :meth:`log_losses`."""
+        :meth:`autocast`), :meth:`no_gradient_sync`, :meth:`backward`, :meth:`clip_and_step`
+        and :meth:`log_losses`."""
         self.optimizer.zero_grad()
         k = self.accumulation_steps
         summed: dict[str, torch.Tensor] = {}
@@ -560,7 +560,7 @@ class Trainer:
         # 4. log the mean over micro-batches, on the device until the next log point: no sync
         self.log_losses(**{n: v / k for n, v in summed.items()} if k > 1 else summed)
         self.clip_and_step()  # 5. unscale, clip, step (a float16 overflow skips it); logs the norm
-        self.update_scaler()  # 6. adjust the float16 loss scale, once every optimizer stepped
+        # then the loop adjusts the float16 loss scale, once every optimizer stepped
 
     def next_batch(self) -> Any:
         """The next batch of the current epoch's pass over the data loader."""
@@ -577,7 +577,7 @@ class Trainer:
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, the loss scaled by the GradScaler with float16 AMP."""
-        self._step.backward(loss)
+        self._step.grad_scaler.scale(loss).backward()  # scale(): the loss as it is when off
 
     def clip_and_step(
         self, optimizer: Optional[Optimizer] = None, *, name: Optional[str] = None
@@ -603,9 +603,9 @@ class Trainer:
         return norm
 
     def update_scaler(self) -> None:
-        """Adjust the float16 loss scale once per iteration, after every optimizer stepped (and
-        between two steps of one optimizer); the trainer does it after ``train_one_iter`` if the
-        iteration did not."""
+        """Adjust the float16 loss scale now, for an optimizer that steps twice in an iteration
+        (GradScaler asks for it between the two); the trainer does it after each
+        :meth:`train_one_iter`."""
         self._step.update_scaler()
 
     def compute_losses(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

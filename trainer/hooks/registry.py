@@ -102,7 +102,7 @@ class HookRegistry:
         if handlers is None:
             raise ValueError(f"event must be one of {', '.join(EVENTS)}; got {event!r}.")
         if event == "after_iter":
-            done = self._owner.cur_iter + 1
+            done = self._owner.progress.iter + 1
             last = done == self._owner.max_iters
             handlers = [h for h, p in zip(handlers, self._periods) if last or done % p == 0]
         if handlers:
