@@ -184,6 +184,21 @@ def test_cuda_graph_matches_eager_training_over_100_steps(tmp_path, caplog, kwar
     assert eager.lr == graphed.lr  # the schedule ran the same in both
 
 
+def test_cuda_graph_replays_adjust_the_float16_loss_scale_as_eager_steps_do(tmp_path):
+    """The scale's update is in the graph: a replay runs no Python, so an update after it would
+    find nothing due and the scale would stay as the capture left it."""
+    scales = []
+    for name, graphed in (("eager", False), ("graph", True)):
+        trainer = cuda_trainer(
+            tmp_path / name, enable_amp=True, amp_dtype=torch.float16, capturable=True,
+            cuda_graph=graphed, max_iters=40,
+        )  # fmt: skip
+        trainer.grad_scaler.set_growth_interval(5)  # grows every 5 finite steps
+        trainer.train()
+        scales.append(trainer.grad_scaler.get_scale())
+    assert scales[1] == scales[0] > 65536.0
+
+
 def test_cuda_graph_runs_other_batch_shapes_eagerly_and_dropout_trains(tmp_path, caplog):
     trainer = cuda_trainer(
         tmp_path, DropoutMLP, max_iters=60, cuda_graph=True, capturable=True, partial_last=True

@@ -59,6 +59,8 @@ class GraphedStep:
 
     Args:
         step: The trainer's built-in step.
+        update_scaler: Adjusts the float16 loss scale after the step, in the graph too (a
+            replay runs no Python, so the loop's update after it would find nothing due).
         data: Where the step takes its batches from.
         storage: Where the step logs.
         progress: Where training is (the iteration a replay's values are logged at).
@@ -70,6 +72,7 @@ class GraphedStep:
     def __init__(
         self,
         step: Callable[[], None],
+        update_scaler: Callable[[], None],
         data: DataStream,
         storage: MetricStorage,
         progress: Progress,
@@ -78,6 +81,7 @@ class GraphedStep:
         batches_per_step: int,
     ) -> None:
         self._step = step
+        self._update_scaler = update_scaler
         self._data = data
         self._storage = storage
         self._progress = progress
@@ -112,11 +116,15 @@ class GraphedStep:
             copies = {name: value.clone() for name, value in metrics.items()}
             self._storage.add(self._progress.iter, copies, **options)
 
+    def _step_and_update(self) -> None:
+        self._step()
+        self._update_scaler()
+
     def _on_side_stream(self) -> None:
         side = torch.cuda.Stream(self._device)
         side.wait_stream(torch.cuda.current_stream(self._device))
         with torch.cuda.stream(side):
-            self._step()
+            self._step_and_update()
         torch.cuda.current_stream(self._device).wait_stream(side)
 
     def _capture(self, batches: list[Any]) -> None:
@@ -135,7 +143,7 @@ class GraphedStep:
                 self._storage.recording() as self._logged,
                 torch.cuda.graph(graph, capture_error_mode="thread_local"),
             ):
-                self._step()
+                self._step_and_update()
         except Exception as e:
             # what a capture needs: docs/internals.md, "Whole-step CUDA graphs"
             raise RuntimeError(f"cuda_graph=True could not capture the step: {e!r}") from e
@@ -169,7 +177,7 @@ class GraphedStep:
                 "iterations run eagerly."
             )
         self._data.put_back(batches)
-        self._step()
+        self._step_and_update()
         # the step's zero_grad dropped the graph's gradient buffers, which its replays fill
         params = [p for group in self._optimizer.param_groups for p in group["params"]]
         for param, grad in zip(params, self._grads):

@@ -192,6 +192,7 @@ class Trainer:
             check_graphable(model, optimizer, device, self._step.scaling, built_in_step)
             self.train_one_iter = GraphedStep(  # type: ignore[method-assign]
                 self.train_one_iter,
+                self._step.update_scaler,
                 self._data,
                 self._storage,
                 self.progress,
