@@ -154,7 +154,10 @@ def _check_epochs_or_iters(max_epochs: Any, max_iters: Any) -> None:
     for name, value in (("max_epochs", max_epochs), ("max_iters", max_iters)):
         check_int(name, value, minimum=0)
     if (max_epochs > 0) == (max_iters > 0):
-        raise ValueError(f"Pass one of max_epochs, max_iters; got {max_epochs}, {max_iters}.")
+        raise ValueError(
+            f"Pass one of max_epochs, max_iters; got max_epochs={max_epochs}, "
+            f"max_iters={max_iters}."
+        )
 
 
 def _check_checkpoints(checkpoint_period: Any, max_num_checkpoints: Any) -> None:
@@ -169,11 +172,16 @@ def _check_step(model: nn.Module, clip_grad_norm: Any, enable_amp: Any, cuda_gra
     if not clip_grad_norm >= 0:
         raise ValueError(f"clip_grad_norm must be >= 0 (0 disables), got {clip_grad_norm!r}.")
     if isinstance(enable_amp, torch.dtype) and enable_amp not in _AMP_DTYPES:
-        raise ValueError("enable_amp must be True, False, torch.float16 or torch.bfloat16.")
+        raise ValueError(
+            f"enable_amp must be True, False, torch.float16 or torch.bfloat16; got {enable_amp}."
+        )
     if cuda_graph and _compiled(model):
         raise ValueError('cuda_graph=True with a compiled model: compile(mode="reduce-overhead").')
     if cuda_graph and is_sharded(model):  # its collectives cannot be captured
-        raise ValueError("cuda_graph=True does not support models sharded with fully_shard.")
+        raise ValueError(
+            "cuda_graph=True does not support models sharded with fully_shard: pass "
+            "cuda_graph=False."
+        )
 
 
 def _check_epoch_len(data_loader: Any, accumulation_steps: int, max_epochs: int) -> Optional[int]:
@@ -185,7 +193,10 @@ def _check_epoch_len(data_loader: Any, accumulation_steps: int, max_epochs: int)
     if num_batches == 0:
         raise ValueError("data_loader is empty: it yields no batch.")
     if num_batches < accumulation_steps:
-        raise ValueError(f"data_loader has {num_batches} batches, fewer than accumulation_steps.")
+        raise ValueError(
+            f"data_loader has {num_batches} batches, fewer than accumulation_steps="
+            f"{accumulation_steps}: lower it."
+        )
     return num_batches // accumulation_steps
 
 

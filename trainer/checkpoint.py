@@ -378,7 +378,7 @@ class Checkpointer:
                 metrics, hooks, registered things) to continue the run exactly. False loads the
                 model's weights only, for fine-tuning or evaluation, from a trainer checkpoint
                 or any file of weights: a ``state_dict``, or a dict holding one under
-                ``"state_dict"`` or ``"model"``.
+                ``"state_dict"``, ``"model_state_dict"`` or ``"model"``.
             strict: The model's keys and shapes must match the checkpoint's. False loads the
                 weights that match in name and shape and logs what it skipped (fine-tuning a
                 changed head, say); a file of which none matches is refused.

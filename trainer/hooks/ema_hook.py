@@ -91,7 +91,8 @@ class EMAHook(HookBase):
 
     def after_iter(self) -> None:
         """Update the average."""
-        assert self._operands is not None  # set in before_train
+        if self._operands is None:  # before_train did not run
+            raise RuntimeError("EMAHook was registered during train(): register it before.")
         averaged, weights, copied, sources = self._operands
         if averaged:
             torch._foreach_lerp_(averaged, weights, 1.0 - self.decay)

@@ -66,7 +66,8 @@ class LRUpdateHook(HookBase):
             if buffer is None and not self._metric_named:
                 epoch = self.trainer.cur_epoch + 1
                 raise RuntimeError(
-                    f"No 'Eval Metric', the default plateau_metric, by epoch {epoch}: pass yours."
+                    f"No {DEFAULT_PLATEAU_METRIC!r}, the default plateau_metric, by epoch {epoch}: "
+                    "pass yours."
                 )
             if buffer is not None and buffer.count > self._metric_count:
                 metric = buffer.latest

@@ -43,7 +43,10 @@ class WatchdogHook(HookBase):
         check_type("factor", factor, NUMBER, "a number > 1")
         check_type("min_seconds", min_seconds, NUMBER, "a number > 0")
         if not factor > 1 or not min_seconds > 0:
-            raise ValueError(f"factor must be > 1, min_seconds > 0; got {factor}, {min_seconds}.")
+            raise ValueError(
+                f"factor must be > 1, min_seconds > 0; got factor={factor}, "
+                f"min_seconds={min_seconds}."
+            )
         check_int("window", window, minimum=1)
         self._factor = factor
         self._min_seconds = min_seconds
