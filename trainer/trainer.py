@@ -40,14 +40,8 @@ from .step import StepTools
 
 logger = logging.getLogger(__name__)
 
-# The default hooks' classes, of which a trainer has one at most, and what a second one would do.
-_ONE_OF_EACH = {
-    DistributedHook: "set the samplers' epoch twice",
-    TimerHook: "log the times and LRs twice",
-    LRUpdateHook: "step the LR schedule twice",
-    CheckpointHook: "save on its own schedule, each hook pruning only its own files",
-    LoggerHook: "write every row twice",
-}
+# The default hooks' classes of which a trainer has one at most: a second would do its work twice
+_ONE_OF_EACH = (DistributedHook, TimerHook, LRUpdateHook, CheckpointHook, LoggerHook)
 
 
 class Trainer:
@@ -279,7 +273,8 @@ class Trainer:
 
     def register_hook(self, hook: HookBase) -> None:
         """Add a hook; hooks run by ascending ``priority``, ties in registration order. A second
-        hook of a default hook's class is refused: replace the default one instead."""
+        ``DistributedHook``, ``TimerHook``, ``LRUpdateHook``, ``CheckpointHook`` or ``LoggerHook``
+        is refused: replace the default one instead."""
         self._hooks.register(hook)
 
     def register_hooks(self, hooks: Sequence[Optional[HookBase]]) -> None:

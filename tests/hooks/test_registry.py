@@ -164,6 +164,15 @@ def test_a_periodic_after_iter_is_called_after_its_period_and_the_last_iteration
     assert third == [8, 11, 13]
 
 
+def test_hooks_of_different_periods_are_each_called_after_their_own(make_trainer):
+    third, fourth = [], []
+    trainer = make_trainer(max_iters=13)
+    trainer.register_hooks([EveryThird(third), EveryThird(fourth, period=4)])
+    trainer.train()
+    assert third == [2, 5, 8, 11, 12]
+    assert fourth == [3, 7, 11, 12]
+
+
 @pytest.mark.parametrize("period", [-1, 2.0, True])
 def test_an_after_iter_period_that_is_not_an_int_of_0_or_more_is_refused(make_trainer, period):
     trainer = make_trainer()
@@ -177,20 +186,18 @@ def test_an_after_iter_period_that_is_not_an_int_of_0_or_more_is_refused(make_tr
 
 
 @pytest.mark.parametrize(
-    "hook, twice",
+    "hook",
     [
-        (lambda: LRUpdateHook(), "step the LR schedule twice"),
-        (lambda: CheckpointHook(3, 2, by_epoch=False), "save on its own schedule"),
-        (lambda: LoggerHook(tensorboard=False), "write every row twice"),
+        lambda: LRUpdateHook(),
+        lambda: CheckpointHook(3, 2, by_epoch=False),
+        lambda: LoggerHook(tensorboard=False),
     ],
 )
-def test_a_second_hook_of_a_default_hooks_class_is_refused_naming_the_swap(
-    make_trainer, hook, twice
-):
+def test_a_second_hook_of_a_default_hooks_class_is_refused_naming_the_swap(make_trainer, hook):
     trainer = make_trainer(max_epochs=1)
     new = hook()
     name = type(new).__name__
-    match = rf"A {name} is registered already.*{twice}.*trainer.unregister_hook\({name}\)"
+    match = rf"A {name} is registered already.*twice.*trainer.unregister_hook\({name}\)"
     with pytest.raises(ValueError, match=match):
         trainer.register_hook(new)
     trainer.unregister_hook(type(new))

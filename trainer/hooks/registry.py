@@ -3,7 +3,7 @@
 import time
 import weakref
 from collections.abc import Iterator
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Union
 
 from .hookbase import HookBase
 
@@ -26,14 +26,13 @@ class HookRegistry:
 
     Args:
         owner: The trainer the hooks get as ``hook.trainer``.
-        one_of_each: Classes of which one hook at most may be registered, with what a second
-            one would do (the message of the error that refuses it).
+        one_of_each: Classes of which one hook at most may be registered.
     """
 
-    def __init__(self, owner: Any, one_of_each: Optional[dict[type, str]] = None) -> None:
+    def __init__(self, owner: Any, one_of_each: tuple[type, ...] = ()) -> None:
         # A proxy, not a reference: the trainer owns its hooks, and a cycle would keep both alive.
         self._owner = weakref.proxy(owner)
-        self._one_of_each = one_of_each or {}
+        self._one_of_each = one_of_each
         self._hooks: list[HookBase] = []
         self.start()
 
@@ -56,11 +55,11 @@ class HookRegistry:
             raise ValueError(
                 f"This {hook.class_name} belongs to another trainer: register a new one."
             )
-        for cls, twice in self._one_of_each.items():
+        for cls in self._one_of_each:
             if isinstance(hook, cls) and any(isinstance(h, cls) for h in self._hooks):
                 raise ValueError(
-                    f"A {cls.__name__} is registered already, and a second would {twice}: "
-                    f"replace it, after trainer.unregister_hook({cls.__name__})."
+                    f"A {cls.__name__} is registered already, and a second would do its work "
+                    f"twice: replace it, after trainer.unregister_hook({cls.__name__})."
                 )
         hook.trainer = self._owner
         position = sum(1 for h in self._hooks if h.priority <= hook.priority)
@@ -92,6 +91,9 @@ class HookRegistry:
             for event in EVENTS
         }
         self._periods = [periods[i] for i, _ in self._handlers["after_iter"]]
+        # no after_iter period ends strictly between these two counts of iterations done
+        self._quiet_after = 0
+        self._due = 0
         self._seconds = [0.0] * len(self._hooks)
 
     def call(self, event: str, *args: Any, every_handler: bool = False) -> None:
@@ -104,7 +106,11 @@ class HookRegistry:
         if event == "after_iter":
             done = self._owner.progress.iter + 1
             last = done == self._owner.max_iters
+            if self._quiet_after < done < self._due and not last:
+                return
             handlers = [h for h, p in zip(handlers, self._periods) if last or done % p == 0]
+            self._quiet_after = done
+            self._due = min((done // p + 1) * p for p in self._periods) if self._periods else 0
         if handlers:
             self._run(handlers, args, every_handler)
 
