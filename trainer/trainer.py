@@ -333,20 +333,23 @@ class Trainer:
         """Train, first resuming from ``resume_from_checkpoint`` or (``auto_resume``) from
         ``work_dir``'s latest checkpoint. A run that :meth:`stop` ended stays stopped unless
         ``continue_after_stop``."""
+        progress = self.progress
         with self._session():
             self._start(resume_from_checkpoint, auto_resume, continue_after_stop)
             try:
                 self._hooks.call("before_train")
-                while not self.progress.finished:
-                    self.progress.begin_epoch()
+                while not progress.finished:
+                    progress.begin_epoch()
                     self._hooks.call("before_epoch")
                     for _ in self._iterations():  # the epoch's (a resumed one's: what is left)
                         self._hooks.call("before_iter")
                         self.train_one_iter()
-                        self._end_iteration()
+                        self._step.update_scaler()  # float16: once every optimizer stepped
+                        # a checkpoint taken from here on resumes after this iteration
+                        progress.position = (progress.epoch, progress.inner_iter + 1)
                         self._hooks.call("after_iter")
                         self._act_on_signals()  # preempted: save and exit
-                        if self.progress.stopped:
+                        if progress.stopped:
                             break
                     if self._end_epoch():  # False after a stop in mid-epoch
                         self._hooks.call("after_epoch")
@@ -370,12 +373,6 @@ class Trainer:
             progress.inner_iter = inner_iter
             progress.iter = progress.epoch_start + inner_iter
             yield progress.iter
-
-    def _end_iteration(self) -> None:
-        """Update the float16 loss scale now that every optimizer of the iteration stepped, and
-        move the position a checkpoint taken now resumes from past this iteration."""
-        self._step.update_scaler()
-        self.progress.position = (self.progress.epoch, self.progress.inner_iter + 1)
 
     def _end_epoch(self) -> bool:
         """End the epoch's pass over the data, unless a stop came before its end: whether it
@@ -609,18 +606,17 @@ class Trainer:
         and the detached losses to log, ``total_loss`` among them."""
         with self.autocast():
             out = self.model(**batch) if self._unpack_batch_dict else self.model(batch)
+        if isinstance(out, torch.Tensor):  # the loss
+            return out, {"total_loss": out.detach()}
         return _total_loss(out)
 
 
-def _total_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The loss to back-propagate and the detached values to log, from a scalar loss or a dict
-    of them; in a dict, values without a gradient beside ones with are metrics, not losses."""
-    if isinstance(out, torch.Tensor):
-        return out, {"total_loss": out.detach()}
-    losses = out
+def _total_loss(losses: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The sum of a dict of losses to back-propagate, and the detached values to log; values
+    without a gradient beside ones with are metrics, not losses."""
     if not isinstance(losses, dict) or not losses:
         raise TypeError(
-            f"model must return a loss or a non-empty dict of losses, got {type(out).__name__}."
+            f"model must return a loss or a non-empty dict of losses, got {type(losses).__name__}."
         )
     for name, value in losses.items():
         if not isinstance(value, torch.Tensor):
