@@ -43,9 +43,6 @@ class Preemption:
     def __init__(self, check_period: int = 10, cpu: Optional[CpuGroup] = None) -> None:
         self.check_period = check_period
         self.caught: Optional[int] = None  # the signal this process caught
-        # whether agreed_signal() is due after this iteration: this process caught a signal, or
-        # under torchrun, where the ranks check every check_period iterations
-        self.pending = False
         self._cpu = cpu or CpuGroup()
         self._agreement: Optional[_Agreement] = None  # under torchrun, while catching
 
@@ -57,7 +54,6 @@ class Preemption:
         self._agreement = None
         if get_world_size() > 1:
             self._agreement = _Agreement(self.check_period, self._cpu)
-        self.pending = self._agreement is not None
         if threading.current_thread() is not threading.main_thread():
             yield  # Python lets only the main thread handle signals
             return
@@ -83,7 +79,12 @@ class Preemption:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
         self.caught = signum
-        self.pending = True
+
+    @property
+    def pending(self) -> bool:
+        """Whether :meth:`agreed_signal` is due after this iteration: this process caught a signal,
+        or under torchrun, where the ranks check every ``check_period`` iterations."""
+        return self.caught is not None or self._agreement is not None
 
     def agreed_signal(self, iteration: int, write_failed: bool = False) -> int:
         """The signal that every rank stops for after ``iteration``, 0 to go on, or

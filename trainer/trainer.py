@@ -570,7 +570,7 @@ class Trainer:
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, the loss scaled by the GradScaler with float16 AMP."""
-        self._step.grad_scaler.scale(loss).backward()  # scale(): the loss as it is when off
+        self.grad_scaler.scale(loss).backward()  # scale(): the loss as it is when off
 
     def clip_and_step(
         self, optimizer: Optional[Optimizer] = None, *, name: Optional[str] = None
