@@ -69,49 +69,16 @@ class ForkedPopen(subprocess.Popen):
     """``subprocess.Popen`` whose child, where it is ``sys.executable`` running a script or a
     module, is forked by a server of ``$TRAINER_TEST_FORKSERVERS``."""
 
-    def _execute_child(
-        self,
-        args,
-        executable,
-        preexec_fn,
-        close_fds,
-        pass_fds,
-        cwd,
-        env,
-        startupinfo,
-        creationflags,
-        shell,
-        p2cread,
-        p2cwrite,
-        c2pread,
-        c2pwrite,
-        errread,
-        errwrite,
-        *rest,
-    ):
+    def _execute_child(self, *popen_args):
+        # Popen's private signature, forwarded whole when a fresh interpreter must start
+        args, executable, preexec_fn, _, pass_fds, cwd, env, _, _, shell = popen_args[:10]
+        p2cread, p2cwrite, c2pread, c2pwrite, errread, errwrite = popen_args[10:16]  # the pipes
         # rest: restore_signals, gid, gids, uid, umask, start_new_session[, process_group]
+        rest = popen_args[16:]
         request = _request(args, executable, preexec_fn, pass_fds, cwd, env, shell, rest)
         if request is None:
             self._conn = None
-            return super()._execute_child(
-                args,
-                executable,
-                preexec_fn,
-                close_fds,
-                pass_fds,
-                cwd,
-                env,
-                startupinfo,
-                creationflags,
-                shell,
-                p2cread,
-                p2cwrite,
-                c2pread,
-                c2pwrite,
-                errread,
-                errwrite,
-                *rest,
-            )
+            return super()._execute_child(*popen_args)
         self.args = args
         fds = [p2cread if p2cread != -1 else 0, c2pwrite if c2pwrite != -1 else 1]
         fds.append(errwrite if errwrite != -1 else 2)
