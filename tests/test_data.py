@@ -20,7 +20,7 @@ from torch.utils.data import (
     Sampler,
 )
 
-from trainer import HookBase, set_random_seed
+from trainer import HookBase, Trainer, set_random_seed
 from trainer.data import get_rng_state, set_rng_state
 
 from conftest import Recording, TinyModel, build, load, tiny_dataset, tiny_loader
@@ -495,3 +495,32 @@ def test_resume_from_a_stream_with_a_loader_of_a_length_is_refused(tmp_path):
         trainer.train()
     assert os.path.join(trainer.ckpt_dir, "iter_4.pth") in str(error.value)
     assert "saved with None iterations per epoch, now 8" in str(error.value)
+
+
+class ShortOfItsLength(list):
+    """Batches that yield fewer than their len() says."""
+
+    def __len__(self):
+        return super().__len__() + 3
+
+
+def test_a_loader_shorter_than_its_len_is_refused_naming_its_length_and_the_fix(make_trainer):
+    batches = ShortOfItsLength(list(tiny_loader()))  # 8 batches, len() 11
+    trainer = make_trainer(loader=batches, max_epochs=1)
+    with pytest.raises(RuntimeError, match=r"fewer batches than its len\(\), 11: make .*__len__"):
+        trainer.train()
+
+
+def test_a_step_taking_more_batches_than_a_stream_fetched_is_refused_naming_the_argument(
+    make_trainer,
+):
+    class TwoBatches(Trainer):
+        def train_one_iter(self):
+            self.next_batch()
+            super().train_one_iter()
+
+    # no length: an iteration's batches are fetched ahead; the 4th iteration's second is missing
+    stream = (batch for batch in tiny_loader(n=28))  # 7 batches
+    trainer = make_trainer(loader=stream, max_iters=4, cls=TwoBatches)
+    with pytest.raises(RuntimeError, match="more batches than accumulation_steps.*raise"):
+        trainer.train()

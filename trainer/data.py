@@ -34,8 +34,16 @@ _WORKER_STREAM = 0x5851F42D4C957F2D
 _FOREIGN_RNGS = (random.Random, np.random.RandomState, np.random.Generator)
 # What a pass over a DataLoader depends on, besides its dataset and sampler
 _LOADER_OPTIONS = (
-    "num_workers collate_fn pin_memory timeout worker_init_fn multiprocessing_context generator "
-    "prefetch_factor pin_memory_device in_order".split()
+    "num_workers",
+    "collate_fn",
+    "pin_memory",
+    "timeout",
+    "worker_init_fn",
+    "multiprocessing_context",
+    "generator",
+    "prefetch_factor",
+    "pin_memory_device",
+    "in_order",
 )
 
 
@@ -80,11 +88,13 @@ class DataStream:
         except StopIteration:
             if self.sized:
                 raise RuntimeError(
-                    f"data_loader yielded fewer batches than its len(), {len(self.data_loader)}."
+                    f"data_loader yielded fewer batches than its len(), {len(self.data_loader)}: "
+                    "make the dataset's or sampler's __len__ match what it yields."
                 ) from None
             # a loader without a length: an iteration fetches accumulation_steps batches ahead
             raise RuntimeError(
-                "train_one_iter took more batches than accumulation_steps from a stream."
+                "train_one_iter took more batches than accumulation_steps from a data_loader "
+                "without a length: take that many per iteration, or raise accumulation_steps."
             ) from None
         self.data_time += time.perf_counter() - start
         return batch
