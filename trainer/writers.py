@@ -109,6 +109,8 @@ class ConsoleWriter(MetricWriter):
         self._start_iter = start_iter
 
     def write(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        if not logger.isEnabledFor(logging.INFO):
+            return  # the line would go nowhere: no need to format it
         epoch = trainer.cur_epoch + 1
         inner = trainer.inner_iter + 1
         elapsed = time.perf_counter() - self._start_time
