@@ -87,3 +87,15 @@ def test_the_summary_names_a_best_checkpoint_still_being_written(make_trainer, c
     trainer.train()
     best = os.path.join(trainer.ckpt_dir, "best.pth")
     assert re.search(rf"\nbest checkpoint +{re.escape(best)}\n", caplog.text)
+
+
+def test_a_nan_is_never_a_new_best_nor_infinity_after_infinity(make_trainer, caplog):
+    nan, inf = float("nan"), float("inf")
+    trainer = make_trainer(max_epochs=5)
+    evaluating(trainer, [nan, 0.5, nan, inf, inf], BestCheckpointHook("acc")).train()
+    news = [r.getMessage() for r in caplog.records if r.getMessage().startswith("New best")]
+    assert news == [
+        "New best acc: 0.5: saving best.pth.",
+        "New best acc: inf (was 0.5): saving best.pth.",
+    ]
+    assert load(os.path.join(trainer.ckpt_dir, "best.pth"))["progress"]["epoch"] == 4

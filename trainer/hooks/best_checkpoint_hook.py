@@ -12,7 +12,7 @@ logger = logging.getLogger(__name__)
 
 class BestCheckpointHook(HookBase):
     """Saves ``best.pth`` (a full checkpoint, written atomically like every other) whenever the
-    evaluation metric ``metric`` reaches a new best.
+    evaluation metric ``metric`` reaches a new best (a NaN never is one).
 
     The first evaluation that lacks ``metric`` (a misspelt name) is warned about, naming the
     results that came (see :func:`~trainer.hooks.metric_watch.warn_if_missing`).

@@ -1,6 +1,7 @@
 """Ends training when an evaluation metric stops improving."""
 
 import logging
+import math
 from typing import Any, Optional
 
 from ..misc import check_int
@@ -16,6 +17,8 @@ class EarlyStoppingHook(HookBase):
 
     Its counters are saved in checkpoints, so a resumed run counts on where it stopped. Every
     rank sees the same evaluation results, so under torchrun every rank stops together.
+
+    A NaN value is never an improvement: it counts towards ``patience``.
 
     The first evaluation that lacks ``metric`` (a misspelt name) is warned about, naming the
     results that came (see :func:`~trainer.hooks.metric_watch.warn_if_missing`).
@@ -56,9 +59,12 @@ class EarlyStoppingHook(HookBase):
             return
         self._bad_evals += 1
         if self._bad_evals >= self._patience:
+            best = self._watch.best  # None: every value was NaN
+            on = "" if best is None else f" on {best:.5g}"
+            nan = ": a NaN is never an improvement" if math.isnan(value) else ""
             logger.info(
-                f"Early stopping: {self._watch.metric} has not improved on "
-                f"{self._watch.best:.5g} for {self._bad_evals} evaluations (now {value:.5g})."
+                f"Early stopping: {self._watch.metric} has not improved{on} for "
+                f"{self._bad_evals} evaluations (now {value:.5g}{nan})."
             )
             self.trainer.stop()
 

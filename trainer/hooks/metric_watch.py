@@ -76,12 +76,12 @@ class MetricWatch:
 
     def improves(self, value: float) -> bool:
         """Whether ``value`` beats the best so far by more than ``min_delta``; if so it becomes
-        the best. NaN never does."""
+        the best. A NaN never does, nor infinity after infinity."""
         if math.isnan(value):
             return False
         if self.best is not None:
             margin = value - self.best if self.mode == "max" else self.best - value
-            if margin <= self.min_delta:
+            if not margin > self.min_delta:  # inf - inf is NaN
                 return False
         self.best = value
         return True
