@@ -3,6 +3,7 @@
 import logging
 from typing import Any, Optional
 
+from ..checkpoint import written_by_trainer
 from ..misc import check_file_name
 from .hookbase import HookBase, Priority
 from .metric_watch import MetricWatch, warn_if_missing
@@ -26,7 +27,8 @@ class BestCheckpointHook(HookBase):
         mode: ``"max"`` (higher is better) or ``"min"``; by default inferred from the name
             (``loss``, ``err``: min; ``acc``, ``ap``, ``f1``, ``iou``: max), and a name that does
             not tell is refused.
-        file_name: The file name in ``trainer.ckpt_dir``.
+        file_name: The file name in ``trainer.ckpt_dir``; not one the trainer writes itself
+            (``epoch_N.pth``, ``iter_N.pth``, ``latest.txt``, a name ending in ``.tmp``).
 
     Example::
 
@@ -39,6 +41,11 @@ class BestCheckpointHook(HookBase):
         self, metric: str, mode: Optional[str] = None, file_name: str = "best.pth"
     ) -> None:
         check_file_name("file_name", file_name)
+        if written_by_trainer(file_name):  # it would overwrite, or be overwritten or removed
+            raise ValueError(
+                f"file_name={file_name!r} is a name the trainer writes itself (epoch_N.pth, "
+                "iter_N.pth, latest.txt, *.tmp): pass another, such as 'best.pth'."
+            )
         self._watch = MetricWatch(metric, mode)
         self._file_name = file_name
         self._due = False  # a new best, not saved yet
