@@ -42,7 +42,7 @@ def test_a_nan_metric_is_never_an_improvement(make_trainer, caplog):
     trainer = evaluating(make_trainer(max_epochs=4), values, EarlyStoppingHook("acc", 2))
     trainer.train()
     assert trainer.cur_epoch == 1  # two evaluations of NaN, neither an improvement
-    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Early")]
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Early stopping")]
     assert "acc has not improved for 2 evaluations" in line and "NaN is never" in line
 
 

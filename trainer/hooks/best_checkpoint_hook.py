@@ -26,7 +26,7 @@ class BestCheckpointHook(HookBase):
         metric: A name that the ``EvalHook``'s function returns.
         mode: ``"max"`` (higher is better) or ``"min"``; by default inferred from the name
             (``loss``, ``err``: min; ``acc``, ``ap``, ``f1``, ``iou``: max), and a name that does
-            not tell is refused.
+            not tell is refused (docs/evaluation.md has the rule); logged when training starts.
         file_name: The file name in ``trainer.ckpt_dir``; not one the trainer writes itself
             (``epoch_N.pth``, ``iter_N.pth``, ``latest.txt``, a name ending in ``.tmp``).
 
@@ -51,6 +51,10 @@ class BestCheckpointHook(HookBase):
         self._due = False  # a new best, not saved yet
         self._saved_best = None  # the value best.pth holds
         self._warned = False  # that an evaluation lacked the metric
+
+    def before_train(self) -> None:
+        """Log which way the metric is judged."""
+        self._watch.log_mode(self.class_name)
 
     def after_eval(self, results: dict[str, float]) -> None:
         """Note a new best; it is saved when the state is complete."""

@@ -28,7 +28,7 @@ class EarlyStoppingHook(HookBase):
         patience: Evaluations without improvement to tolerate.
         mode: ``"max"`` (higher is better) or ``"min"``; by default inferred from the name
             (``loss``, ``err``: min; ``acc``, ``ap``, ``f1``, ``iou``: max), and a name that does
-            not tell is refused.
+            not tell is refused (docs/evaluation.md has the rule); logged when training starts.
         min_delta: How much better a value must be to count as an improvement.
 
     Example::
@@ -46,6 +46,10 @@ class EarlyStoppingHook(HookBase):
         self._patience = patience
         self._bad_evals = 0  # evaluations since the last improvement
         self._warned = False  # that an evaluation lacked the metric
+
+    def before_train(self) -> None:
+        """Log which way the metric is judged."""
+        self._watch.log_mode(self.class_name)
 
     def after_eval(self, results: dict[str, float]) -> None:
         """Count an evaluation without improvement; stop after ``patience`` of them."""
