@@ -10,7 +10,7 @@ from ..distributed import get_world_size
 from ..evaluation import eval_mode
 from ..metric_storage import TRAINER_METRICS, reduce_over_ranks
 from ..misc import check_int
-from ..writers import tensorboard_tag
+from ..writers import PER_GROUP, ROW_KEYS, tensorboard_tag
 from .hookbase import HookBase, Priority
 
 logger = logging.getLogger(__name__)
@@ -132,8 +132,9 @@ class EvalHook(HookBase):
         return results
 
     def _refuse_clashes(self, results: dict[str, float]) -> None:
-        """Refuse a new result name that another series logs, under that name or its TensorBoard
-        tag: mixed into one, they would log neither what was evaluated nor what was trained."""
+        """Refuse a new result name that the trainer writes itself, or that another series logs,
+        under that name or its TensorBoard tag: mixed into one, they would log neither what was
+        evaluated nor what was trained."""
         new = results.keys() - self._names
         if not new:
             return
@@ -145,10 +146,15 @@ class EvalHook(HookBase):
         }
         others = TRAINER_METRICS | self.trainer.metric_storage.keys() - self._names
         tags = {tensorboard_tag(name, name in evaluated): name for name in others}
+        source = "eval_func" if self._eval_func else "metric_fn"
         for name in sorted(new):
+            if name in ROW_KEYS or name.startswith(PER_GROUP):  # in metrics.jsonl's rows
+                raise ValueError(
+                    f"{source} returned {name!r}, a name the trainer writes itself (iter, epoch, "
+                    f"lr/..., grad_norm/...): rename it, e.g. 'val_{name}'."
+                )
             clash = name if name in others else tags.get(tensorboard_tag(name, evaluated=True))
             if clash is not None:  # logged in training or by another EvalHook
-                source = "eval_func" if self._eval_func else "metric_fn"
                 raise ValueError(
                     f"{source} returned {name!r}, which would mix with the {clash!r}: rename it."
                 )
