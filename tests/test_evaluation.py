@@ -276,6 +276,11 @@ def test_eval_hook_logs_exact_results_and_best_checkpoint_judges_them(
         ({"data_loader": []}, "Pass EvalHook either eval_func, or data_loader and metric_fn"),
         ({"eval_func": dict, "data_loader": [], "metric_fn": dict}, "Pass EvalHook either"),
         ({"data_loader": [], "metric_fn": 3}, "metric_fn must be callable, got int"),
+        ({"data_loader": 5, "metric_fn": dict}, "data_loader must be an iterable of batches"),
+        (
+            {"data_loader": data(), "metric_fn": dict},
+            r"iterable of batches \(a DataLoader.*got TensorDataset",
+        ),
     ],
 )
 def test_eval_hook_takes_one_form(kwargs, message):

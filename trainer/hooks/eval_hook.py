@@ -2,6 +2,7 @@
 
 import logging
 import numbers
+from collections.abc import Iterable
 from typing import Any, Callable, Optional
 
 import torch
@@ -9,7 +10,7 @@ import torch
 from ..distributed import get_world_size
 from ..evaluation import eval_mode
 from ..metric_storage import TRAINER_METRICS, reduce_over_ranks
-from ..misc import check_int
+from ..misc import check_int, check_type
 from ..writers import PER_GROUP, ROW_KEYS, tensorboard_tag
 from .hookbase import HookBase, Priority
 
@@ -70,6 +71,9 @@ class EvalHook(HookBase):
         for name, value in (("eval_func", eval_func), ("metric_fn", metric_fn)):
             if value is not None and not callable(value):
                 raise TypeError(f"{name} must be callable, got {type(value).__name__}.")
+        if data_loader is not None:  # not at the first evaluation, after training some
+            expected = "an iterable of batches (a DataLoader, a list)"
+            check_type("data_loader", data_loader, Iterable, expected)
         self._period = period
         self._eval_func = eval_func
         self._data_loader = data_loader
