@@ -110,6 +110,28 @@ def test_what_metric_fn_returns_is_checked(make_trainer, returned, error, messag
 
 
 @pytest.mark.parametrize(
+    "batches, x",
+    [
+        ([torch.arange(6.0), torch.arange(6.0, 10.0)], lambda batch: batch),
+        (
+            [(torch.arange(6.0), torch.ones(6)), (torch.arange(6.0, 10.0), torch.ones(4))],
+            lambda batch: batch[0],
+        ),
+        ([{"x": torch.arange(6.0)}, {"x": torch.arange(6.0, 10.0)}], lambda batch: batch["x"]),
+    ],
+)
+def test_a_batch_mean_of_shape_1_is_refused_not_taken_for_a_sample(make_trainer, batches, x):
+    """It weighed each batch as one sample: 5.0 for these batches, whose mean is 4.5 (a batch
+    of one sample returns shape [1] rightly: see the test of every batch size above)."""
+    trainer = make_trainer()
+    mean = lambda model, batch: {"x": x(batch).mean(0, keepdim=True)}  # noqa: E731
+    with pytest.raises(
+        ValueError, match=r"^metric_fn returned 'x' of shape \[1\] for a batch of 6 s"
+    ):
+        trainer.evaluate(batches, mean)
+
+
+@pytest.mark.parametrize(
     "returned, got",
     [
         (lambda x: (x.sum(1) > 0).float(), "torch.Tensor"),  # a bare per-sample tensor
@@ -254,6 +276,11 @@ def test_eval_hook_logs_exact_results_and_best_checkpoint_judges_them(
         ({"data_loader": []}, "Pass EvalHook either eval_func, or data_loader and metric_fn"),
         ({"eval_func": dict, "data_loader": [], "metric_fn": dict}, "Pass EvalHook either"),
         ({"data_loader": [], "metric_fn": 3}, "metric_fn must be callable, got int"),
+        ({"data_loader": 5, "metric_fn": dict}, "data_loader must be an iterable of batches"),
+        (
+            {"data_loader": data(), "metric_fn": dict},
+            r"iterable of batches \(a DataLoader.*got TensorDataset",
+        ),
     ],
 )
 def test_eval_hook_takes_one_form(kwargs, message):

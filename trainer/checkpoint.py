@@ -9,6 +9,7 @@ import glob
 import logging
 import math
 import os
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any, Callable, Optional, Sequence
@@ -48,6 +49,7 @@ from .progress import Progress, map_position
 logger = logging.getLogger(__name__)
 
 LATEST_POINTER = "latest.txt"  # names the newest checkpoint of its folder
+_PERIODIC = re.compile(r"(epoch|iter)_[0-9]+\.pth")  # the names Checkpointer.name() gives
 # What every checkpoint holds besides the registered things, in the order they are checked.
 _OWN_KEYS = ("progress", "config", "model", "optimizer", "rng")
 _PROGRESS_KEYS = ("epoch", "inner_iter", "epoch_len", "iters_done", "world_size", "batch_size")
@@ -521,6 +523,16 @@ def update_latest_pointer(ckpt_dir: str, file_name: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
         os.rmdir(path)  # damage in its place (an empty folder); a full one raises, named
     atomic_write(path, lambda f: f.write(file_name.encode()))
+
+
+def written_by_trainer(file_name: str) -> bool:
+    """Whether the trainer writes ``file_name`` (a path in ``ckpt_dir``) itself: a periodic
+    checkpoint (``epoch_N.pth``, ``iter_N.pth``) or a file in one (a sharded checkpoint's
+    folder), ``latest.txt`` (in each folder a checkpoint goes to), or a temporary name (ending
+    in ``.tmp`` or ``.tmp.old``, the endings of the files that a start removes)."""
+    parts = os.path.normpath(file_name).split(os.sep)
+    temporary = any(part.endswith((TEMP_SUFFIX, ASIDE_SUFFIX)) for part in parts)
+    return bool(_PERIODIC.fullmatch(parts[0])) or LATEST_POINTER in parts or temporary
 
 
 def read_latest_pointer(ckpt_dir: str) -> Optional[str]:

@@ -3,7 +3,7 @@ in one process or shared among the ranks under torchrun."""
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Optional
 
 import torch
@@ -96,7 +96,7 @@ def _sums(
         if not mine:
             spare = batch  # another rank's
             continue
-        values = _checked(metric_fn(model, batch), sums.keys() or None)
+        values = _checked(metric_fn(model, batch), sums.keys() or None, _rows(batch))
         forwards += 1
         n = next(iter(values.values())).shape[0]
         keep = n if shard is None else max(0, min(n, shard[0] - seen))
@@ -201,9 +201,22 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
             module.training = training
 
 
-def _checked(values: Any, names: Optional[Any]) -> dict[str, torch.Tensor]:
-    """``metric_fn``'s result, checked: a dict of same-length 1-D tensors, under the names of
-    the first batch (shapes only: no host-device sync)."""
+def _rows(batch: Any) -> Optional[int]:
+    """The first dimension of ``batch``, or of its first item (a tuple's, a list's, a mapping's
+    value) if that is a tensor: its number of samples as a DataLoader collates them; None if
+    neither is a tensor."""
+    first = batch
+    if isinstance(batch, Mapping):
+        first = next(iter(batch.values()), None)
+    elif isinstance(batch, (tuple, list)):
+        first = batch[0] if batch else None
+    return first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else None
+
+
+def _checked(values: Any, names: Optional[Any], rows: Optional[int]) -> dict[str, torch.Tensor]:
+    """``metric_fn``'s result for a batch of ``rows`` samples (None: not known), checked: a dict
+    of same-length 1-D tensors, under the names of the first batch (shapes only: no host-device
+    sync)."""
     if not isinstance(values, dict) or not values:
         raise TypeError(
             f"metric_fn must return {{name: tensor of shape [batch]}}, got {type(values)}."
@@ -216,6 +229,11 @@ def _checked(values: Any, names: Optional[Any]) -> dict[str, torch.Tensor]:
         lengths.add(value.shape[0])
     if len(lengths) > 1:
         raise ValueError(f"metric_fn returned {sorted(lengths)} values for one batch's names.")
+    if lengths == {1} and rows is not None and rows > 1:  # a mean with keepdim=True, most often
+        raise ValueError(
+            f"metric_fn returned {next(iter(values))!r} of shape [1] for a batch of {rows} "
+            f"samples: return one value per sample (shape [{rows}]), not the batch's mean."
+        )
     if names is not None and values.keys() != names:
         raise ValueError(f"metric_fn returned {sorted(names)}, then {sorted(values)}.")
     return values

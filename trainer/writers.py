@@ -75,8 +75,12 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms" if seconds < 1 else f"{seconds:.3g} s"
 
 
-# The trainer's metrics per parameter group or optimizer: lr/group1, grad_norm/optimizer_d...
-_PER_GROUP = ("lr/", "grad_norm/")
+#: The keys of a metrics.jsonl row besides its metrics (the step, the epoch): names the trainer
+#: writes itself, which EvalHook refuses as results, as it refuses TRAINER_METRICS.
+ROW_KEYS = ("iter", "epoch")
+#: The beginnings of the trainer's metrics per parameter group or optimizer (lr/group1,
+#: grad_norm/optimizer_d...), refused as results too.
+PER_GROUP = ("lr/", "grad_norm/")
 _GROUP_LR = re.compile(r"lr/group[0-9]+")  # an LR the console line leaves out
 
 
@@ -85,7 +89,7 @@ def tensorboard_tag(name: str, evaluated: bool) -> str:
     for a time, ``train/`` for the rest, the trainer's metrics per parameter group or optimizer
     included (``train/lr/group1``, ``train/grad_norm/optimizer_d``); another name with a ``/``
     is its own tag."""
-    if "/" in name and not name.startswith(_PER_GROUP):
+    if "/" in name and not name.startswith(PER_GROUP):
         return name
     if evaluated:
         return f"eval/{name}"
@@ -210,8 +214,8 @@ class JSONLinesWriter(MetricWriter):
         self._file = open_no_follow(path, append=True)
 
     def write(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
-        record = {"iter": step, "epoch": trainer.cur_epoch + 1, **metrics}
-        self._file.write(json.dumps(record) + "\n")
+        record = dict(zip(ROW_KEYS, (step, trainer.cur_epoch + 1)))
+        self._file.write(json.dumps({**record, **metrics}) + "\n")
         self._file.flush()
 
     def close(self) -> None:

@@ -87,3 +87,42 @@ def test_the_summary_names_a_best_checkpoint_still_being_written(make_trainer, c
     trainer.train()
     best = os.path.join(trainer.ckpt_dir, "best.pth")
     assert re.search(rf"\nbest checkpoint +{re.escape(best)}\n", caplog.text)
+
+
+def test_a_nan_is_never_a_new_best_nor_infinity_after_infinity(make_trainer, caplog):
+    nan, inf = float("nan"), float("inf")
+    trainer = make_trainer(max_epochs=5)
+    evaluating(trainer, [nan, 0.5, nan, inf, inf], BestCheckpointHook("acc")).train()
+    news = [r.getMessage() for r in caplog.records if r.getMessage().startswith("New best")]
+    assert news == [
+        "New best acc: 0.5: saving best.pth.",
+        "New best acc: inf (was 0.5): saving best.pth.",
+    ]
+    assert load(os.path.join(trainer.ckpt_dir, "best.pth"))["progress"]["epoch"] == 4
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "latest.txt",  # the summary called the pointer the best checkpoint
+        "epoch_1.pth",  # it held iteration 16, the epoch-1 checkpoint gone
+        "epoch_3.pth",  # the final save overwrote the best
+        "iter_8.pth",
+        ".best.pth.tmp",  # deleted at the next start
+        "best.pth.tmp.old",
+        "epoch_2.pth/trainer.pth",  # in a sharded checkpoint's folder
+        "best/latest.txt",  # a save in best/ points best/latest.txt at itself
+    ],
+)
+def test_a_name_the_trainer_writes_itself_is_refused(name):
+    with pytest.raises(ValueError, match=f"^file_name={re.escape(repr(name))} is a name the tr"):
+        BestCheckpointHook("acc", file_name=name)
+
+
+@pytest.mark.parametrize("name", ["best.pth", "epoch_best.pth", "best_iter_8.pth", "iter_8.pt"])
+def test_other_names_hold_the_best_checkpoint(make_trainer, name):
+    values = [0.5, 0.9, 0.7]
+    trainer = make_trainer(max_epochs=3)
+    evaluating(trainer, values, BestCheckpointHook("acc", file_name=name)).train()
+    assert load(os.path.join(trainer.ckpt_dir, name))["progress"]["epoch"] == 2
+    assert load(os.path.join(trainer.ckpt_dir, "epoch_3.pth"))["progress"]["epoch"] == 3

@@ -34,3 +34,23 @@ def test_early_stopping_refuses_bad_arguments():
         EarlyStoppingHook("acc", patience="5")
     with pytest.raises(ValueError, match="^mode .*got 'up'"):
         EarlyStoppingHook("acc", mode="up")
+
+
+def test_a_nan_metric_is_never_an_improvement(make_trainer, caplog):
+    """NaN from the first evaluation on: it crashed formatting the best value, which was None."""
+    values = [float("nan")] * 4
+    trainer = evaluating(make_trainer(max_epochs=4), values, EarlyStoppingHook("acc", 2))
+    trainer.train()
+    assert trainer.cur_epoch == 1  # two evaluations of NaN, neither an improvement
+    [line] = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Early stopping")]
+    assert "acc has not improved for 2 evaluations" in line and "NaN is never" in line
+
+
+def test_after_a_best_nan_and_infinity_count_as_no_improvement(make_trainer):
+    inf = float("inf")
+    values = [0.5, float("nan"), 0.4, inf, inf, inf]
+    trainer = evaluating(make_trainer(max_epochs=6), values, EarlyStoppingHook("acc", 3))
+    trainer.train()
+    assert trainer.cur_epoch == 5
+    saved = load(os.path.join(trainer.ckpt_dir, "epoch_6.pth"))["hooks"]["EarlyStoppingHook"]
+    assert saved == {"best": inf, "bad_evals": 2}  # inf once, then inf again: no better

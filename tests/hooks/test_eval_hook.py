@@ -1,3 +1,5 @@
+import json
+import os
 import re
 
 import pytest
@@ -125,6 +127,21 @@ def test_results_named_like_the_trainers_own_metrics_are_refused_when_first_logg
     with pytest.raises(ValueError, match=f"^eval_func returned '{name}', which would mix with"):
         trainer.train()
     assert trainer.cur_iter == 7  # at the first evaluation, not later
+
+
+@pytest.mark.parametrize("name", ["iter", "epoch", "lr/group1", "grad_norm/optimizer_d"])
+def test_a_name_the_trainer_writes_itself_is_refused_as_a_result(make_trainer, name):
+    """``epoch`` made metrics.jsonl's rows read epoch 0.5; ``iter`` died in the metric storage
+    (``got multiple values for argument 'iter'``)."""
+    trainer = make_trainer(max_epochs=2)
+    trainer.register_hook(EvalHook(1, lambda: {"acc": 0.5, name: 0.5}))
+    message = f"^eval_func returned '{name}', a name the trainer writes itself"
+    with pytest.raises(ValueError, match=message):
+        trainer.train()
+    assert trainer.cur_iter == 7  # at the first evaluation
+    with open(os.path.join(trainer.work_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [(row["iter"], row["epoch"]) for row in rows] == [(4, 1), (8, 1)]  # log points only
 
 
 def test_the_exact_forms_clash_names_metric_fn(make_trainer):

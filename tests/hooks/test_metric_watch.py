@@ -12,6 +12,10 @@ from trainer.hooks.metric_watch import MetricWatch, infer_mode
         (["val_loss", "eval/loss", "valError", "top1_err", "wer", "val_mse"], "min"),
         (["acc", "val_accuracy", "mAP50", "bbox_mAP", "f1_macro", "mIoU", "AP50"], "max"),
         (["step", "Eval Metric", "top5", "loss_acc", "lossy"], None),  # says nothing, or both
+        # negated or a change: which way is better depends on the sign (scikit-learn's neg_
+        # scorers are better high; they were taken for "min", accuracy_drop for "max")
+        (["neg_log_loss", "neg_mean_squared_error", "accuracy_drop", "recall_neg"], None),
+        (["loss_delta", "valAccGain", "error_reduction", "acc_diff", "gap_f1"], None),
     ],
 )
 def test_the_mode_is_inferred_from_the_words_of_the_name(names, mode):
@@ -29,9 +33,25 @@ def test_a_hook_without_mode_judges_a_loss_by_its_minimum(make_trainer):
 
 
 @pytest.mark.parametrize("hook", [EarlyStoppingHook, BestCheckpointHook, MetricWatch])
-def test_a_name_that_does_not_tell_the_mode_is_refused(hook):
-    with pytest.raises(ValueError, match="^mode: is 'step' better high or low"):
-        hook("step")
+@pytest.mark.parametrize("name", ["step", "neg_log_loss", "accuracy_drop"])
+def test_a_name_that_does_not_tell_the_mode_is_refused(hook, name):
+    with pytest.raises(ValueError, match=f"^mode: is '{name}' better high or low"):
+        hook(name)
+    hook(name, mode="max")
+
+
+def test_the_mode_is_logged_once_by_each_hook(make_trainer, caplog):
+    trainer = make_trainer(max_epochs=3)
+    trainer.register_hook(EvalHook(1, lambda: {"val_loss": 1.0, "neg_log_loss": -1.0}))
+    trainer.register_hooks(
+        [EarlyStoppingHook("val_loss"), BestCheckpointHook("neg_log_loss", mode="max")]
+    )
+    trainer.train()
+    lines = [r.getMessage() for r in caplog.records if " judges " in r.getMessage()]
+    assert sorted(lines) == [
+        "BestCheckpointHook judges neg_log_loss: higher is better (mode='max', given).",
+        "EarlyStoppingHook judges val_loss: lower is better (mode='min', from the name).",
+    ]
 
 
 def warnings_of(caplog) -> list[str]:

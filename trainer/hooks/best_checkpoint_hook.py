@@ -3,6 +3,7 @@
 import logging
 from typing import Any, Optional
 
+from ..checkpoint import written_by_trainer
 from ..misc import check_file_name
 from .hookbase import HookBase, Priority
 from .metric_watch import MetricWatch, warn_if_missing
@@ -12,7 +13,7 @@ logger = logging.getLogger(__name__)
 
 class BestCheckpointHook(HookBase):
     """Saves ``best.pth`` (a full checkpoint, written atomically like every other) whenever the
-    evaluation metric ``metric`` reaches a new best.
+    evaluation metric ``metric`` reaches a new best (a NaN never is one).
 
     The first evaluation that lacks ``metric`` (a misspelt name) is warned about, naming the
     results that came (see :func:`~trainer.hooks.metric_watch.warn_if_missing`).
@@ -25,8 +26,9 @@ class BestCheckpointHook(HookBase):
         metric: A name that the ``EvalHook``'s function returns.
         mode: ``"max"`` (higher is better) or ``"min"``; by default inferred from the name
             (``loss``, ``err``: min; ``acc``, ``ap``, ``f1``, ``iou``: max), and a name that does
-            not tell is refused.
-        file_name: The file name in ``trainer.ckpt_dir``.
+            not tell is refused (docs/evaluation.md has the rule); logged when training starts.
+        file_name: The file name in ``trainer.ckpt_dir``; not one the trainer writes itself
+            (``epoch_N.pth``, ``iter_N.pth``, ``latest.txt``, a name ending in ``.tmp``).
 
     Example::
 
@@ -39,11 +41,20 @@ class BestCheckpointHook(HookBase):
         self, metric: str, mode: Optional[str] = None, file_name: str = "best.pth"
     ) -> None:
         check_file_name("file_name", file_name)
+        if written_by_trainer(file_name):  # it would overwrite, or be overwritten or removed
+            raise ValueError(
+                f"file_name={file_name!r} is a name the trainer writes itself (epoch_N.pth, "
+                "iter_N.pth, latest.txt, *.tmp): pass another, such as 'best.pth'."
+            )
         self._watch = MetricWatch(metric, mode)
         self._file_name = file_name
         self._due = False  # a new best, not saved yet
         self._saved_best = None  # the value best.pth holds
         self._warned = False  # that an evaluation lacked the metric
+
+    def before_train(self) -> None:
+        """Log which way the metric is judged."""
+        self._watch.log_mode(self.class_name)
 
     def after_eval(self, results: dict[str, float]) -> None:
         """Note a new best; it is saved when the state is complete."""

@@ -1,6 +1,7 @@
 """Ends training when an evaluation metric stops improving."""
 
 import logging
+import math
 from typing import Any, Optional
 
 from ..misc import check_int
@@ -17,6 +18,8 @@ class EarlyStoppingHook(HookBase):
     Its counters are saved in checkpoints, so a resumed run counts on where it stopped. Every
     rank sees the same evaluation results, so under torchrun every rank stops together.
 
+    A NaN value is never an improvement: it counts towards ``patience``.
+
     The first evaluation that lacks ``metric`` (a misspelt name) is warned about, naming the
     results that came (see :func:`~trainer.hooks.metric_watch.warn_if_missing`).
 
@@ -25,7 +28,7 @@ class EarlyStoppingHook(HookBase):
         patience: Evaluations without improvement to tolerate.
         mode: ``"max"`` (higher is better) or ``"min"``; by default inferred from the name
             (``loss``, ``err``: min; ``acc``, ``ap``, ``f1``, ``iou``: max), and a name that does
-            not tell is refused.
+            not tell is refused (docs/evaluation.md has the rule); logged when training starts.
         min_delta: How much better a value must be to count as an improvement.
 
     Example::
@@ -44,6 +47,10 @@ class EarlyStoppingHook(HookBase):
         self._bad_evals = 0  # evaluations since the last improvement
         self._warned = False  # that an evaluation lacked the metric
 
+    def before_train(self) -> None:
+        """Log which way the metric is judged."""
+        self._watch.log_mode(self.class_name)
+
     def after_eval(self, results: dict[str, float]) -> None:
         """Count an evaluation without improvement; stop after ``patience`` of them."""
         if self._watch.metric not in results:
@@ -56,9 +63,12 @@ class EarlyStoppingHook(HookBase):
             return
         self._bad_evals += 1
         if self._bad_evals >= self._patience:
+            best = self._watch.best  # None: every value was NaN
+            on = "" if best is None else f" on {best:.5g}"
+            nan = ": a NaN is never an improvement" if math.isnan(value) else ""
             logger.info(
-                f"Early stopping: {self._watch.metric} has not improved on "
-                f"{self._watch.best:.5g} for {self._bad_evals} evaluations (now {value:.5g})."
+                f"Early stopping: {self._watch.metric} has not improved{on} for "
+                f"{self._bad_evals} evaluations (now {value:.5g}{nan})."
             )
             self.trainer.stop()
 

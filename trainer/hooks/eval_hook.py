@@ -2,6 +2,7 @@
 
 import logging
 import numbers
+from collections.abc import Iterable
 from typing import Any, Callable, Optional
 
 import torch
@@ -9,8 +10,8 @@ import torch
 from ..distributed import get_world_size
 from ..evaluation import eval_mode
 from ..metric_storage import TRAINER_METRICS, reduce_over_ranks
-from ..misc import check_int
-from ..writers import tensorboard_tag
+from ..misc import check_int, check_type
+from ..writers import PER_GROUP, ROW_KEYS, tensorboard_tag
 from .hookbase import HookBase, Priority
 
 logger = logging.getLogger(__name__)
@@ -70,6 +71,9 @@ class EvalHook(HookBase):
         for name, value in (("eval_func", eval_func), ("metric_fn", metric_fn)):
             if value is not None and not callable(value):
                 raise TypeError(f"{name} must be callable, got {type(value).__name__}.")
+        if data_loader is not None:  # not at the first evaluation, after training some
+            expected = "an iterable of batches (a DataLoader, a list)"
+            check_type("data_loader", data_loader, Iterable, expected)
         self._period = period
         self._eval_func = eval_func
         self._data_loader = data_loader
@@ -132,8 +136,9 @@ class EvalHook(HookBase):
         return results
 
     def _refuse_clashes(self, results: dict[str, float]) -> None:
-        """Refuse a new result name that another series logs, under that name or its TensorBoard
-        tag: mixed into one, they would log neither what was evaluated nor what was trained."""
+        """Refuse a new result name that the trainer writes itself, or that another series logs,
+        under that name or its TensorBoard tag: mixed into one, they would log neither what was
+        evaluated nor what was trained."""
         new = results.keys() - self._names
         if not new:
             return
@@ -145,10 +150,15 @@ class EvalHook(HookBase):
         }
         others = TRAINER_METRICS | self.trainer.metric_storage.keys() - self._names
         tags = {tensorboard_tag(name, name in evaluated): name for name in others}
+        source = "eval_func" if self._eval_func else "metric_fn"
         for name in sorted(new):
+            if name in ROW_KEYS or name.startswith(PER_GROUP):  # in metrics.jsonl's rows
+                raise ValueError(
+                    f"{source} returned {name!r}, a name the trainer writes itself (iter, epoch, "
+                    f"lr/..., grad_norm/...): rename it, e.g. 'val_{name}'."
+                )
             clash = name if name in others else tags.get(tensorboard_tag(name, evaluated=True))
             if clash is not None:  # logged in training or by another EvalHook
-                source = "eval_func" if self._eval_func else "metric_fn"
                 raise ValueError(
                     f"{source} returned {name!r}, which would mix with the {clash!r}: rename it."
                 )

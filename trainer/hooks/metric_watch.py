@@ -19,16 +19,26 @@ _HIGHER_IS_BETTER = set(
     "acc accuracy ap map f1 iou miou auc auroc precision recall bleu rouge dice psnr ssim r2 "
     "score reward".split()
 )
+# Words that negate a metric or speak of its change: which way is better then depends on how it
+# is signed (scikit-learn's neg_log_loss is better high, accuracy_drop low), and the name does
+# not tell.
+_AMBIGUOUS = set(
+    "neg negative minus inv inverse drop gain delta diff change increase decrease reduction "
+    "improvement gap".split()
+)
 
 
 def infer_mode(metric: str) -> Optional[str]:
     """``"min"`` or ``"max"`` from the words of a metric's name (``val_loss``: min, ``top1_acc``:
-    max), None when they do not tell or disagree.
+    max), None when they do not tell, disagree, or negate the metric or speak of its change
+    (``neg_log_loss``, ``accuracy_drop``).
 
     Example::
 
         >>> infer_mode("val/loss"), infer_mode("mAP50"), infer_mode("step")
         ('min', 'max', None)
+        >>> infer_mode("neg_log_loss"), infer_mode("accuracy_drop")
+        (None, None)
     """
     words = set()
     for part in re.split(r"[^A-Za-z0-9]+", metric):  # val_mIoU -> val, mIoU
@@ -37,7 +47,7 @@ def infer_mode(metric: str) -> Optional[str]:
             words |= {word, word.rstrip("0123456789")}  # mAP50 -> map50, map
     lower = words & _LOWER_IS_BETTER
     higher = words & _HIGHER_IS_BETTER
-    if bool(lower) == bool(higher):
+    if bool(lower) == bool(higher) or words & _AMBIGUOUS:
         return None
     return "min" if lower else "max"
 
@@ -61,6 +71,7 @@ class MetricWatch:
     def __init__(self, metric: str, mode: Optional[str] = None, min_delta: float = 0.0) -> None:
         check_type("metric", metric, str, "a str (the name an EvalHook logs)")
         check_type("min_delta", min_delta, NUMBER, "a number >= 0")
+        self._inferred = mode is None  # for log_mode()
         if mode is None:
             mode = infer_mode(metric)
             if mode is None:
@@ -76,15 +87,21 @@ class MetricWatch:
 
     def improves(self, value: float) -> bool:
         """Whether ``value`` beats the best so far by more than ``min_delta``; if so it becomes
-        the best. NaN never does."""
+        the best. A NaN never does, nor infinity after infinity."""
         if math.isnan(value):
             return False
         if self.best is not None:
             margin = value - self.best if self.mode == "max" else self.best - value
-            if margin <= self.min_delta:
+            if not margin > self.min_delta:  # inf - inf is NaN
                 return False
         self.best = value
         return True
+
+    def log_mode(self, hook: str) -> None:
+        """Log which way ``hook`` judges the metric, and whether its name told."""
+        better = "lower" if self.mode == "min" else "higher"
+        how = "from the name" if self._inferred else "given"
+        logger.info(f"{hook} judges {self.metric}: {better} is better (mode={self.mode!r}, {how}).")
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best}
