@@ -58,6 +58,10 @@ class MetricStorage(Mapping):
         from 0; None: count each metric's updates). ``smooth``: whether
         :attr:`values_maybe_smooth` reports the window mean or the latest value; a metric keeps
         the choice of its first update."""
+        self._update(iter, smooth, values)
+
+    def _update(self, iter: Optional[int], smooth: bool, values: dict[str, float]) -> None:
+        # a dict, not keywords: a metric may be named like an argument (`smooth`)
         for name, value in values.items():
             _check_metric(name, value)
             buffer = self._buffer(name, smooth)
@@ -142,7 +146,7 @@ class MetricStorage(Mapping):
                 for name, value in metrics.items()
                 if not isinstance(value, torch.Tensor) and name not in self._pending
             }
-            self.update(iter, smooth, **now)
+            self._update(iter, smooth, now)
             metrics = {name: value for name, value in metrics.items() if name not in now}
         # Called every iteration, so kept lean: a detached scalar tensor (a loss) passes on its
         # metadata, never its value (a CUDA tensor's would be a sync)

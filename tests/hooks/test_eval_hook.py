@@ -144,6 +144,17 @@ def test_a_name_the_trainer_writes_itself_is_refused_as_a_result(make_trainer, n
     assert [(row["iter"], row["epoch"]) for row in rows] == [(4, 1), (8, 1)]  # log points only
 
 
+def test_results_named_like_the_logging_arguments_are_logged(make_trainer):
+    """A result named ``smooth`` died in the metric storage (``got multiple values for argument
+    'smooth'``)."""
+    trainer = make_trainer(max_epochs=1)
+    trainer.register_hook(EvalHook(0, lambda: {"smooth": 0.25, "reduce": 0.5}))
+    trainer.train()
+    with open(os.path.join(trainer.work_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert {"iter": 8, "epoch": 1, "smooth": 0.25, "reduce": 0.5} in rows
+
+
 def test_the_exact_forms_clash_names_metric_fn(make_trainer):
     def losses(model, batch):
         return {"total_loss": torch.ones(len(batch[0]))}

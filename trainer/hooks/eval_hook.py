@@ -120,7 +120,7 @@ class EvalHook(HookBase):
         line = "  ".join(f"{k}: {v:.5g}" for k, v in results.items())
         logger.info(f"Evaluation after iteration {self.trainer.cur_iter + 1}: {line}")
         # numbers already, the same on every rank: in the storage at once, for the hooks
-        self.trainer.metric_storage.update(self.trainer.cur_iter, smooth=False, **results)
+        self.trainer.metric_storage.add(self.trainer.cur_iter, results, smooth=False)
         self.trainer.hooks.call("after_eval", results)
 
     def _call_eval_func(self) -> Optional[dict[str, float]]:
