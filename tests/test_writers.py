@@ -133,6 +133,31 @@ def test_files_a_resumed_run_rewrites_keep_the_permissions_open_gives(tmp_path):
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4
 
 
+def test_a_resume_keeps_every_row_of_metrics_jsonl_past_a_line_it_cannot_use(make_trainer, caplog):
+    stopped = make_trainer(max_epochs=2)  # rows at iterations 4, 8, 12, 16
+    stopped.train()
+    path = os.path.join(stopped.work_dir, "metrics.jsonl")
+    with open(path) as f:
+        lines = f.readlines()
+    # a line of another program's after the first row, and one cut short by a crash
+    lines[1:1] = ['{"note": "lr lowered by hand"}\n', '{"iter": 5, "total_lo\n']
+    with open(path, "w") as f:
+        f.writelines(lines)
+    os.remove(os.path.join(stopped.ckpt_dir, "epoch_2.pth"))  # it resumes after iteration 8
+    with open(os.path.join(stopped.ckpt_dir, "latest.txt"), "w") as f:
+        f.write("epoch_1.pth")
+    resumed = make_trainer(max_epochs=2)
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        resumed.train()
+    assert resumed.start_iter == 8
+    with open(path) as f:
+        rows = [json.loads(line) for line in f]
+    assert [row["iter"] for row in rows] == [4, 8, 12, 16]
+    assert rows[:2] == [json.loads(line) for line in lines[:1] + lines[3:4]]  # kept as they were
+    (warning,) = warnings(caplog)
+    assert path in warning and "2 line(s)" in warning and "line 2, 3" in warning
+
+
 def test_a_resumed_runs_event_file_sorts_after_the_old_ones(tmp_path):
     # TensorBoard reads event files in name order: the old steps must come first
     old = TensorBoardWriter(str(tmp_path))

@@ -202,7 +202,8 @@ class TensorBoardWriter(MetricWriter):
 class JSONLinesWriter(MetricWriter):
     """A flushed line ``{"iter": ..., "epoch": ..., <metric>: ...}`` per write in ``path``:
     ``iter`` is the step (iterations done), ``epoch`` the number of the epoch it is in (from 1).
-    A run that starts after ``start_iter`` iterations drops the lines of later steps."""
+    A run that starts after ``start_iter`` iterations drops the lines of later steps, and those
+    that hold no row (said once)."""
 
     def __init__(self, path: str, start_iter: int = 0) -> None:
         if os.path.isfile(path) and not os.path.islink(path):
@@ -508,16 +509,30 @@ def _drop_events_from(log_dir: str, step: int) -> None:
         atomic_write(path, write)
 
 
-def _keep_lines_up_to(path: str, start_iter: int) -> None:
-    """Keep the lines of ``metrics.jsonl`` of steps up to ``start_iter`` (iterations done)."""
+def _keep_lines_up_to(path: str, start_iter: int) -> list[dict[str, Any]]:
+    """Keep the rows of ``metrics.jsonl`` of steps up to ``start_iter`` (iterations done), and
+    return them. A line that is no row (cut short by a crash, or without an integer ``iter``)
+    is dropped, said once; the rows after it stay."""
     with open(path, encoding="utf-8") as f:
         lines = f.readlines()
-    kept = []
-    for line in lines:
+    kept: list[str] = []
+    rows: list[dict[str, Any]] = []
+    unread = []  # the numbers of the lines that are no row
+    for number, line in enumerate(lines, 1):
         try:
-            if json.loads(line)["iter"] <= start_iter:
-                kept.append(line)
-        except (ValueError, KeyError, TypeError):
-            break  # a line cut short by a crash, and whatever follows it
-    if len(kept) < len(lines):
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if not isinstance(row, dict) or type(row.get("iter")) is not int:
+            unread.append(number)
+        elif row["iter"] <= start_iter:
+            kept.append(line if line.endswith("\n") else line + "\n")
+            rows.append(row)
+    if unread:
+        logger.warning(
+            f"{path}: dropped {len(unread)} line(s) that hold no row with an integer 'iter' "
+            f"(line {', '.join(map(str, unread[:5]))}{', ...' if len(unread) > 5 else ''})."
+        )
+    if kept != lines:
         atomic_write(path, lambda f: f.write("".join(kept).encode("utf-8")))
+    return rows
