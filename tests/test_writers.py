@@ -491,6 +491,97 @@ def test_mlflow_an_error_of_a_write_in_the_background_fails_training(
     assert MlflowClient(mlflow_store).get_run(writer.run_id).info.status == "FAILED"
 
 
+NAMES = ["acc", "val/acc", "top-1 acc (%)", "loss:ce", "é", "a" * 250, "a" * 251, "acc@1", ""]
+NAMES += [".", "..", "...", "..a", ".a", "a/..", "a/./b", "a//b", "/a", "a/", "//a", "a\nb", "x/"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_mlflow_takes_a_name_as_mlflow_itself_judges_it(name):
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.validation import _validate_metric
+
+    def refused(name):
+        try:
+            _validate_metric(name, 1.0, 0, 0)  # what MLflow checks of a metric it is given
+        except MlflowException:
+            return True
+        return False
+
+    mapped = writers._mlflow_name(name)
+    assert (mapped == name) == (not refused(name))
+    assert not refused(mapped)
+
+
+def test_a_metric_name_mlflow_refuses_goes_under_one_it_takes_said_once(
+    make_trainer, mlflow_store, caplog
+):
+    from mlflow.tracking import MlflowClient
+
+    writer = MLflowWriter(mlflow_store, experiment_name="tiny")
+    trainer = make_trainer(max_epochs=2, log_period=4, metric_writers=[writer])
+    # MLflow refuses "acc@1"; its name there, "acc_1", is another result's
+    results = {"acc@1": 0.5, "acc_1": 0.25, "val/acc": 0.75}
+    trainer.register_hook(EvalHook(1, lambda: results))
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        trainer.train()  # it used to fail at the first evaluation, before the first checkpoint
+    assert warnings(caplog) == [
+        "Metric 'acc@1' goes to MLflow as 'acc_1' (a name MLflow refuses).",
+        "Metric 'acc_1' goes to MLflow as 'acc_1_2' (MLflow has 'acc_1' for 'acc@1').",
+    ]
+    client = MlflowClient(mlflow_store)
+    rows = jsonl_rows(trainer)
+    for name, tracked in (("acc@1", "acc_1"), ("acc_1", "acc_1_2"), ("val/acc", "val/acc")):
+        assert mlflow_history(client, writer.run_id, tracked) == [
+            (row["iter"], row[name]) for row in rows if name in row
+        ]
+    assert client.get_run(writer.run_id).info.status == "FINISHED"
+    # the checkpoints keep the names, so that a resumed run meeting "acc_1" first keeps them
+    checkpoint = load(os.path.join(trainer.ckpt_dir, "epoch_1.pth"))
+    state = checkpoint["hooks"]["LoggerHook"]["writers"]["MLflowWriter"]
+    assert state["names"] == {"acc@1": "acc_1", "acc_1": "acc_1_2"}
+    as_if_crashed_before_the_last_checkpoint(trainer)
+    resumed_writer = MLflowWriter(mlflow_store, experiment_name="tiny")
+    resumed = make_trainer(max_epochs=2, log_period=4, metric_writers=[resumed_writer])
+    resumed.register_hook(EvalHook(1, lambda: {"acc_1": 0.25, "acc@1": 0.5, "val/acc": 0.75}))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        resumed.train()
+    assert resumed.start_iter == 8 and warnings(caplog) == []
+    assert [s for s, _ in mlflow_history(client, writer.run_id, "acc_1_2")] == [8, 16, 16]
+    assert {v for _, v in mlflow_history(client, writer.run_id, "acc_1_2")} == {0.25}
+
+
+def test_a_metric_name_wandb_drops_or_overwrites_goes_under_one_it_keeps(
+    make_trainer, monkeypatch, caplog
+):
+    # W&B (0.31) drops a metric named "" and writes _step, _runtime, _timestamp and _wandb itself
+    import wandb
+
+    logged = []
+
+    class Run:
+        id = "run1"
+
+        def log(self, metrics, step):
+            logged.append((step, metrics))
+
+        def finish(self, exit_code=None):
+            pass
+
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: Run())
+    writer = WandbWriter(project="tiny", mode="offline")
+    trainer = make_trainer(max_epochs=1, log_period=4, metric_writers=[writer])
+    results = {"_step": 1.0, "": 2.0, "_timestamp": 3.0, "_private": 4.0}
+    trainer.register_hook(EvalHook(1, lambda: results))
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        trainer.train()
+    assert logged[-1] == (8, {"_step_": 1.0, "_": 2.0, "_timestamp_": 3.0, "_private": 4.0})
+    assert warnings(caplog) == [
+        f"Metric {name!r} goes to W&B as {name + '_'!r} (a name W&B refuses)."
+        for name in ("_step", "", "_timestamp")
+    ]
+
+
 def test_tracker_writers_refuse_bad_arguments_and_name_the_extra_to_install(monkeypatch):
     with pytest.raises(TypeError, match="^experiment_name .*got int 3"):
         MLflowWriter("file:./mlruns", experiment_name=3)

@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import os
+import posixpath
 import re
 import time
 from collections.abc import Collection
@@ -249,19 +250,79 @@ def _as_param(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
+# MLflow's rule for a metric's name (mlflow.utils.validation): at most 250 of these characters
+# (":" not on Windows), and no name that reads as another as a path ("a//b", "a/", "/a", "..a")
+_MLFLOW_REFUSED = re.compile(r"[^/\w.\- :]" if os.name != "nt" else r"[^/\w.\- ]")
+
+
+def _mlflow_name(name: str) -> str:
+    """``name`` if MLflow takes it as a metric's name, else one it takes: its last 250
+    characters, those MLflow refuses as ``_``, and its slashes too if it reads as a path."""
+    mapped = _MLFLOW_REFUSED.sub("_", name[-250:])
+    if posixpath.normpath(mapped) != mapped or mapped == "." or mapped.startswith(("/", "..")):
+        mapped = mapped.replace("/", "_")
+        if mapped in ("", ".") or mapped.startswith(".."):
+            mapped = "_" + mapped[1:]
+    return mapped
+
+
+# The keys W&B writes in each step of a run's history itself: a metric's value under one is
+# overwritten, or overwrites W&B's (and a metric named "" is dropped)
+_WANDB_KEYS = ("_step", "_runtime", "_timestamp", "_wandb")
+
+
+def _wandb_name(name: str) -> str:
+    """``name`` if W&B keeps a metric under it, else one it keeps."""
+    return f"{name}_" if name in ("", *_WANDB_KEYS) else name
+
+
 class _TrackerWriter(MetricWriter):
-    """A writer to a tracker's run, whose id the checkpoints keep for a resumed run to go on."""
+    """A writer to a tracker's run, whose id the checkpoints keep for a resumed run to go on. A
+    metric whose name the tracker refuses, or has for another metric, goes to the tracker under
+    a name of its own, said once and kept in the checkpoints too (the same in a resumed run)."""
 
     run_id: Optional[str] = None  # the run written to
     _resume_id: Optional[str] = None  # the checkpoint's: the run the next start goes on with
     _progress: Any = None  # the trainer's, from start: how training ended, at close
+    _tracker = ""  # its name, for messages
+    _tracker_name: Callable[[str], str]  # a metric's name, or one that the tracker takes
+
+    def __init__(self) -> None:
+        self._names: dict[str, str] = {}  # each metric's name in the tracker
+
+    def _tracked(self, metrics: dict[str, float]) -> dict[str, float]:
+        """``metrics`` under their names in the tracker."""
+        names = self._names
+        return {names.get(name) or self._name(name): value for name, value in metrics.items()}
+
+    def _name(self, name: str) -> str:
+        """The tracker's name for metric ``name``, met for the first time: ``name``, or if the
+        tracker refuses it or has it for another metric, one that it takes (said once)."""
+        taken = {tracked: metric for metric, tracked in self._names.items()}
+        allowed = tracked = self._tracker_name(name)
+        suffix = 1
+        while tracked in taken:
+            suffix += 1
+            tracked = self._tracker_name(f"{allowed}_{suffix}")
+        self._names[name] = tracked
+        if tracked != name:
+            why = f"a name {self._tracker} refuses"
+            if allowed == name:
+                why = f"{self._tracker} has {name!r} for {taken[name]!r}"
+            logger.warning(f"Metric {name!r} goes to {self._tracker} as {tracked!r} ({why}).")
+        return tracked
 
     def state_dict(self) -> dict[str, Any]:
         run_id = self._resume_id or self.run_id  # not started (a finished run): the saved one
-        return {} if run_id is None else {"run_id": run_id}
+        state: dict[str, Any] = {} if run_id is None else {"run_id": run_id}
+        renamed = {name: tracked for name, tracked in self._names.items() if tracked != name}
+        if renamed:
+            state["names"] = renamed
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._resume_id = state.get("run_id")
+        self._names = dict(state.get("names", {}))
 
 
 class MLflowWriter(_TrackerWriter):
@@ -273,7 +334,8 @@ class MLflowWriter(_TrackerWriter):
     last checkpoint have two values each; its params cannot change, so they keep the first
     launch's values (a setting that differs on resume, with a warning). When training ends, the
     run's status says how: ``FINISHED`` (to the end, or ``stop()``), ``FAILED`` (an error) or
-    ``KILLED`` (a preemption signal or Ctrl-C). Needs ``pip install "hooktrainer[mlflow]"``.
+    ``KILLED`` (a preemption signal or Ctrl-C). A metric name MLflow refuses goes under one it
+    takes (``acc@1`` as ``acc_1``), said once. Needs ``pip install "hooktrainer[mlflow]"``.
 
     Args:
         tracking_uri: Where MLflow keeps its runs: a tracking server's URL, ``file:./mlruns``
@@ -285,6 +347,8 @@ class MLflowWriter(_TrackerWriter):
 
     _STATUS = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}  # by outcome
     _MAX_PENDING = 100  # writes in flight before the oldest is waited for (long done by then)
+    _tracker = "MLflow"
+    _tracker_name = staticmethod(_mlflow_name)
 
     def __init__(
         self,
@@ -295,6 +359,7 @@ class MLflowWriter(_TrackerWriter):
         check_type("tracking_uri", tracking_uri, (str, type(None)), "a URI as a str, or None")
         check_type("experiment_name", experiment_name, str, "a str")
         check_type("run_name", run_name, (str, type(None)), "a str or None")
+        super().__init__()
         try:  # an optional extra: imported by the runs that use it
             from mlflow.entities import Metric, Param
             from mlflow.tracking import MlflowClient
@@ -361,7 +426,8 @@ class MLflowWriter(_TrackerWriter):
 
     def write(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
         now = int(time.time() * 1000)  # MLflow's timestamps are in milliseconds
-        batch = [self._metric(name, value, now, step) for name, value in metrics.items()]
+        tracked = self._tracked(metrics)
+        batch = [self._metric(name, value, now, step) for name, value in tracked.items()]
         # in the background: a server's round trip would hold training up at every log point
         operations = self._client.log_batch(self.run_id, metrics=batch, synchronous=False)
         if operations is not None:  # None: nothing to write
@@ -398,7 +464,8 @@ class WandbWriter(_TrackerWriter):
     before it (the checkpoint's included) and drops the later ones, so each step shows once.
     When training ends, the run finishes with exit code 0 (to the end, or ``stop()``), 1 (an
     error) or 255 (a preemption signal or Ctrl-C), W&B's own codes: W&B shows the last two as
-    failed. Needs ``pip install "hooktrainer[wandb]"``.
+    failed. A metric named as one of W&B's own keys (``_step``...) or ``""`` goes under another
+    name (``_step_``), said once. Needs ``pip install "hooktrainer[wandb]"``.
 
     Args:
         **init_kwargs: ``wandb.init``'s arguments (``project``, ``name``, ``mode``, ``config``
@@ -408,12 +475,15 @@ class WandbWriter(_TrackerWriter):
 
     # W&B's exit codes (its own for an uncaught exception and a Ctrl-C), by outcome
     _EXIT_CODE = {"finished": 0, "failed": 1, "killed": 255}
+    _tracker = "W&B"
+    _tracker_name = staticmethod(_wandb_name)
 
     def __init__(self, **init_kwargs: Any) -> None:
         for name in ("resume", "resume_from", "fork_from"):
             if name in init_kwargs:  # a resumed run continues its checkpoint's W&B run itself
                 raise TypeError(f"WandbWriter resumes runs itself: leave out {name}.")
         check_type("config", init_kwargs.get("config", {}), dict, "a dict of settings")
+        super().__init__()
         try:  # an optional extra: imported by the runs that use it
             import wandb
         except ImportError as e:
@@ -437,7 +507,7 @@ class WandbWriter(_TrackerWriter):
         self.run_id = self._run.id
 
     def write(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
-        self._run.log(metrics, step=step)
+        self._run.log(self._tracked(metrics), step=step)
 
     def close(self) -> None:
         if self._run is not None:
