@@ -20,7 +20,7 @@ from trainer import HookBase, Priority, writers
 from trainer.hooks import EvalHook, ProgressBarHook
 from trainer.writers import MLflowWriter, TensorBoardWriter, WandbWriter, tensorboard_tag
 
-from conftest import load
+from conftest import free_port, load
 
 
 class Clock:
@@ -580,6 +580,48 @@ def test_a_metric_name_wandb_drops_or_overwrites_goes_under_one_it_keeps(
         f"Metric {name!r} goes to W&B as {name + '_'!r} (a name W&B refuses)."
         for name in ("_step", "", "_timestamp")
     ]
+
+
+def test_mlflow_a_tracking_server_that_does_not_answer_fails_the_start_naming_it(
+    make_trainer, monkeypatch
+):
+    """MLflow retried the first request for 4 minutes in silence."""
+    nothing = f"http://127.0.0.1:{free_port()}"  # no server there
+    trainer = make_trainer(max_epochs=1, metric_writers=[MLflowWriter(nothing)])
+    with pytest.raises(
+        RuntimeError, match=rf"server {nothing} did not answer.*refused.*tracking_uri="
+    ):
+        trainer.train()
+    assert jsonl_rows(trainer) == [] and os.listdir(trainer.ckpt_dir) == []
+    # one that takes the connection and never answers, named by MLFLOW_TRACKING_URI
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        silent = f"http://127.0.0.1:{server.getsockname()[1]}"
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", silent)
+        monkeypatch.setattr(MLflowWriter, "_ANSWER_SECS", 0.1)
+        trainer = make_trainer(max_epochs=1, metric_writers=[MLflowWriter()])
+        with pytest.raises(RuntimeError, match=rf"server {silent} did not answer within 0.1 s"):
+            trainer.train()
+
+
+@pytest.mark.parametrize("status", [200, 401, 404])
+def test_mlflow_any_answer_of_a_tracking_server_is_one(status):
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            self.send_response(status)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    with http.server.HTTPServer(("127.0.0.1", 0), Handler) as server:
+        thread = threading.Thread(target=server.handle_request)
+        thread.start()
+        writers._check_answers(f"http://127.0.0.1:{server.server_address[1]}", 10.0)
+        thread.join(timeout=10)
 
 
 def test_tracker_writers_refuse_bad_arguments_and_name_the_extra_to_install(monkeypatch):

@@ -9,7 +9,10 @@ import logging
 import os
 import posixpath
 import re
+import ssl
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Collection
 from typing import Any, Callable, Optional
 
@@ -338,9 +341,10 @@ class MLflowWriter(_TrackerWriter):
     takes (``acc@1`` as ``acc_1``), said once. Needs ``pip install "hooktrainer[mlflow]"``.
 
     Args:
-        tracking_uri: Where MLflow keeps its runs: a tracking server's URL, ``file:./mlruns``
-            (MLflow 3 asks for ``MLFLOW_ALLOW_FILE_STORE=true`` to use a folder)...; None:
-            MLflow's default (``MLFLOW_TRACKING_URI``).
+        tracking_uri: Where MLflow keeps its runs: a tracking server's URL (a server that does
+            not answer within 5 s fails the start), ``file:./mlruns`` (MLflow 3 asks for
+            ``MLFLOW_ALLOW_FILE_STORE=true`` to use a folder)...; None: MLflow's default
+            (``MLFLOW_TRACKING_URI``).
         experiment_name: The run's experiment, created if missing.
         run_name: The run's name; None: MLflow makes one up.
     """
@@ -349,6 +353,7 @@ class MLflowWriter(_TrackerWriter):
     _MAX_PENDING = 100  # writes in flight before the oldest is waited for (long done by then)
     _tracker = "MLflow"
     _tracker_name = staticmethod(_mlflow_name)
+    _ANSWER_SECS = 5.0  # how long the start waits for a tracking server's first answer
 
     def __init__(
         self,
@@ -377,7 +382,11 @@ class MLflowWriter(_TrackerWriter):
         self._pending: list[Any] = []  # the writes in flight (MLflow's RunOperations)
 
     def start(self, trainer: Any, start_iter: int, config: dict[str, Any]) -> None:
-        client = self._client = self._client_class(self._uri)
+        client = self._client_class(self._uri)
+        if client.tracking_uri.startswith(("http://", "https://")):
+            # MLflow retries a request that gets no answer for minutes, saying nothing
+            _check_answers(client.tracking_uri, self._ANSWER_SECS)
+        self._client = client
         self._progress = trainer.progress
         params = {key: _as_param(value) for key, value in config.items()}
         if self._resume_id is None:
@@ -453,6 +462,22 @@ class MLflowWriter(_TrackerWriter):
             raise
         finally:
             client.set_terminated(self.run_id, status=status)
+
+
+def _check_answers(uri: str, seconds: float) -> None:
+    """Raise RuntimeError if nothing at ``uri`` answers an HTTP request within ``seconds``."""
+    try:
+        urllib.request.urlopen(urllib.request.Request(uri, method="HEAD"), timeout=seconds).close()
+    except urllib.error.HTTPError:
+        pass  # an answer, if not a welcome one: MLflow's own requests will tell
+    except OSError as e:
+        reason = getattr(e, "reason", e)  # a URLError's
+        if not isinstance(reason, ssl.SSLError):  # it spoke TLS: MLflow has its own TLS settings
+            raise RuntimeError(
+                f"MLflowWriter: the tracking server {uri} did not answer within {seconds:g} s "
+                f"({reason}). Start it, or pass tracking_uri= one that runs (None: "
+                "MLFLOW_TRACKING_URI)."
+            ) from e
 
 
 class WandbWriter(_TrackerWriter):
