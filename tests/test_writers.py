@@ -20,7 +20,7 @@ from trainer import HookBase, Priority, writers
 from trainer.hooks import EvalHook, ProgressBarHook
 from trainer.writers import MLflowWriter, TensorBoardWriter, WandbWriter, tensorboard_tag
 
-from conftest import free_port, load
+from conftest import communicate, cpu_env, free_port, load, popen
 
 
 class Clock:
@@ -139,8 +139,8 @@ def test_a_resume_keeps_every_row_of_metrics_jsonl_past_a_line_it_cannot_use(mak
     path = os.path.join(stopped.work_dir, "metrics.jsonl")
     with open(path) as f:
         lines = f.readlines()
-    # a line of another program's after the first row, and one cut short by a crash
-    lines[1:1] = ['{"note": "lr lowered by hand"}\n', '{"iter": 5, "total_lo\n']
+    # lines of another program's after the first row, and one cut short by a crash
+    lines[1:1] = ['{"note": "lr lowered"}\n', '{"iter": 5, "note": "x"}\n', '{"iter": 5, "a\n']
     with open(path, "w") as f:
         f.writelines(lines)
     os.remove(os.path.join(stopped.ckpt_dir, "epoch_2.pth"))  # it resumes after iteration 8
@@ -153,9 +153,9 @@ def test_a_resume_keeps_every_row_of_metrics_jsonl_past_a_line_it_cannot_use(mak
     with open(path) as f:
         rows = [json.loads(line) for line in f]
     assert [row["iter"] for row in rows] == [4, 8, 12, 16]
-    assert rows[:2] == [json.loads(line) for line in lines[:1] + lines[3:4]]  # kept as they were
+    assert rows[:2] == [json.loads(line) for line in lines[:1] + lines[4:5]]  # kept as they were
     (warning,) = warnings(caplog)
-    assert path in warning and "2 line(s)" in warning and "line 2, 3" in warning
+    assert path in warning and "3 line(s)" in warning and "line 2, 3, 4" in warning
 
 
 def test_a_resumed_runs_event_file_sorts_after_the_old_ones(tmp_path):
@@ -413,6 +413,49 @@ def test_trackers_mark_their_runs_as_training_ended(
     assert mlflow_history(client, mlflow_writer.run_id, "total_loss") == [
         (row["iter"], row["total_loss"]) for row in rows if "total_loss" in row
     ]
+
+
+def test_a_tracker_added_on_resume_gets_the_rows_before_the_checkpoint(
+    make_trainer, mlflow_store, monkeypatch
+):
+    import wandb
+    from mlflow.tracking import MlflowClient
+
+    inits, logged = [], []
+
+    class Run:  # W&B's run (its own in the kill test): what the writer asks of it
+        id = "run1"
+
+        def log(self, metrics, step):
+            logged.append((step, metrics))
+
+        def finish(self, exit_code=None):
+            pass
+
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: inits.append(kwargs) or Run())
+    stopped = make_trainer(max_epochs=1, log_period=4)  # no tracker: rows at 4 and 8
+    stopped.register_hook(EvalHook(1, lambda: {"val_acc": 0.5}))
+    stopped.train()
+    mlflow_writer = MLflowWriter(mlflow_store, experiment_name="tiny")
+    wandb_writer = WandbWriter(project="tiny", mode="offline")
+    resumed = make_trainer(max_epochs=2, log_period=4, metric_writers=[mlflow_writer, wandb_writer])
+    resumed.register_hook(EvalHook(1, lambda: {"val_acc": 0.5}))
+    resumed.train()
+    assert resumed.start_iter == 8
+    rows = jsonl_rows(resumed)
+    assert [row["iter"] for row in rows] == [4, 8, 8, 12, 16, 16]
+    client = MlflowClient(mlflow_store)
+    for name in ("total_loss", "val_acc"):
+        assert mlflow_history(client, mlflow_writer.run_id, name) == [
+            (row["iter"], row[name]) for row in rows if name in row
+        ]
+    (init,) = inits
+    assert "resume_from" not in init  # a new W&B run
+    assert logged == [(row["iter"], row_metrics(row)) for row in rows]
+
+
+def row_metrics(row):
+    return {k: v for k, v in row.items() if k not in ("iter", "epoch")}
 
 
 def test_mlflow_writes_in_the_background_and_a_checkpoint_waits_for_the_writes(
@@ -686,6 +729,27 @@ def history(segment):
     }
 
 
+def branch_step(segment):
+    """The step a segment rewound its run to (``wandb.init(resume_from=...)``); None if none
+    (or if it has no run record: a process killed before W&B wrote any)."""
+    branch = next(iter(records(segment, "run")), {}).get("branch_point")
+    return None if branch is None else branch.get("value", 0)  # 0 is left out of the record
+
+
+def tracked_history(segments):
+    """The history of a W&B run whose segments are ``segments``, in the order they ran: each
+    rewound to step N keeps the steps up to N and goes on from N + 1 (wandb-core ignores a
+    write to N). Each step of the run shows once."""
+    steps = {}
+    for segment in segments:
+        rewound = branch_step(segment)
+        if rewound is not None:
+            steps = {step: row for step, row in steps.items() if step <= rewound}
+        assert not set(steps) & set(history(segment))
+        steps.update(history(segment))
+    return steps
+
+
 @pytest.mark.slow  # W&B starts its service process (wandb-core), and the reader is another
 def test_wandb_a_resumed_run_continues_the_same_run_rewound_each_step_once(
     make_trainer, tmp_path, monkeypatch
@@ -726,15 +790,92 @@ def test_wandb_a_resumed_run_continues_the_same_run_rewound_each_step_once(
     # the first segment has each row the failed run wrote, steps 12 and 16 (after the
     # checkpoint it resumes from) included
     assert history(start) == before
-    # Rewound to step N, W&B keeps the steps before N and the run goes on from N (W&B's docs,
-    # runs/rewind): the resumed run keeps its checkpoint's step and writes from the next
+    # The resumed run rewinds the W&B run to just before the first row of metrics.jsonl and
+    # logs the rows up to its checkpoint's again (W&B may have lost some: see the kill test)
     branch = records(rewound, "run")[0]["branch_point"]
-    assert branch == {"run": first.run_id, "metric": "_step", "value": resumed.start_iter + 1}
-    kept = {step: row for step, row in history(start).items() if step < branch["value"]}
-    assert list(kept) == [4, 8]  # 8: the checkpoint's log point and evaluation
-    assert kept[resumed.start_iter] == before[8] and "val_acc" in kept[8]
-    assert not set(kept) & set(history(rewound))
-    assert {**kept, **history(rewound)} == by_step(jsonl_rows(resumed))
+    assert branch == {"run": first.run_id, "metric": "_step", "value": 3}
+    assert list(history(rewound)) == [4, 8, 12, 16, 20, 24]
+    assert history(rewound)[8] == before[8] and "val_acc" in before[8]
+    assert tracked_history([start, rewound]) == by_step(jsonl_rows(resumed))
+
+
+KILLED_TRACKED = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from test_writers import tracked_run
+from trainer import HookBase, Priority
+
+class Kill(HookBase):
+    priority = Priority.LOGGER + 5  # after the log point is written
+
+    def after_iter(self):
+        if self.trainer.cur_iter + 1 == 13:
+            self.trainer.checkpointer.wait()  # epoch_1.pth (8 iterations) on disk
+            os.kill(os.getpid(), signal.SIGKILL)
+
+tracked_run({work!r}, {store!r}, Kill()).train()
+"""
+
+
+def tracked_run(work_dir, mlflow_store, *hooks):
+    """A run of 3 epochs of 8 iterations logging every 2 to MLflow and W&B (offline),
+    evaluating after each epoch."""
+    import wandb
+
+    from conftest import build
+
+    settings = wandb.Settings(console="off", silent=True)
+    tracked = [
+        MLflowWriter(mlflow_store, experiment_name="tiny"),
+        WandbWriter(project="tiny", mode="offline", settings=settings),
+    ]
+    trainer = build(work_dir, max_epochs=3, log_period=2, metric_writers=tracked)
+    trainer.register_hook(EvalHook(1, lambda: {"val_acc": 0.25 * (trainer.cur_epoch + 1)}))
+    trainer.register_hooks(list(hooks))
+    return trainer
+
+
+@pytest.mark.slow  # a training process to kill, W&B's service process and W&B's reader
+def test_after_a_kill_and_resume_the_tracked_runs_hold_every_row_of_metrics_jsonl(
+    tmp_path, mlflow_store, monkeypatch
+):
+    """W&B had written none of the killed run's steps (its file is written every 15 s), and a
+    resumed run rewound to its checkpoint's step: steps 2 to 8 were missing."""
+    from mlflow.tracking import MlflowClient
+
+    for name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):  # not in $HOME
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
+    work_dir = str(tmp_path / "work")
+    script = tmp_path / "killed.py"
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script.write_text(KILLED_TRACKED.format(tests=tests, work=work_dir, store=mlflow_store))
+    env = cpu_env()
+    env.pop("WANDB_SERVICE", None)  # W&B's service of this process, if a test started one
+    proc = popen([sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True)
+    _, err = communicate(proc, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, err[-3000:]
+    with open(os.path.join(work_dir, "metrics.jsonl")) as f:
+        assert [json.loads(line)["iter"] for line in f] == [2, 4, 6, 8, 8, 10, 12]
+    resumed = tracked_run(work_dir, mlflow_store)
+    resumed.train()
+    assert resumed.start_iter == 8
+    rows = jsonl_rows(resumed)
+    steps = by_step(rows)
+    assert list(steps) == list(range(2, 25, 2))
+
+    # W&B: each step once
+    segments = wandb_segments(work_dir)
+    assert len(segments) == 2
+    assert tracked_history(segments) == steps
+    # MLflow: every step, once up to the checkpoint's; it cannot rewind, so the steps logged
+    # after the checkpoint, which the resumed run logs again, have two values
+    client = MlflowClient(mlflow_store)
+    (run,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    for name in ("total_loss", "lr", "val_acc"):
+        history = mlflow_history(client, run.info.run_id, name)
+        logged = [(row["iter"], row[name]) for row in rows if name in row]
+        assert sorted(set(history)) == logged
+        assert [step for step, _ in history if step <= 8] == [s for s, _ in logged if s <= 8]
 
 
 @pytest.mark.parametrize(

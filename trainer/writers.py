@@ -67,6 +67,12 @@ class MetricWriter:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (from the checkpoint resumed from)."""
 
+    def load_history(self, rows: list[dict[str, Any]]) -> None:
+        """Given before :meth:`start`: the rows of ``work_dir/metrics.jsonl`` (``iter``,
+        ``epoch`` and the metrics) up to ``start_iter``, which a resumed run logged before its
+        checkpoint, for a writer whose store may have lost some (a process killed outright loses
+        what it had not sent); none where ``LoggerHook`` writes no metrics.jsonl."""
+
 
 def time_left(elapsed: float, iters_done: int, iters_left: int) -> datetime.timedelta:
     """The ETA of ``iters_left`` at the pace of ``iters_done`` in ``elapsed`` seconds
@@ -210,8 +216,10 @@ class JSONLinesWriter(MetricWriter):
     that hold no row (said once)."""
 
     def __init__(self, path: str, start_iter: int = 0) -> None:
+        #: The rows it kept, of the steps up to ``start_iter`` (what a resumed run logged).
+        self.history: list[dict[str, Any]] = []
         if os.path.isfile(path) and not os.path.islink(path):
-            _keep_lines_up_to(path, start_iter)
+            self.history = _keep_lines_up_to(path, start_iter)
         self._file = open_no_follow(path, append=True)
 
     def write(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
@@ -246,6 +254,11 @@ def settings_to_compare(config: dict[str, Any]) -> dict[str, Any]:
     if "hooks" in settings:
         settings["hooks"] = sorted(_hook_names(settings["hooks"]))
     return settings
+
+
+def _metrics(row: dict[str, Any]) -> dict[str, float]:
+    """The metrics of a row of metrics.jsonl."""
+    return {name: value for name, value in row.items() if name not in ("iter", "epoch")}
 
 
 def _as_param(value: Any) -> str:
@@ -292,6 +305,10 @@ class _TrackerWriter(MetricWriter):
 
     def __init__(self) -> None:
         self._names: dict[str, str] = {}  # each metric's name in the tracker
+        self._history: list[dict[str, Any]] = []  # metrics.jsonl's rows, until start logs them
+
+    def load_history(self, rows: list[dict[str, Any]]) -> None:
+        self._history = rows
 
     def _tracked(self, metrics: dict[str, float]) -> dict[str, float]:
         """``metrics`` under their names in the tracker."""
@@ -388,6 +405,7 @@ class MLflowWriter(_TrackerWriter):
             _check_answers(client.tracking_uri, self._ANSWER_SECS)
         self._client = client
         self._progress = trainer.progress
+        history, self._history = self._history, []
         params = {key: _as_param(value) for key, value in config.items()}
         if self._resume_id is None:
             experiment = client.get_experiment_by_name(self._experiment)
@@ -399,8 +417,12 @@ class MLflowWriter(_TrackerWriter):
             self.run_id = client.create_run(experiment_id, run_name=self._run_name).info.run_id
         else:
             params = self._reopen(trainer.work_dir, config, params)
+            # it holds the steps up to the checkpoint's: each save waited for their writes
+            history = []
         items = [self._param(key, value) for key, value in params.items()]
         client.log_batch(self.run_id, params=items)  # once (MlflowClient splits it in 100s)
+        # a new run of a resumed run (its checkpoint saved without this writer): the rows before
+        self._log([(row["iter"], _metrics(row)) for row in history])
 
     def _reopen(
         self, work_dir: str, config: dict[str, Any], params: dict[str, str]
@@ -434,9 +456,16 @@ class MLflowWriter(_TrackerWriter):
         return {key: value for key, value in params.items() if key not in logged}
 
     def write(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        self._log([(step, metrics)])
+
+    def _log(self, rows: list[tuple[int, dict[str, float]]]) -> None:
+        """Log each ``(step, metrics)`` of ``rows``, in the background."""
         now = int(time.time() * 1000)  # MLflow's timestamps are in milliseconds
-        tracked = self._tracked(metrics)
-        batch = [self._metric(name, value, now, step) for name, value in tracked.items()]
+        batch = [
+            self._metric(name, value, now, step)
+            for step, metrics in rows
+            for name, value in self._tracked(metrics).items()
+        ]
         # in the background: a server's round trip would hold training up at every log point
         operations = self._client.log_batch(self.run_id, metrics=batch, synchronous=False)
         if operations is not None:  # None: nothing to write
@@ -485,8 +514,9 @@ class WandbWriter(_TrackerWriter):
     settings (``work_dir/run.json``) in its config; its files go in ``work_dir`` unless ``dir``
     says otherwise. Each writer has a run of its own (``reinit="create_new"``), beside any
     other. The run's id is saved in the checkpoints: a resumed run continues the same run,
-    rewound (``wandb.init(resume_from=...)``) to the first step it writes: W&B keeps the steps
-    before it (the checkpoint's included) and drops the later ones, so each step shows once.
+    rewound (``wandb.init(resume_from=...)``) to just before the first row of metrics.jsonl,
+    and logs the rows up to its checkpoint's step again (W&B may have lost some with a process
+    killed outright), so that the run holds each step of metrics.jsonl once.
     When training ends, the run finishes with exit code 0 (to the end, or ``stop()``), 1 (an
     error) or 255 (a preemption signal or Ctrl-C), W&B's own codes: W&B shows the last two as
     failed. A metric named as one of W&B's own keys (``_step``...) or ``""`` goes under another
@@ -522,14 +552,20 @@ class WandbWriter(_TrackerWriter):
         # a run of its own, beside another WandbWriter's or your script's wandb.init
         kwargs = {"dir": trainer.work_dir, "reinit": "create_new", **self._kwargs}
         kwargs["config"] = {**config, **self._kwargs.get("config", {})}
+        history, self._history = self._history, []
         if self._resume_id is not None:
-            # Rewound to step N, W&B keeps the steps before N and the run goes on from N: the
-            # steps up to the checkpoint's (start_iter: its log point, its evaluation) stay
+            # Rewound to step N, W&B's run goes on from step N + 1. It may lack steps of the
+            # stopped run's (a process killed outright loses what W&B had not written, to its
+            # file every 15 s, or sent): rewound to just before the first row of metrics.jsonl,
+            # it gets each again; without one (no metrics.jsonl), to start_iter
+            first = history[0]["iter"] if history else start_iter + 1
             kwargs.pop("id", None)
-            kwargs["resume_from"] = f"{self._resume_id}?_step={start_iter + 1}"
+            kwargs["resume_from"] = f"{self._resume_id}?_step={first - 1}"
             self._resume_id = None
         self._run = self._wandb.init(**kwargs)
         self.run_id = self._run.id
+        for row in history:  # a new run of a resumed run's too (a checkpoint without its id)
+            self.write(trainer, row["iter"], _metrics(row))
 
     def write(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
         self._run.log(self._tracked(metrics), step=step)
@@ -606,8 +642,8 @@ def _drop_events_from(log_dir: str, step: int) -> None:
 
 def _keep_lines_up_to(path: str, start_iter: int) -> list[dict[str, Any]]:
     """Keep the rows of ``metrics.jsonl`` of steps up to ``start_iter`` (iterations done), and
-    return them. A line that is no row (cut short by a crash, or without an integer ``iter``)
-    is dropped, said once; the rows after it stay."""
+    return them. A line that is no row (cut short by a crash, without an integer ``iter``, or
+    with a value that is not a number) is dropped, said once; the rows after it stay."""
     with open(path, encoding="utf-8") as f:
         lines = f.readlines()
     kept: list[str] = []
@@ -618,15 +654,19 @@ def _keep_lines_up_to(path: str, start_iter: int) -> list[dict[str, Any]]:
             row = json.loads(line)
         except ValueError:
             row = None
-        if not isinstance(row, dict) or type(row.get("iter")) is not int:
+        if (
+            not isinstance(row, dict)
+            or type(row.get("iter")) is not int
+            or not all(type(value) in (int, float) for value in row.values())
+        ):
             unread.append(number)
         elif row["iter"] <= start_iter:
             kept.append(line if line.endswith("\n") else line + "\n")
             rows.append(row)
     if unread:
         logger.warning(
-            f"{path}: dropped {len(unread)} line(s) that hold no row with an integer 'iter' "
-            f"(line {', '.join(map(str, unread[:5]))}{', ...' if len(unread) > 5 else ''})."
+            f"{path}: dropped {len(unread)} line(s) that hold no row of numbers with an integer "
+            f"'iter' (line {', '.join(map(str, unread[:5]))}{', ...' if len(unread) > 5 else ''})."
         )
     if kept != lines:
         atomic_write(path, lambda f: f.write("".join(kept).encode("utf-8")))
