@@ -20,7 +20,7 @@ from trainer import HookBase, Priority, writers
 from trainer.hooks import EvalHook, ProgressBarHook
 from trainer.writers import MLflowWriter, TensorBoardWriter, WandbWriter, tensorboard_tag
 
-from conftest import load
+from conftest import communicate, cpu_env, free_port, load, popen
 
 
 class Clock:
@@ -131,6 +131,31 @@ def test_files_a_resumed_run_rewrites_keep_the_permissions_open_gives(tmp_path):
     for path in (tmp_path / "tb" / rewritten, tmp_path / "tb" / new, tmp_path / "metrics.jsonl"):
         assert os.stat(path).st_mode & 0o777 == 0o644, path
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 4
+
+
+def test_a_resume_keeps_every_row_of_metrics_jsonl_past_a_line_it_cannot_use(make_trainer, caplog):
+    stopped = make_trainer(max_epochs=2)  # rows at iterations 4, 8, 12, 16
+    stopped.train()
+    path = os.path.join(stopped.work_dir, "metrics.jsonl")
+    with open(path) as f:
+        lines = f.readlines()
+    # lines of another program's after the first row, and one cut short by a crash
+    lines[1:1] = ['{"note": "lr lowered"}\n', '{"iter": 5, "note": "x"}\n', '{"iter": 5, "a\n']
+    with open(path, "w") as f:
+        f.writelines(lines)
+    os.remove(os.path.join(stopped.ckpt_dir, "epoch_2.pth"))  # it resumes after iteration 8
+    with open(os.path.join(stopped.ckpt_dir, "latest.txt"), "w") as f:
+        f.write("epoch_1.pth")
+    resumed = make_trainer(max_epochs=2)
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        resumed.train()
+    assert resumed.start_iter == 8
+    with open(path) as f:
+        rows = [json.loads(line) for line in f]
+    assert [row["iter"] for row in rows] == [4, 8, 12, 16]
+    assert rows[:2] == [json.loads(line) for line in lines[:1] + lines[4:5]]  # kept as they were
+    (warning,) = warnings(caplog)
+    assert path in warning and "3 line(s)" in warning and "line 2, 3, 4" in warning
 
 
 def test_a_resumed_runs_event_file_sorts_after_the_old_ones(tmp_path):
@@ -390,6 +415,49 @@ def test_trackers_mark_their_runs_as_training_ended(
     ]
 
 
+def test_a_tracker_added_on_resume_gets_the_rows_before_the_checkpoint(
+    make_trainer, mlflow_store, monkeypatch
+):
+    import wandb
+    from mlflow.tracking import MlflowClient
+
+    inits, logged = [], []
+
+    class Run:  # W&B's run (its own in the kill test): what the writer asks of it
+        id = "run1"
+
+        def log(self, metrics, step):
+            logged.append((step, metrics))
+
+        def finish(self, exit_code=None):
+            pass
+
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: inits.append(kwargs) or Run())
+    stopped = make_trainer(max_epochs=1, log_period=4)  # no tracker: rows at 4 and 8
+    stopped.register_hook(EvalHook(1, lambda: {"val_acc": 0.5}))
+    stopped.train()
+    mlflow_writer = MLflowWriter(mlflow_store, experiment_name="tiny")
+    wandb_writer = WandbWriter(project="tiny", mode="offline")
+    resumed = make_trainer(max_epochs=2, log_period=4, metric_writers=[mlflow_writer, wandb_writer])
+    resumed.register_hook(EvalHook(1, lambda: {"val_acc": 0.5}))
+    resumed.train()
+    assert resumed.start_iter == 8
+    rows = jsonl_rows(resumed)
+    assert [row["iter"] for row in rows] == [4, 8, 8, 12, 16, 16]
+    client = MlflowClient(mlflow_store)
+    for name in ("total_loss", "val_acc"):
+        assert mlflow_history(client, mlflow_writer.run_id, name) == [
+            (row["iter"], row[name]) for row in rows if name in row
+        ]
+    (init,) = inits
+    assert "resume_from" not in init  # a new W&B run
+    assert logged == [(row["iter"], row_metrics(row)) for row in rows]
+
+
+def row_metrics(row):
+    return {k: v for k, v in row.items() if k not in ("iter", "epoch")}
+
+
 def test_mlflow_writes_in_the_background_and_a_checkpoint_waits_for_the_writes(
     make_trainer, mlflow_store, monkeypatch
 ):
@@ -466,6 +534,139 @@ def test_mlflow_an_error_of_a_write_in_the_background_fails_training(
     assert MlflowClient(mlflow_store).get_run(writer.run_id).info.status == "FAILED"
 
 
+NAMES = ["acc", "val/acc", "top-1 acc (%)", "loss:ce", "é", "a" * 250, "a" * 251, "acc@1", ""]
+NAMES += [".", "..", "...", "..a", ".a", "a/..", "a/./b", "a//b", "/a", "a/", "//a", "a\nb", "x/"]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_mlflow_takes_a_name_as_mlflow_itself_judges_it(name):
+    from mlflow.exceptions import MlflowException
+    from mlflow.utils.validation import _validate_metric
+
+    def refused(name):
+        try:
+            _validate_metric(name, 1.0, 0, 0)  # what MLflow checks of a metric it is given
+        except MlflowException:
+            return True
+        return False
+
+    mapped = writers._mlflow_name(name)
+    assert (mapped == name) == (not refused(name))
+    assert not refused(mapped)
+
+
+def test_a_metric_name_mlflow_refuses_goes_under_one_it_takes_said_once(
+    make_trainer, mlflow_store, caplog
+):
+    from mlflow.tracking import MlflowClient
+
+    writer = MLflowWriter(mlflow_store, experiment_name="tiny")
+    trainer = make_trainer(max_epochs=2, log_period=4, metric_writers=[writer])
+    # MLflow refuses "acc@1"; its name there, "acc_1", is another result's
+    results = {"acc@1": 0.5, "acc_1": 0.25, "val/acc": 0.75}
+    trainer.register_hook(EvalHook(1, lambda: results))
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        trainer.train()  # it used to fail at the first evaluation, before the first checkpoint
+    assert warnings(caplog) == [
+        "Metric 'acc@1' goes to MLflow as 'acc_1' (a name MLflow refuses).",
+        "Metric 'acc_1' goes to MLflow as 'acc_1_2' (MLflow has 'acc_1' for 'acc@1').",
+    ]
+    client = MlflowClient(mlflow_store)
+    rows = jsonl_rows(trainer)
+    for name, tracked in (("acc@1", "acc_1"), ("acc_1", "acc_1_2"), ("val/acc", "val/acc")):
+        assert mlflow_history(client, writer.run_id, tracked) == [
+            (row["iter"], row[name]) for row in rows if name in row
+        ]
+    assert client.get_run(writer.run_id).info.status == "FINISHED"
+    # the checkpoints keep the names, so that a resumed run meeting "acc_1" first keeps them
+    checkpoint = load(os.path.join(trainer.ckpt_dir, "epoch_1.pth"))
+    state = checkpoint["hooks"]["LoggerHook"]["writers"]["MLflowWriter"]
+    assert state["names"] == {"acc@1": "acc_1", "acc_1": "acc_1_2"}
+    as_if_crashed_before_the_last_checkpoint(trainer)
+    resumed_writer = MLflowWriter(mlflow_store, experiment_name="tiny")
+    resumed = make_trainer(max_epochs=2, log_period=4, metric_writers=[resumed_writer])
+    resumed.register_hook(EvalHook(1, lambda: {"acc_1": 0.25, "acc@1": 0.5, "val/acc": 0.75}))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        resumed.train()
+    assert resumed.start_iter == 8 and warnings(caplog) == []
+    assert [s for s, _ in mlflow_history(client, writer.run_id, "acc_1_2")] == [8, 16, 16]
+    assert {v for _, v in mlflow_history(client, writer.run_id, "acc_1_2")} == {0.25}
+
+
+def test_a_metric_name_wandb_drops_or_overwrites_goes_under_one_it_keeps(
+    make_trainer, monkeypatch, caplog
+):
+    # W&B (0.31) drops a metric named "" and writes _step, _runtime, _timestamp and _wandb itself
+    import wandb
+
+    logged = []
+
+    class Run:
+        id = "run1"
+
+        def log(self, metrics, step):
+            logged.append((step, metrics))
+
+        def finish(self, exit_code=None):
+            pass
+
+    monkeypatch.setattr(wandb, "init", lambda **kwargs: Run())
+    writer = WandbWriter(project="tiny", mode="offline")
+    trainer = make_trainer(max_epochs=1, log_period=4, metric_writers=[writer])
+    results = {"_step": 1.0, "": 2.0, "_timestamp": 3.0, "_private": 4.0}
+    trainer.register_hook(EvalHook(1, lambda: results))
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        trainer.train()
+    assert logged[-1] == (8, {"_step_": 1.0, "_": 2.0, "_timestamp_": 3.0, "_private": 4.0})
+    assert warnings(caplog) == [
+        f"Metric {name!r} goes to W&B as {name + '_'!r} (a name W&B refuses)."
+        for name in ("_step", "", "_timestamp")
+    ]
+
+
+def test_mlflow_a_tracking_server_that_does_not_answer_fails_the_start_naming_it(
+    make_trainer, monkeypatch
+):
+    """MLflow retried the first request for 4 minutes in silence."""
+    nothing = f"http://127.0.0.1:{free_port()}"  # no server there
+    trainer = make_trainer(max_epochs=1, metric_writers=[MLflowWriter(nothing)])
+    with pytest.raises(
+        RuntimeError, match=rf"server {nothing} did not answer.*refused.*tracking_uri="
+    ):
+        trainer.train()
+    assert jsonl_rows(trainer) == [] and os.listdir(trainer.ckpt_dir) == []
+    # one that takes the connection and never answers, named by MLFLOW_TRACKING_URI
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        silent = f"http://127.0.0.1:{server.getsockname()[1]}"
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", silent)
+        monkeypatch.setattr(MLflowWriter, "_ANSWER_SECS", 0.1)
+        trainer = make_trainer(max_epochs=1, metric_writers=[MLflowWriter()])
+        with pytest.raises(RuntimeError, match=rf"server {silent} did not answer within 0.1 s"):
+            trainer.train()
+
+
+@pytest.mark.parametrize("status", [200, 401, 404])
+def test_mlflow_any_answer_of_a_tracking_server_is_one(status):
+    import http.server
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            self.send_response(status)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    with http.server.HTTPServer(("127.0.0.1", 0), Handler) as server:
+        thread = threading.Thread(target=server.handle_request)
+        thread.start()
+        writers._check_answers(f"http://127.0.0.1:{server.server_address[1]}", 10.0)
+        thread.join(timeout=10)
+
+
 def test_tracker_writers_refuse_bad_arguments_and_name_the_extra_to_install(monkeypatch):
     with pytest.raises(TypeError, match="^experiment_name .*got int 3"):
         MLflowWriter("file:./mlruns", experiment_name=3)
@@ -528,6 +729,27 @@ def history(segment):
     }
 
 
+def branch_step(segment):
+    """The step a segment rewound its run to (``wandb.init(resume_from=...)``); None if none
+    (or if it has no run record: a process killed before W&B wrote any)."""
+    branch = next(iter(records(segment, "run")), {}).get("branch_point")
+    return None if branch is None else branch.get("value", 0)  # 0 is left out of the record
+
+
+def tracked_history(segments):
+    """The history of a W&B run whose segments are ``segments``, in the order they ran: each
+    rewound to step N keeps the steps up to N and goes on from N + 1 (wandb-core ignores a
+    write to N). Each step of the run shows once."""
+    steps = {}
+    for segment in segments:
+        rewound = branch_step(segment)
+        if rewound is not None:
+            steps = {step: row for step, row in steps.items() if step <= rewound}
+        assert not set(steps) & set(history(segment))
+        steps.update(history(segment))
+    return steps
+
+
 @pytest.mark.slow  # W&B starts its service process (wandb-core), and the reader is another
 def test_wandb_a_resumed_run_continues_the_same_run_rewound_each_step_once(
     make_trainer, tmp_path, monkeypatch
@@ -568,15 +790,92 @@ def test_wandb_a_resumed_run_continues_the_same_run_rewound_each_step_once(
     # the first segment has each row the failed run wrote, steps 12 and 16 (after the
     # checkpoint it resumes from) included
     assert history(start) == before
-    # Rewound to step N, W&B keeps the steps before N and the run goes on from N (W&B's docs,
-    # runs/rewind): the resumed run keeps its checkpoint's step and writes from the next
+    # The resumed run rewinds the W&B run to just before the first row of metrics.jsonl and
+    # logs the rows up to its checkpoint's again (W&B may have lost some: see the kill test)
     branch = records(rewound, "run")[0]["branch_point"]
-    assert branch == {"run": first.run_id, "metric": "_step", "value": resumed.start_iter + 1}
-    kept = {step: row for step, row in history(start).items() if step < branch["value"]}
-    assert list(kept) == [4, 8]  # 8: the checkpoint's log point and evaluation
-    assert kept[resumed.start_iter] == before[8] and "val_acc" in kept[8]
-    assert not set(kept) & set(history(rewound))
-    assert {**kept, **history(rewound)} == by_step(jsonl_rows(resumed))
+    assert branch == {"run": first.run_id, "metric": "_step", "value": 3}
+    assert list(history(rewound)) == [4, 8, 12, 16, 20, 24]
+    assert history(rewound)[8] == before[8] and "val_acc" in before[8]
+    assert tracked_history([start, rewound]) == by_step(jsonl_rows(resumed))
+
+
+KILLED_TRACKED = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+from test_writers import tracked_run
+from trainer import HookBase, Priority
+
+class Kill(HookBase):
+    priority = Priority.LOGGER + 5  # after the log point is written
+
+    def after_iter(self):
+        if self.trainer.cur_iter + 1 == 13:
+            self.trainer.checkpointer.wait()  # epoch_1.pth (8 iterations) on disk
+            os.kill(os.getpid(), signal.SIGKILL)
+
+tracked_run({work!r}, {store!r}, Kill()).train()
+"""
+
+
+def tracked_run(work_dir, mlflow_store, *hooks):
+    """A run of 3 epochs of 8 iterations logging every 2 to MLflow and W&B (offline),
+    evaluating after each epoch."""
+    import wandb
+
+    from conftest import build
+
+    settings = wandb.Settings(console="off", silent=True)
+    tracked = [
+        MLflowWriter(mlflow_store, experiment_name="tiny"),
+        WandbWriter(project="tiny", mode="offline", settings=settings),
+    ]
+    trainer = build(work_dir, max_epochs=3, log_period=2, metric_writers=tracked)
+    trainer.register_hook(EvalHook(1, lambda: {"val_acc": 0.25 * (trainer.cur_epoch + 1)}))
+    trainer.register_hooks(list(hooks))
+    return trainer
+
+
+@pytest.mark.slow  # a training process to kill, W&B's service process and W&B's reader
+def test_after_a_kill_and_resume_the_tracked_runs_hold_every_row_of_metrics_jsonl(
+    tmp_path, mlflow_store, monkeypatch
+):
+    """W&B had written none of the killed run's steps (its file is written every 15 s), and a
+    resumed run rewound to its checkpoint's step: steps 2 to 8 were missing."""
+    from mlflow.tracking import MlflowClient
+
+    for name in ("WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR"):  # not in $HOME
+        monkeypatch.setenv(name, str(tmp_path / name.lower()))
+    work_dir = str(tmp_path / "work")
+    script = tmp_path / "killed.py"
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script.write_text(KILLED_TRACKED.format(tests=tests, work=work_dir, store=mlflow_store))
+    env = cpu_env()
+    env.pop("WANDB_SERVICE", None)  # W&B's service of this process, if a test started one
+    proc = popen([sys.executable, str(script)], env=env, stderr=subprocess.PIPE, text=True)
+    _, err = communicate(proc, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, err[-3000:]
+    with open(os.path.join(work_dir, "metrics.jsonl")) as f:
+        assert [json.loads(line)["iter"] for line in f] == [2, 4, 6, 8, 8, 10, 12]
+    resumed = tracked_run(work_dir, mlflow_store)
+    resumed.train()
+    assert resumed.start_iter == 8
+    rows = jsonl_rows(resumed)
+    steps = by_step(rows)
+    assert list(steps) == list(range(2, 25, 2))
+
+    # W&B: each step once
+    segments = wandb_segments(work_dir)
+    assert len(segments) == 2
+    assert tracked_history(segments) == steps
+    # MLflow: every step, once up to the checkpoint's; it cannot rewind, so the steps logged
+    # after the checkpoint, which the resumed run logs again, have two values
+    client = MlflowClient(mlflow_store)
+    (run,) = client.search_runs([client.get_experiment_by_name("tiny").experiment_id])
+    for name in ("total_loss", "lr", "val_acc"):
+        history = mlflow_history(client, run.info.run_id, name)
+        logged = [(row["iter"], row[name]) for row in rows if name in row]
+        assert sorted(set(history)) == logged
+        assert [step for step, _ in history if step <= 8] == [s for s, _ in logged if s <= 8]
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,12 @@ import functools
 import json
 import logging
 import os
+import posixpath
 import re
+import ssl
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Collection
 from typing import Any, Callable, Optional
 
@@ -62,6 +66,12 @@ class MetricWriter:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned (from the checkpoint resumed from)."""
+
+    def load_history(self, rows: list[dict[str, Any]]) -> None:
+        """Given before :meth:`start`: the rows of ``work_dir/metrics.jsonl`` (``iter``,
+        ``epoch`` and the metrics) up to ``start_iter``, which a resumed run logged before its
+        checkpoint, for a writer whose store may have lost some (a process killed outright loses
+        what it had not sent); none where ``LoggerHook`` writes no metrics.jsonl."""
 
 
 def time_left(elapsed: float, iters_done: int, iters_left: int) -> datetime.timedelta:
@@ -206,11 +216,14 @@ class TensorBoardWriter(MetricWriter):
 class JSONLinesWriter(MetricWriter):
     """A flushed line ``{"iter": ..., "epoch": ..., <metric>: ...}`` per write in ``path``:
     ``iter`` is the step (iterations done), ``epoch`` the number of the epoch it is in (from 1).
-    A run that starts after ``start_iter`` iterations drops the lines of later steps."""
+    A run that starts after ``start_iter`` iterations drops the lines of later steps, and those
+    that hold no row (said once)."""
 
     def __init__(self, path: str, start_iter: int = 0) -> None:
+        #: The rows it kept, of the steps up to ``start_iter`` (what a resumed run logged).
+        self.history: list[dict[str, Any]] = []
         if os.path.isfile(path) and not os.path.islink(path):
-            _keep_lines_up_to(path, start_iter)
+            self.history = _keep_lines_up_to(path, start_iter)
         self._file = open_no_follow(path, append=True)
 
     def write(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
@@ -247,24 +260,93 @@ def settings_to_compare(config: dict[str, Any]) -> dict[str, Any]:
     return settings
 
 
+def _metrics(row: dict[str, Any]) -> dict[str, float]:
+    """The metrics of a row of metrics.jsonl."""
+    return {name: value for name, value in row.items() if name not in ("iter", "epoch")}
+
+
 def _as_param(value: Any) -> str:
     """A setting as a tracker's param: a string as it is, anything else as JSON."""
     return value if isinstance(value, str) else json.dumps(value)
 
 
+# MLflow's rule for a metric's name (mlflow.utils.validation): at most 250 of these characters
+# (":" not on Windows), and no name that reads as another as a path ("a//b", "a/", "/a", "..a")
+_MLFLOW_REFUSED = re.compile(r"[^/\w.\- :]" if os.name != "nt" else r"[^/\w.\- ]")
+
+
+def _mlflow_name(name: str) -> str:
+    """``name`` if MLflow takes it as a metric's name, else one it takes: its last 250
+    characters, those MLflow refuses as ``_``, and its slashes too if it reads as a path."""
+    mapped = _MLFLOW_REFUSED.sub("_", name[-250:])
+    if posixpath.normpath(mapped) != mapped or mapped == "." or mapped.startswith(("/", "..")):
+        mapped = mapped.replace("/", "_")
+        if mapped in ("", ".") or mapped.startswith(".."):
+            mapped = "_" + mapped[1:]
+    return mapped
+
+
+# The keys W&B writes in each step of a run's history itself: a metric's value under one is
+# overwritten, or overwrites W&B's (and a metric named "" is dropped)
+_WANDB_KEYS = ("_step", "_runtime", "_timestamp", "_wandb")
+
+
+def _wandb_name(name: str) -> str:
+    """``name`` if W&B keeps a metric under it, else one it keeps."""
+    return f"{name}_" if name in ("", *_WANDB_KEYS) else name
+
+
 class _TrackerWriter(MetricWriter):
-    """A writer to a tracker's run, whose id the checkpoints keep for a resumed run to go on."""
+    """A writer to a tracker's run, whose id the checkpoints keep for a resumed run to go on. A
+    metric whose name the tracker refuses, or has for another metric, goes to the tracker under
+    a name of its own, said once and kept in the checkpoints too (the same in a resumed run)."""
 
     run_id: Optional[str] = None  # the run written to
     _resume_id: Optional[str] = None  # the checkpoint's: the run the next start goes on with
     _progress: Any = None  # the trainer's, from start: how training ended, at close
+    _tracker = ""  # its name, for messages
+    _tracker_name: Callable[[str], str]  # a metric's name, or one that the tracker takes
+
+    def __init__(self) -> None:
+        self._names: dict[str, str] = {}  # each metric's name in the tracker
+        self._history: list[dict[str, Any]] = []  # metrics.jsonl's rows, until start logs them
+
+    def load_history(self, rows: list[dict[str, Any]]) -> None:
+        self._history = rows
+
+    def _tracked(self, metrics: dict[str, float]) -> dict[str, float]:
+        """``metrics`` under their names in the tracker."""
+        names = self._names
+        return {names.get(name) or self._name(name): value for name, value in metrics.items()}
+
+    def _name(self, name: str) -> str:
+        """The tracker's name for metric ``name``, met for the first time: ``name``, or if the
+        tracker refuses it or has it for another metric, one that it takes (said once)."""
+        taken = {tracked: metric for metric, tracked in self._names.items()}
+        allowed = tracked = self._tracker_name(name)
+        suffix = 1
+        while tracked in taken:
+            suffix += 1
+            tracked = self._tracker_name(f"{allowed}_{suffix}")
+        self._names[name] = tracked
+        if tracked != name:
+            why = f"a name {self._tracker} refuses"
+            if allowed == name:
+                why = f"{self._tracker} has {name!r} for {taken[name]!r}"
+            logger.warning(f"Metric {name!r} goes to {self._tracker} as {tracked!r} ({why}).")
+        return tracked
 
     def state_dict(self) -> dict[str, Any]:
         run_id = self._resume_id or self.run_id  # not started (a finished run): the saved one
-        return {} if run_id is None else {"run_id": run_id}
+        state: dict[str, Any] = {} if run_id is None else {"run_id": run_id}
+        renamed = {name: tracked for name, tracked in self._names.items() if tracked != name}
+        if renamed:
+            state["names"] = renamed
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._resume_id = state.get("run_id")
+        self._names = dict(state.get("names", {}))
 
 
 class MLflowWriter(_TrackerWriter):
@@ -276,18 +358,23 @@ class MLflowWriter(_TrackerWriter):
     last checkpoint have two values each; its params cannot change, so they keep the first
     launch's values (a setting that differs on resume, with a warning). When training ends, the
     run's status says how: ``FINISHED`` (to the end, or ``stop()``), ``FAILED`` (an error) or
-    ``KILLED`` (a preemption signal or Ctrl-C). Needs ``pip install "hooktrainer[mlflow]"``.
+    ``KILLED`` (a preemption signal or Ctrl-C). A metric name MLflow refuses goes under one it
+    takes (``acc@1`` as ``acc_1``), said once. Needs ``pip install "hooktrainer[mlflow]"``.
 
     Args:
-        tracking_uri: Where MLflow keeps its runs: a tracking server's URL, ``file:./mlruns``
-            (MLflow 3 asks for ``MLFLOW_ALLOW_FILE_STORE=true`` to use a folder)...; None:
-            MLflow's default (``MLFLOW_TRACKING_URI``).
+        tracking_uri: Where MLflow keeps its runs: a tracking server's URL (a server that does
+            not answer within 5 s fails the start), ``file:./mlruns`` (MLflow 3 asks for
+            ``MLFLOW_ALLOW_FILE_STORE=true`` to use a folder)...; None: MLflow's default
+            (``MLFLOW_TRACKING_URI``).
         experiment_name: The run's experiment, created if missing.
         run_name: The run's name; None: MLflow makes one up.
     """
 
     _STATUS = {"finished": "FINISHED", "failed": "FAILED", "killed": "KILLED"}  # by outcome
     _MAX_PENDING = 100  # writes in flight before the oldest is waited for (long done by then)
+    _tracker = "MLflow"
+    _tracker_name = staticmethod(_mlflow_name)
+    _ANSWER_SECS = 5.0  # how long the start waits for a tracking server's first answer
 
     def __init__(
         self,
@@ -298,6 +385,7 @@ class MLflowWriter(_TrackerWriter):
         check_type("tracking_uri", tracking_uri, (str, type(None)), "a URI as a str, or None")
         check_type("experiment_name", experiment_name, str, "a str")
         check_type("run_name", run_name, (str, type(None)), "a str or None")
+        super().__init__()
         try:  # an optional extra: imported by the runs that use it
             from mlflow.entities import Metric, Param
             from mlflow.tracking import MlflowClient
@@ -315,8 +403,13 @@ class MLflowWriter(_TrackerWriter):
         self._pending: list[Any] = []  # the writes in flight (MLflow's RunOperations)
 
     def start(self, trainer: Any, start_iter: int, config: dict[str, Any]) -> None:
-        client = self._client = self._client_class(self._uri)
+        client = self._client_class(self._uri)
+        if client.tracking_uri.startswith(("http://", "https://")):
+            # MLflow retries a request that gets no answer for minutes, saying nothing
+            _check_answers(client.tracking_uri, self._ANSWER_SECS)
+        self._client = client
         self._progress = trainer.progress
+        history, self._history = self._history, []
         params = {key: _as_param(value) for key, value in config.items()}
         if self._resume_id is None:
             experiment = client.get_experiment_by_name(self._experiment)
@@ -328,8 +421,12 @@ class MLflowWriter(_TrackerWriter):
             self.run_id = client.create_run(experiment_id, run_name=self._run_name).info.run_id
         else:
             params = self._reopen(trainer.work_dir, config, params)
+            # it holds the steps up to the checkpoint's: each save waited for their writes
+            history = []
         items = [self._param(key, value) for key, value in params.items()]
         client.log_batch(self.run_id, params=items)  # once (MlflowClient splits it in 100s)
+        # a new run of a resumed run (its checkpoint saved without this writer): the rows before
+        self._log([(row["iter"], _metrics(row)) for row in history])
 
     def _reopen(
         self, work_dir: str, config: dict[str, Any], params: dict[str, str]
@@ -363,8 +460,16 @@ class MLflowWriter(_TrackerWriter):
         return {key: value for key, value in params.items() if key not in logged}
 
     def write(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        self._log([(step, metrics)])
+
+    def _log(self, rows: list[tuple[int, dict[str, float]]]) -> None:
+        """Log each ``(step, metrics)`` of ``rows``, in the background."""
         now = int(time.time() * 1000)  # MLflow's timestamps are in milliseconds
-        batch = [self._metric(name, value, now, step) for name, value in metrics.items()]
+        batch = [
+            self._metric(name, value, now, step)
+            for step, metrics in rows
+            for name, value in self._tracked(metrics).items()
+        ]
         # in the background: a server's round trip would hold training up at every log point
         operations = self._client.log_batch(self.run_id, metrics=batch, synchronous=False)
         if operations is not None:  # None: nothing to write
@@ -392,16 +497,34 @@ class MLflowWriter(_TrackerWriter):
             client.set_terminated(self.run_id, status=status)
 
 
+def _check_answers(uri: str, seconds: float) -> None:
+    """Raise RuntimeError if nothing at ``uri`` answers an HTTP request within ``seconds``."""
+    try:
+        urllib.request.urlopen(urllib.request.Request(uri, method="HEAD"), timeout=seconds).close()
+    except urllib.error.HTTPError:
+        pass  # an answer, if not a welcome one: MLflow's own requests will tell
+    except OSError as e:
+        reason = getattr(e, "reason", e)  # a URLError's
+        if not isinstance(reason, ssl.SSLError):  # it spoke TLS: MLflow has its own TLS settings
+            raise RuntimeError(
+                f"MLflowWriter: the tracking server {uri} did not answer within {seconds:g} s "
+                f"({reason}). Start it, or pass tracking_uri= one that runs (None: "
+                "MLFLOW_TRACKING_URI)."
+            ) from e
+
+
 class WandbWriter(_TrackerWriter):
     """Metrics to a Weights & Biases run, each write's ``step`` as W&B's step, and the run's
     settings (``work_dir/run.json``) in its config; its files go in ``work_dir`` unless ``dir``
     says otherwise. Each writer has a run of its own (``reinit="create_new"``), beside any
     other. The run's id is saved in the checkpoints: a resumed run continues the same run,
-    rewound (``wandb.init(resume_from=...)``) to the first step it writes: W&B keeps the steps
-    before it (the checkpoint's included) and drops the later ones, so each step shows once.
+    rewound (``wandb.init(resume_from=...)``) to just before the first row of metrics.jsonl,
+    and logs the rows up to its checkpoint's step again (W&B may have lost some with a process
+    killed outright), so that the run holds each step of metrics.jsonl once.
     When training ends, the run finishes with exit code 0 (to the end, or ``stop()``), 1 (an
     error) or 255 (a preemption signal or Ctrl-C), W&B's own codes: W&B shows the last two as
-    failed. Needs ``pip install "hooktrainer[wandb]"``.
+    failed. A metric named as one of W&B's own keys (``_step``...) or ``""`` goes under another
+    name (``_step_``), said once. Needs ``pip install "hooktrainer[wandb]"``.
 
     Args:
         **init_kwargs: ``wandb.init``'s arguments (``project``, ``name``, ``mode``, ``config``
@@ -411,12 +534,15 @@ class WandbWriter(_TrackerWriter):
 
     # W&B's exit codes (its own for an uncaught exception and a Ctrl-C), by outcome
     _EXIT_CODE = {"finished": 0, "failed": 1, "killed": 255}
+    _tracker = "W&B"
+    _tracker_name = staticmethod(_wandb_name)
 
     def __init__(self, **init_kwargs: Any) -> None:
         for name in ("resume", "resume_from", "fork_from"):
             if name in init_kwargs:  # a resumed run continues its checkpoint's W&B run itself
                 raise TypeError(f"WandbWriter resumes runs itself: leave out {name}.")
         check_type("config", init_kwargs.get("config", {}), dict, "a dict of settings")
+        super().__init__()
         try:  # an optional extra: imported by the runs that use it
             import wandb
         except ImportError as e:
@@ -430,17 +556,23 @@ class WandbWriter(_TrackerWriter):
         # a run of its own, beside another WandbWriter's or your script's wandb.init
         kwargs = {"dir": trainer.work_dir, "reinit": "create_new", **self._kwargs}
         kwargs["config"] = {**config, **self._kwargs.get("config", {})}
+        history, self._history = self._history, []
         if self._resume_id is not None:
-            # Rewound to step N, W&B keeps the steps before N and the run goes on from N: the
-            # steps up to the checkpoint's (start_iter: its log point, its evaluation) stay
+            # Rewound to step N, W&B's run goes on from step N + 1. It may lack steps of the
+            # stopped run's (a process killed outright loses what W&B had not written, to its
+            # file every 15 s, or sent): rewound to just before the first row of metrics.jsonl,
+            # it gets each again; without one (no metrics.jsonl), to start_iter
+            first = history[0]["iter"] if history else start_iter + 1
             kwargs.pop("id", None)
-            kwargs["resume_from"] = f"{self._resume_id}?_step={start_iter + 1}"
+            kwargs["resume_from"] = f"{self._resume_id}?_step={first - 1}"
             self._resume_id = None
         self._run = self._wandb.init(**kwargs)
         self.run_id = self._run.id
+        for row in history:  # a new run of a resumed run's too (a checkpoint without its id)
+            self.write(trainer, row["iter"], _metrics(row))
 
     def write(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
-        self._run.log(metrics, step=step)
+        self._run.log(self._tracked(metrics), step=step)
 
     def close(self) -> None:
         if self._run is not None:
@@ -512,16 +644,34 @@ def _drop_events_from(log_dir: str, step: int) -> None:
         atomic_write(path, write)
 
 
-def _keep_lines_up_to(path: str, start_iter: int) -> None:
-    """Keep the lines of ``metrics.jsonl`` of steps up to ``start_iter`` (iterations done)."""
+def _keep_lines_up_to(path: str, start_iter: int) -> list[dict[str, Any]]:
+    """Keep the rows of ``metrics.jsonl`` of steps up to ``start_iter`` (iterations done), and
+    return them. A line that is no row (cut short by a crash, without an integer ``iter``, or
+    with a value that is not a number) is dropped, said once; the rows after it stay."""
     with open(path, encoding="utf-8") as f:
         lines = f.readlines()
-    kept = []
-    for line in lines:
+    kept: list[str] = []
+    rows: list[dict[str, Any]] = []
+    unread = []  # the numbers of the lines that are no row
+    for number, line in enumerate(lines, 1):
         try:
-            if json.loads(line)["iter"] <= start_iter:
-                kept.append(line)
-        except (ValueError, KeyError, TypeError):
-            break  # a line cut short by a crash, and whatever follows it
-    if len(kept) < len(lines):
+            row = json.loads(line)
+        except ValueError:
+            row = None
+        if (
+            not isinstance(row, dict)
+            or type(row.get("iter")) is not int
+            or not all(type(value) in (int, float) for value in row.values())
+        ):
+            unread.append(number)
+        elif row["iter"] <= start_iter:
+            kept.append(line if line.endswith("\n") else line + "\n")
+            rows.append(row)
+    if unread:
+        logger.warning(
+            f"{path}: dropped {len(unread)} line(s) that hold no row of numbers with an integer "
+            f"'iter' (line {', '.join(map(str, unread[:5]))}{', ...' if len(unread) > 5 else ''})."
+        )
+    if kept != lines:
         atomic_write(path, lambda f: f.write("".join(kept).encode("utf-8")))
+    return rows

@@ -114,10 +114,14 @@ class LoggerHook(HookBase):
             )
             writer.write_text("run", _markdown_table(config), trainer.start_iter + 1)
             self._writers.append(writer)
+        history: list[dict[str, Any]] = []  # the rows up to the checkpoint's step
         if self._metrics_jsonl:
             path = os.path.join(trainer.work_dir, "metrics.jsonl")
-            self._writers.append(JSONLinesWriter(path, trainer.start_iter))
+            jsonl = JSONLinesWriter(path, trainer.start_iter)
+            history, jsonl.history = jsonl.history, []  # for your writers, not kept
+            self._writers.append(jsonl)
         for extra in self._extra:  # each closed when training ends, once started
+            extra.load_history(history)
             extra.start(trainer, trainer.start_iter, config)
             self._writers.append(extra)
 
