@@ -32,6 +32,8 @@ from conftest import TinyModel, tiny_dataset, tiny_loader
         ({"max_num_checkpoints": 0}, ValueError, r"max_num_checkpoints .*got 0"),
         ({"clip_grad_norm": -1.0}, ValueError, r"clip_grad_norm must be >= 0"),
         ({"enable_amp": torch.float64}, ValueError, r"enable_amp .*torch.bfloat16"),
+        ({"warmup_init_lr": -0.1}, ValueError, r"^warmup_init_lr must be .*>= 0.*got -0.1"),
+        ({"warmup_factor": 5.0}, ValueError, r"^warmup_factor must be in \[0, 1\].*got 5.0"),
         ({"accumulation_steps": 9}, ValueError, r"8 batches, fewer than accumulation_steps"),
     ],
 )

@@ -76,8 +76,8 @@ class Trainer:
         warmup_t: The warmup's length in iterations (epochs with ``warmup_by_epoch``); 0: none.
         warmup_by_epoch: Count ``warmup_t`` in epochs.
         warmup_mode: ``"fix"``, ``"factor"`` or ``"auto"`` (see :class:`LRWarmupScheduler`).
-        warmup_init_lr: The first LR of ``"fix"`` warmup.
-        warmup_factor: The starting factor of ``"factor"`` and ``"auto"`` warmup.
+        warmup_init_lr: The first LR of ``"fix"`` warmup, >= 0.
+        warmup_factor: The starting factor of ``"factor"`` and ``"auto"`` warmup, in [0, 1].
         cuda_graph: Capture the whole step in a CUDA graph after 3 eager iterations.
         preempt_check_period: Under torchrun, the ranks share caught preemption signals every N
             iterations.
