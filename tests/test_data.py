@@ -7,6 +7,7 @@ import logging
 import multiprocessing
 import os
 import random
+import signal
 
 import numpy as np
 import pytest
@@ -286,6 +287,106 @@ def test_the_workers_base_seed_is_not_the_first_passs_shuffle_seed(make_trainer)
     )  # the pass's shuffle
     replayed = torch.randperm(32, generator=torch.Generator().manual_seed(base_seed)).tolist()
     assert model.order != replayed
+
+
+class Batches(torch.nn.Module):
+    """Records each batch a step takes; draws no random numbers, as the loop beside it draws
+    none."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+        torch.nn.init.constant_(self.linear.weight, 0.1)  # the same in every run
+        torch.nn.init.zeros_(self.linear.bias)
+        self.seen = []
+
+    def forward(self, batch):
+        self.seen.append(batch[0])
+        return torch.nn.functional.mse_loss(self.linear(batch[0]), batch[1])
+
+
+def order_loader(kind):
+    """tiny_loader's 8 batches of 4, shuffled by a generator of the loader's own (as PyTorch's
+    reproducibility notes advise), by torch's RNG, or in order."""
+    options = {"shuffle": kind != "no shuffle"}
+    if kind in ("generator", "workers", "persistent workers"):
+        options["generator"] = torch.Generator().manual_seed(0)
+    if kind in ("workers", "persistent workers"):
+        options.update(num_workers=2, persistent_workers=kind == "persistent workers")
+    return tiny_loader(**options)
+
+
+def a_loops_batches(kind, accumulation, epochs=3):
+    """``for x, y in loader`` over each epoch, but for the left-over batches of accumulation."""
+    torch.manual_seed(0)  # as build() seeds it
+    loader = order_loader(kind)
+    seen = []
+    for _ in range(epochs):
+        batches = [x for x, _ in loader]
+        seen += batches[: len(batches) // accumulation * accumulation]
+    return seen
+
+
+def same_batches(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize(
+    "kind, accumulation",
+    [
+        ("generator", 1),
+        ("generator", 3),  # 2 iterations of 3 batches an epoch, 2 batches left over
+        ("global seed", 1),
+        ("no shuffle", 1),
+        ("workers", 1),
+    ],
+)
+def test_the_data_order_is_a_for_loops_in_every_epoch(tmp_path, kind, accumulation):
+    """Issue 48: a RandomSampler draws once more from its generator at the end of a pass, which
+    a pass ended after its last batch skipped: from the second epoch on, the order differed."""
+    model = Batches()
+    trainer = build(
+        tmp_path,
+        model=model,
+        loader=order_loader(kind),
+        max_epochs=3,
+        accumulation_steps=accumulation,
+    )
+    trainer.train()
+    assert same_batches(model.seen, a_loops_batches(kind, accumulation))
+
+
+class SigtermAfter(HookBase):
+    def __init__(self, iteration):
+        self.iteration = iteration
+
+    def after_iter(self):
+        if self.trainer.cur_iter == self.iteration:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("where, iteration", [("mid-epoch", 2), ("an epoch's last iteration", 3)])
+def test_a_preempted_run_resumes_the_loops_data_order(tmp_path, where, iteration):
+    """A checkpoint at an epoch's last iteration resumes by taking the pass to its end, as the
+    uninterrupted run did: its left-over batches and the sampler's last draw."""
+
+    def run(work_dir, model, *hooks):
+        loader = order_loader("generator")  # 3 epochs of 2 iterations of 3 batches
+        trainer = build(work_dir, model=model, loader=loader, max_epochs=3, accumulation_steps=3)
+        trainer.register_hooks(hooks)
+        trainer.train()
+        return trainer
+
+    seen = Batches()
+    with pytest.raises(SystemExit):
+        run(tmp_path / "part", seen, SigtermAfter(iteration))
+    resumed = Batches()
+    assert run(tmp_path / "part", resumed).start_iter == iteration + 1
+    assert same_batches(seen.seen + resumed.seen, a_loops_batches("generator", 3))
+    whole = Batches()
+    run(tmp_path / "whole", whole)
+    for name, value in whole.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[name]), name
 
 
 class NumpyShuffled(Sampler):

@@ -2,6 +2,10 @@
 mid-epoch resume continues exactly, its :class:`UnsizedDataStream` for a loader without a length,
 and the state of every random number generator that training depends on.
 
+A pass that runs its course ends as ``for batch in loader`` does: its left-over batches (fewer than
+an iteration takes) are drawn, and its end, where a sampler with a generator of its own draws once
+more, so every epoch's order is the loop's.
+
 A pass remembers the RNG state it started with. Resuming in mid-epoch starts the interrupted pass
 again from that state, so its shuffle and worker seeds are the same, without the consumed
 batches, then goes back to the RNG state of the checkpoint. With torch's ``DataLoader`` over a
@@ -14,6 +18,7 @@ a warning.
 """
 
 import collections
+import itertools
 import logging
 import random
 import time
@@ -118,9 +123,19 @@ class DataStream:
             if callable(shutdown):
                 shutdown()
 
-    def end_pass(self) -> None:
-        """Forget the current pass: the next batch starts a new one."""
+    def end_pass(self, left_over: Optional[int] = None) -> None:
+        """End the current pass: the next batch starts a new one. ``left_over``: for a pass that
+        ran its course, the batches no iteration took (fewer than ``accumulation_steps``); they
+        and the pass's end are drawn, as a for loop does, where a sampler with a generator of
+        its own draws once more. None for a pass cut short (``max_iters``), dropped."""
         self._ahead.clear()
+        if left_over is not None:
+            start = time.perf_counter()
+            if self._iter is None:  # resumed at the pass's last iteration: the pass again
+                self._iter = self._start_pass()
+            for _ in itertools.islice(self._iter, left_over + 1):
+                pass
+            self.data_time += time.perf_counter() - start
         self._iter = None
 
     def _start_pass(self) -> Any:
@@ -297,10 +312,10 @@ class UnsizedDataStream(DataStream):
             self.pass_ended = True
         return full
 
-    def end_pass(self) -> None:
+    def end_pass(self, left_over: Optional[int] = None) -> None:
         self._drawn = 0
         self.pass_ended = False
-        super().end_pass()
+        super().end_pass(left_over)
 
     def _start_pass(self) -> Any:
         self._restored_pass = self._restored

@@ -380,7 +380,12 @@ class Trainer:
         progress = self.progress
         if progress.position[1] < progress.epoch_iters and not self._data.pass_ended:
             return False  # stop() in mid-epoch: the next train() goes on from here
-        self._data.end_pass()
+        # A pass that max_iters did not cut ends as a for loop's: to its end, where a sampler
+        # with a generator of its own draws once more, which the next pass's order depends on
+        left_over = None
+        if progress.epoch_iters == self.epoch_len:
+            left_over = len(self.data_loader) - self.epoch_len * self.accumulation_steps
+        self._data.end_pass(left_over)
         progress.end_epoch()
         self._storage.flush(every_rank=True)  # for the epoch's hooks (no sync if just logged)
         return True
