@@ -254,39 +254,50 @@ class SeedsOfWorkers(torch.utils.data.Dataset):
         return torch.tensor(i), torch.tensor(info.seed - info.id)
 
 
-def test_the_workers_base_seed_is_not_the_first_passs_shuffle_seed(make_trainer):
-    """A persistent loader's iterator is made ahead of the first pass with the RNG put back:
-    its workers' seed was then the first number the pass drew, the seed of its shuffle, and
-    worker 0's torch RNG replayed the stream that ordered the data."""
+class Indices(TinyModel):
+    """Records the indices of SeedsOfWorkers' batches, in order, and their workers' base seeds."""
 
-    class Indices(TinyModel):
-        def forward(self, batch):
-            index, base_seed = batch
-            self.order.extend(index.tolist())
-            self.base_seeds.add(int(base_seed[0]))
-            return self.linear.weight.sum() * 0
+    def __init__(self):
+        super().__init__()
+        self.order, self.base_seeds = [], set()
 
-    model = Indices()
-    model.order, model.base_seeds = [], set()
-    loader = DataLoader(
+    def forward(self, batch):
+        index, base_seed = batch
+        self.order.extend(index.tolist())
+        self.base_seeds.add(int(base_seed[0]))
+        return self.linear.weight.sum() * 0
+
+
+def seeds_loader():
+    return DataLoader(
         SeedsOfWorkers(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True
     )
-    torch.manual_seed(0)
-    make_trainer(model=model, loader=loader, max_epochs=1).train()
-    (base_seed,) = model.base_seeds
-    torch.manual_seed(0)
-    assert sorted(model.order) == list(range(32))
-    assert (
-        model.order
-        == torch.randperm(
-            32,
-            generator=torch.Generator().manual_seed(
-                int(torch.empty((), dtype=torch.int64).random_())
-            ),
-        ).tolist()
-    )  # the pass's shuffle
+
+
+def test_a_persistent_loader_seeds_its_workers_as_a_loop_does_and_apart_on_resume(make_trainer):
+    """A run's persistent loader makes its iterator at its first pass as a for loop does: the
+    workers' base seed, then the shuffle. A resumed run makes it with the RNG put back (the run
+    it resumes had made it), its base seed drawn from a stream derived from the state: the
+    state's own first number is the next pass's shuffle seed, and worker 0's torch RNG would
+    then replay the stream that ordered the data."""
+    loop = Indices()
+    torch.manual_seed(0)  # as build() seeds it, after the model
+    loader = seeds_loader()
+    for _ in range(2):
+        for batch in loader:
+            loop(batch)
+    first = Indices()
+    part = make_trainer(model=first, loader=seeds_loader(), max_epochs=2)
+    part.register_hook(CrashAtEpochEnd(0))
+    with pytest.raises(SystemExit):
+        part.train()
+    assert first.order == loop.order[:32] and first.base_seeds == loop.base_seeds
+    resumed = Indices()
+    make_trainer(model=resumed, loader=seeds_loader(), max_epochs=2).train()
+    assert resumed.order == loop.order[32:]
+    (base_seed,) = resumed.base_seeds
     replayed = torch.randperm(32, generator=torch.Generator().manual_seed(base_seed)).tolist()
-    assert model.order != replayed
+    assert resumed.order != replayed
 
 
 class Batches(torch.nn.Module):
@@ -339,6 +350,7 @@ def same_batches(a, b):
         ("global seed", 1),
         ("no shuffle", 1),
         ("workers", 1),
+        ("persistent workers", 3),
     ],
 )
 def test_the_data_order_is_a_for_loops_in_every_epoch(tmp_path, kind, accumulation):

@@ -66,7 +66,9 @@ class DataStream:
         self._cpu = cpu or CpuGroup()
         self._iter: Optional[Any] = None
         self._ahead: collections.deque = collections.deque()  # batches to give before the pass's
-        self._pass_rng: Optional[dict[str, Any]] = None  # the RNG state the pass started with
+        # the RNG state the pass's sampler started from: the pass's start, but for the workers'
+        # base seed that a persistent loader's first pass draws before it
+        self._pass_rng: Optional[dict[str, Any]] = None
         self._to_skip = 0
         self._restored = False  # the loader was given its state from a checkpoint
         # torchdata's StatefulDataLoader, say: checkpointed through its own state, not replayed
@@ -76,10 +78,12 @@ class DataStream:
         # the generators of the loader, its samplers and the samplers these wrap, each once
         found = [getattr(owner, "generator", None) for owner in _samplers(data_loader)]
         self.generators = tuple(dict.fromkeys(g for g in found if isinstance(g, torch.Generator)))
-        # A loader with persistent workers makes its iterator once, drawing the workers' base
-        # seed then; its later passes draw only what the sampler draws.
+        # A loader with persistent workers makes its iterator once, at its first pass, which
+        # draws the workers' base seed before its sampler draws; its later passes draw only what
+        # the sampler draws. A resumed run makes it drawing nothing (the run it resumes did not).
         persistent = getattr(data_loader, "persistent_workers", False)
         self._persistent_to_make = bool(persistent) and getattr(data_loader, "num_workers", 0) > 0
+        self._resumed = False
 
     def next_batch(self) -> Any:
         """The next batch of the current pass (a new pass starts when there is none)."""
@@ -139,7 +143,7 @@ class DataStream:
         self._iter = None
 
     def _start_pass(self) -> Any:
-        if self._persistent_to_make:
+        if self._persistent_to_make and self._resumed:
             self._make_persistent_iterator()
         if self._to_skip or self._restored:
             return self._replay_pass()
@@ -147,6 +151,13 @@ class DataStream:
         # state costs 50 to 200 us, a noticeable share of a short epoch of small batches).
         sequence = isinstance(self.data_loader, (list, tuple))
         self._pass_rng = None if sequence else get_rng_state(self.generators)
+        if self._persistent_to_make:  # the run's first pass makes the iterator, as a loop does:
+            # it draws the workers' base seed, then its sampler draws, where a replay starts
+            start = self._pass_rng
+            _draw_base_seed(self.data_loader)
+            self._pass_rng = get_rng_state(self.generators)
+            set_rng_state(start, self.generators)
+            self._persistent_to_make = False
         return iter(self.data_loader)
 
     def rng_state(self, mid_pass: bool) -> dict[str, Any]:
@@ -185,6 +196,7 @@ class DataStream:
             )
         state = per_rank[rank % len(per_rank)]
         set_rng_state(state["now"], self.generators)
+        self._resumed = True
         self._pass_rng = state["epoch_start"]
         self._iter = None
         self._restored = False
@@ -207,15 +219,14 @@ class DataStream:
         self._to_skip = to_skip
 
     def _make_persistent_iterator(self) -> None:
-        """Make a persistent loader's iterator, which draws its workers' base seed, and put the RNG
-        state back, so that every pass draws what a later pass draws: the first of a run and the
-        first after a resume alike."""
+        """Make a resumed run's persistent iterator, which draws its workers' base seed, and put
+        the RNG state back: the run it resumes had made it, so its passes go on drawing only what
+        the sampler draws."""
         now = get_rng_state(self.generators)
         # The base seed comes from a stream derived from the state: the state's own first number is
-        # the first pass's shuffle seed, which would seed worker 0's RNG.
-        source = getattr(self.data_loader, "generator", None) or torch.default_generator
-        drawn = int(torch.empty((), dtype=torch.int64).random_(generator=source))
-        source.manual_seed(drawn ^ _WORKER_STREAM)
+        # the next pass's shuffle seed, which would seed worker 0's RNG.
+        drawn = _draw_base_seed(self.data_loader)
+        _base_seed_source(self.data_loader).manual_seed(drawn ^ _WORKER_STREAM)
         iter(self.data_loader)
         set_rng_state(now, self.generators)
         self._persistent_to_make = False
@@ -347,6 +358,16 @@ def data_stream(data_loader: Any, cpu: Optional[CpuGroup], *, sized: bool) -> Da
     """The passes over ``data_loader``: an ``UnsizedDataStream`` unless ``sized`` (the loader has
     a length, as :func:`loader_length` tells)."""
     return DataStream(data_loader, cpu) if sized else UnsizedDataStream(data_loader, cpu)
+
+
+def _base_seed_source(loader: Any) -> torch.Generator:
+    """The generator a DataLoader's iterator draws its workers' base seed from."""
+    return getattr(loader, "generator", None) or torch.default_generator
+
+
+def _draw_base_seed(loader: Any) -> int:
+    """Draw a number as a DataLoader's new iterator draws its workers' base seed."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=_base_seed_source(loader)))
 
 
 def _why_not_skippable(loader: Any) -> Optional[str]:
