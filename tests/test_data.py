@@ -569,6 +569,18 @@ def test_a_stream_resumes_exactly_through_the_state_of_a_stateful_loader(tmp_pat
         assert torch.equal(value, resumed.model.state_dict()[name]), name
 
 
+def test_a_pass_cut_short_shuts_its_workers_down_when_training_ends(tmp_path):
+    """A StatefulDataLoader keeps its last iterator: the workers of the pass that max_iters cut
+    lived on until the loader was collected, whose shutdown then took 5 s a worker."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    before = set(multiprocessing.active_children())  # another test's, not yet collected
+    loader = StatefulDataLoader(Stream(14), batch_size=2, num_workers=2)
+    trainer, _ = stream_trainer(tmp_path, None, 10, loader=loader)  # 3 of the second pass's 7
+    trainer.train()
+    assert set(multiprocessing.active_children()) <= before
+
+
 def test_a_stream_without_state_starts_again_on_resume_with_one_warning(tmp_path, caplog):
     def run(crash=None):
         trainer, epochs = stream_trainer(

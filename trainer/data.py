@@ -117,12 +117,13 @@ class DataStream:
         self._ahead.extendleft(reversed(batches))
 
     def release(self) -> None:
-        """After a failure, drop the pass and shut its worker processes down now (unless
-        persistent)."""
+        """Drop the pass and shut its worker processes down now (unless persistent): after a
+        failure, or at the end of a pass cut short."""
         self._ahead.clear()
         data_iter, self._iter = self._iter, None
         if not getattr(data_iter, "_persistent_workers", False):
-            # what the iterator's __del__ does, which a traceback holding it would delay
+            # what the iterator's __del__ does, which a traceback (or a StatefulDataLoader, which
+            # keeps its last iterator) holding it would delay
             shutdown = getattr(data_iter, "_shutdown_workers", None)
             if callable(shutdown):
                 shutdown()
@@ -131,15 +132,18 @@ class DataStream:
         """End the current pass: the next batch starts a new one. ``left_over``: for a pass that
         ran its course, the batches no iteration took (fewer than ``accumulation_steps``); they
         and the pass's end are drawn, as a for loop does, where a sampler with a generator of
-        its own draws once more. None for a pass cut short (``max_iters``), dropped."""
+        its own draws once more. None for a pass cut short (``max_iters``) or ended already (a
+        stream's), released."""
+        if left_over is None:
+            self.release()
+            return
         self._ahead.clear()
-        if left_over is not None:
-            start = time.perf_counter()
-            if self._iter is None:  # resumed at the pass's last iteration: the pass again
-                self._iter = self._start_pass()
-            for _ in itertools.islice(self._iter, left_over + 1):
-                pass
-            self.data_time += time.perf_counter() - start
+        start = time.perf_counter()
+        if self._iter is None:  # resumed at the pass's last iteration: the pass again
+            self._iter = self._start_pass()
+        for _ in itertools.islice(self._iter, left_over + 1):
+            pass
+        self.data_time += time.perf_counter() - start
         self._iter = None
 
     def _start_pass(self) -> Any:
