@@ -8,6 +8,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from trainer import LRWarmupScheduler, Trainer
+from trainer.hooks import CheckpointHook, LoggerHook
 
 from conftest import TinyModel, tiny_dataset, tiny_loader
 
@@ -32,6 +33,8 @@ from conftest import TinyModel, tiny_dataset, tiny_loader
         ({"max_num_checkpoints": 0}, ValueError, r"max_num_checkpoints .*got 0"),
         ({"clip_grad_norm": -1.0}, ValueError, r"clip_grad_norm must be >= 0"),
         ({"enable_amp": torch.float64}, ValueError, r"enable_amp .*torch.bfloat16"),
+        ({"warmup_init_lr": -0.1}, ValueError, r"^warmup_init_lr must be .*>= 0.*got -0.1"),
+        ({"warmup_factor": 5.0}, ValueError, r"^warmup_factor must be in \[0, 1\].*got 5.0"),
         ({"accumulation_steps": 9}, ValueError, r"8 batches, fewer than accumulation_steps"),
     ],
 )
@@ -150,6 +153,17 @@ def test_options_of_one_hook_or_of_torch_are_not_trainer_arguments(tmp_path, opt
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.raises(TypeError, match=f"unexpected keyword argument '{option}'"):
         Trainer(model, optimizer, None, tiny_loader(), max_epochs=1, **{option: None})
+
+
+@pytest.mark.parametrize(
+    "hook, name",
+    [(CheckpointHook, "by_epoch"), (LoggerHook, "tensorboard"), (LoggerHook, "metrics_jsonl")],
+)
+def test_a_default_hooks_flag_given_as_a_string_is_refused(hook, name):
+    """Issue 48: CheckpointHook(by_epoch="no") counted as True, and saved by epoch."""
+    with pytest.raises(TypeError, match=rf"^{name} must be True or False, got str 'no'"):
+        hook(**{name: "no"})
+    hook(**{name: False})
 
 
 def test_an_optimizer_over_another_models_parameters_is_refused(tmp_path):

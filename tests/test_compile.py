@@ -133,7 +133,7 @@ def test_an_ema_of_a_model_compiled_in_parts_resumes_into_the_model_compiled_oth
         ema = EMAHook(decay=0.9)
         trainer.register_hook(ema)
         trainer.train()
-        return {k.replace("_orig_mod.", ""): v for k, v in ema.ema_state_dict().items()}
+        return ema.ema_state_dict()  # under the uncompiled model's names
 
     full = with_ema("head", 2, tmp_path / "full")
     with_ema("head", 1, tmp_path / "work")

@@ -7,6 +7,7 @@ import logging
 import multiprocessing
 import os
 import random
+import signal
 
 import numpy as np
 import pytest
@@ -253,39 +254,151 @@ class SeedsOfWorkers(torch.utils.data.Dataset):
         return torch.tensor(i), torch.tensor(info.seed - info.id)
 
 
-def test_the_workers_base_seed_is_not_the_first_passs_shuffle_seed(make_trainer):
-    """A persistent loader's iterator is made ahead of the first pass with the RNG put back:
-    its workers' seed was then the first number the pass drew, the seed of its shuffle, and
-    worker 0's torch RNG replayed the stream that ordered the data."""
+class Indices(TinyModel):
+    """Records the indices of SeedsOfWorkers' batches, in order, and their workers' base seeds."""
 
-    class Indices(TinyModel):
-        def forward(self, batch):
-            index, base_seed = batch
-            self.order.extend(index.tolist())
-            self.base_seeds.add(int(base_seed[0]))
-            return self.linear.weight.sum() * 0
+    def __init__(self):
+        super().__init__()
+        self.order, self.base_seeds = [], set()
 
-    model = Indices()
-    model.order, model.base_seeds = [], set()
-    loader = DataLoader(
+    def forward(self, batch):
+        index, base_seed = batch
+        self.order.extend(index.tolist())
+        self.base_seeds.add(int(base_seed[0]))
+        return self.linear.weight.sum() * 0
+
+
+def seeds_loader():
+    return DataLoader(
         SeedsOfWorkers(), batch_size=4, shuffle=True, num_workers=2, persistent_workers=True
     )
-    torch.manual_seed(0)
-    make_trainer(model=model, loader=loader, max_epochs=1).train()
-    (base_seed,) = model.base_seeds
-    torch.manual_seed(0)
-    assert sorted(model.order) == list(range(32))
-    assert (
-        model.order
-        == torch.randperm(
-            32,
-            generator=torch.Generator().manual_seed(
-                int(torch.empty((), dtype=torch.int64).random_())
-            ),
-        ).tolist()
-    )  # the pass's shuffle
+
+
+def test_a_persistent_loader_seeds_its_workers_as_a_loop_does_and_apart_on_resume(make_trainer):
+    """A run's persistent loader makes its iterator at its first pass as a for loop does: the
+    workers' base seed, then the shuffle. A resumed run makes it with the RNG put back (the run
+    it resumes had made it), its base seed drawn from a stream derived from the state: the
+    state's own first number is the next pass's shuffle seed, and worker 0's torch RNG would
+    then replay the stream that ordered the data."""
+    loop = Indices()
+    torch.manual_seed(0)  # as build() seeds it, after the model
+    loader = seeds_loader()
+    for _ in range(2):
+        for batch in loader:
+            loop(batch)
+    first = Indices()
+    part = make_trainer(model=first, loader=seeds_loader(), max_epochs=2)
+    part.register_hook(CrashAtEpochEnd(0))
+    with pytest.raises(SystemExit):
+        part.train()
+    assert first.order == loop.order[:32] and first.base_seeds == loop.base_seeds
+    resumed = Indices()
+    make_trainer(model=resumed, loader=seeds_loader(), max_epochs=2).train()
+    assert resumed.order == loop.order[32:]
+    (base_seed,) = resumed.base_seeds
     replayed = torch.randperm(32, generator=torch.Generator().manual_seed(base_seed)).tolist()
-    assert model.order != replayed
+    assert resumed.order != replayed
+
+
+class Batches(torch.nn.Module):
+    """Records each batch a step takes; draws no random numbers, as the loop beside it draws
+    none."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+        torch.nn.init.constant_(self.linear.weight, 0.1)  # the same in every run
+        torch.nn.init.zeros_(self.linear.bias)
+        self.seen = []
+
+    def forward(self, batch):
+        self.seen.append(batch[0])
+        return torch.nn.functional.mse_loss(self.linear(batch[0]), batch[1])
+
+
+def order_loader(kind):
+    """tiny_loader's 8 batches of 4, shuffled by a generator of the loader's own (as PyTorch's
+    reproducibility notes advise), by torch's RNG, or in order."""
+    options = {"shuffle": kind != "no shuffle"}
+    if kind in ("generator", "workers", "persistent workers"):
+        options["generator"] = torch.Generator().manual_seed(0)
+    if kind in ("workers", "persistent workers"):
+        options.update(num_workers=2, persistent_workers=kind == "persistent workers")
+    return tiny_loader(**options)
+
+
+def a_loops_batches(kind, accumulation, epochs=3):
+    """``for x, y in loader`` over each epoch, but for the left-over batches of accumulation."""
+    torch.manual_seed(0)  # as build() seeds it
+    loader = order_loader(kind)
+    seen = []
+    for _ in range(epochs):
+        batches = [x for x, _ in loader]
+        seen += batches[: len(batches) // accumulation * accumulation]
+    return seen
+
+
+def same_batches(a, b):
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize(
+    "kind, accumulation",
+    [
+        ("generator", 1),
+        ("generator", 3),  # 2 iterations of 3 batches an epoch, 2 batches left over
+        ("global seed", 1),
+        ("no shuffle", 1),
+        ("workers", 1),
+        ("persistent workers", 3),
+    ],
+)
+def test_the_data_order_is_a_for_loops_in_every_epoch(tmp_path, kind, accumulation):
+    """Issue 48: a RandomSampler draws once more from its generator at the end of a pass, which
+    a pass ended after its last batch skipped: from the second epoch on, the order differed."""
+    model = Batches()
+    trainer = build(
+        tmp_path,
+        model=model,
+        loader=order_loader(kind),
+        max_epochs=3,
+        accumulation_steps=accumulation,
+    )
+    trainer.train()
+    assert same_batches(model.seen, a_loops_batches(kind, accumulation))
+
+
+class SigtermAfter(HookBase):
+    def __init__(self, iteration):
+        self.iteration = iteration
+
+    def after_iter(self):
+        if self.trainer.cur_iter == self.iteration:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("where, iteration", [("mid-epoch", 2), ("an epoch's last iteration", 3)])
+def test_a_preempted_run_resumes_the_loops_data_order(tmp_path, where, iteration):
+    """A checkpoint at an epoch's last iteration resumes by taking the pass to its end, as the
+    uninterrupted run did: its left-over batches and the sampler's last draw."""
+
+    def run(work_dir, model, *hooks):
+        loader = order_loader("generator")  # 3 epochs of 2 iterations of 3 batches
+        trainer = build(work_dir, model=model, loader=loader, max_epochs=3, accumulation_steps=3)
+        trainer.register_hooks(hooks)
+        trainer.train()
+        return trainer
+
+    seen = Batches()
+    with pytest.raises(SystemExit):
+        run(tmp_path / "part", seen, SigtermAfter(iteration))
+    resumed = Batches()
+    assert run(tmp_path / "part", resumed).start_iter == iteration + 1
+    assert same_batches(seen.seen + resumed.seen, a_loops_batches("generator", 3))
+    whole = Batches()
+    run(tmp_path / "whole", whole)
+    for name, value in whole.state_dict().items():
+        assert torch.equal(value, resumed.state_dict()[name]), name
 
 
 class NumpyShuffled(Sampler):
@@ -454,6 +567,18 @@ def test_a_stream_resumes_exactly_through_the_state_of_a_stateful_loader(tmp_pat
     assert resumed.model.seen == whole.model.seen[10:]
     for name, value in whole.model.state_dict().items():
         assert torch.equal(value, resumed.model.state_dict()[name]), name
+
+
+def test_a_pass_cut_short_shuts_its_workers_down_when_training_ends(tmp_path):
+    """A StatefulDataLoader keeps its last iterator: the workers of the pass that max_iters cut
+    lived on until the loader was collected, whose shutdown then took 5 s a worker."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    before = set(multiprocessing.active_children())  # another test's, not yet collected
+    loader = StatefulDataLoader(Stream(14), batch_size=2, num_workers=2)
+    trainer, _ = stream_trainer(tmp_path, None, 10, loader=loader)  # 3 of the second pass's 7
+    trainer.train()
+    assert set(multiprocessing.active_children()) <= before
 
 
 def test_a_stream_without_state_starts_again_on_resume_with_one_warning(tmp_path, caplog):

@@ -126,6 +126,33 @@ def test_bad_arguments_raise_value_errors(kwargs, message):
         LRWarmupScheduler(StepLR(opt, 1), **kwargs)
 
 
+@pytest.mark.parametrize(
+    "name, value, expected",
+    [
+        ("warmup_init_lr", -0.5, r"a finite number >= 0"),
+        ("warmup_init_lr", float("nan"), r"a finite number >= 0"),
+        ("warmup_init_lr", float("inf"), r"a finite number >= 0"),
+        ("warmup_factor", -0.1, r"in \[0, 1\]"),
+        ("warmup_factor", 5.0, r"in \[0, 1\]"),
+        ("warmup_factor", float("nan"), r"in \[0, 1\]"),
+    ],
+)
+def test_a_warmup_start_out_of_range_is_refused_naming_the_range_and_the_value(
+    name, value, expected
+):
+    opt = make_optimizer(lr=1.0)
+    with pytest.raises(ValueError, match=rf"^{name} must be {expected}.*got {value!r}"):
+        LRWarmupScheduler(StepLR(opt, 1), warmup_t=4, warmup_mode="auto", **{name: value})
+    assert lr_of(opt) == 1.0  # untouched
+    LRWarmupScheduler(StepLR(opt, 1), warmup_t=4, **{name: 1.0 if "factor" in name else 0.0})
+
+
+@pytest.mark.parametrize("name", ["by_epoch", "warmup_by_epoch"])
+def test_a_flag_given_as_a_string_is_refused(name):
+    with pytest.raises(TypeError, match=rf"^{name} must be True or False, got str 'no'"):
+        LRWarmupScheduler(StepLR(make_optimizer(), 1), **{name: "no"})
+
+
 def test_a_warmup_length_that_is_not_an_int_raises_a_type_error():
     with pytest.raises(TypeError, match=r"warmup_t must be an int >= 0 .*, got float 2.5"):
         LRWarmupScheduler(StepLR(make_optimizer(), 1), warmup_t=2.5)

@@ -48,15 +48,10 @@ def check_arguments(settings: dict[str, Any], built_in_step: bool) -> Optional[i
         ("unpack_batch_dict", _FLAG),
         ("clip_grad_norm", _NUMBER),
         ("enable_amp", ((bool, torch.dtype), "True, False or a torch dtype")),
-        ("by_epoch", _FLAG),
-        ("warmup_by_epoch", _FLAG),
-        ("warmup_mode", ((str,), "a str")),
-        ("warmup_init_lr", _NUMBER),
-        ("warmup_factor", _NUMBER),
         ("cuda_graph", _FLAG),
     ):
         check_type(name, settings[name], types, what)
-    check_int("warmup_t", settings["warmup_t"], minimum=0, note="0 disables warmup")
+    # the warmup's settings: the LRWarmupScheduler that the Trainer builds checks them
     _check_wiring(model, optimizer, lr_scheduler)
     _check_epochs_or_iters(settings["max_epochs"], settings["max_iters"])
     for name in ("log_period", "accumulation_steps", "preempt_check_period"):

@@ -440,11 +440,10 @@ class Checkpointer:
         for name in data.keys() - {*_OWN_KEYS, *self._things}:
             logger.warning(f"Checkpoint {path} holds state for {name!r}, which is not registered.")
         # A checkpoint from an epoch's last iteration (a preemption there) resumes with the
-        # epoch's end: the next pass starts fresh, nothing to skip.
+        # epoch's end, which takes the pass to its end as the uninterrupted run did: skipped too.
         inner = position[1]
-        mid_pass = progress.epoch_len is None or inner < progress.epoch_len
         remapped = inner != data["progress"]["inner_iter"] or len(data["rng"]) != get_world_size()
-        self._data.resume(data["rng"], path, inner * accumulation if mid_pass else 0, remapped)
+        self._data.resume(data["rng"], path, inner * accumulation, remapped)
         saved = data["progress"]
         progress.resume(position, saved["stopped"], saved["iters_done"])
         cut = progress.start_iter - saved["iters_done"]  # of a pass that max_iters ended early

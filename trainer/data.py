@@ -2,6 +2,10 @@
 mid-epoch resume continues exactly, its :class:`UnsizedDataStream` for a loader without a length,
 and the state of every random number generator that training depends on.
 
+A pass that runs its course ends as ``for batch in loader`` does: its left-over batches (fewer than
+an iteration takes) are drawn, and its end, where a sampler with a generator of its own draws once
+more, so every epoch's order is the loop's.
+
 A pass remembers the RNG state it started with. Resuming in mid-epoch starts the interrupted pass
 again from that state, so its shuffle and worker seeds are the same, without the consumed
 batches, then goes back to the RNG state of the checkpoint. With torch's ``DataLoader`` over a
@@ -14,6 +18,7 @@ a warning.
 """
 
 import collections
+import itertools
 import logging
 import random
 import time
@@ -61,7 +66,9 @@ class DataStream:
         self._cpu = cpu or CpuGroup()
         self._iter: Optional[Any] = None
         self._ahead: collections.deque = collections.deque()  # batches to give before the pass's
-        self._pass_rng: Optional[dict[str, Any]] = None  # the RNG state the pass started with
+        # the RNG state the pass's sampler started from: the pass's start, but for the workers'
+        # base seed that a persistent loader's first pass draws before it
+        self._pass_rng: Optional[dict[str, Any]] = None
         self._to_skip = 0
         self._restored = False  # the loader was given its state from a checkpoint
         # torchdata's StatefulDataLoader, say: checkpointed through its own state, not replayed
@@ -71,10 +78,12 @@ class DataStream:
         # the generators of the loader, its samplers and the samplers these wrap, each once
         found = [getattr(owner, "generator", None) for owner in _samplers(data_loader)]
         self.generators = tuple(dict.fromkeys(g for g in found if isinstance(g, torch.Generator)))
-        # A loader with persistent workers makes its iterator once, drawing the workers' base
-        # seed then; its later passes draw only what the sampler draws.
+        # A loader with persistent workers makes its iterator once, at its first pass, which
+        # draws the workers' base seed before its sampler draws; its later passes draw only what
+        # the sampler draws. A resumed run makes it drawing nothing (the run it resumes did not).
         persistent = getattr(data_loader, "persistent_workers", False)
         self._persistent_to_make = bool(persistent) and getattr(data_loader, "num_workers", 0) > 0
+        self._resumed = False
 
     def next_batch(self) -> Any:
         """The next batch of the current pass (a new pass starts when there is none)."""
@@ -108,23 +117,37 @@ class DataStream:
         self._ahead.extendleft(reversed(batches))
 
     def release(self) -> None:
-        """After a failure, drop the pass and shut its worker processes down now (unless
-        persistent)."""
+        """Drop the pass and shut its worker processes down now (unless persistent): after a
+        failure, or at the end of a pass cut short."""
         self._ahead.clear()
         data_iter, self._iter = self._iter, None
         if not getattr(data_iter, "_persistent_workers", False):
-            # what the iterator's __del__ does, which a traceback holding it would delay
+            # what the iterator's __del__ does, which a traceback (or a StatefulDataLoader, which
+            # keeps its last iterator) holding it would delay
             shutdown = getattr(data_iter, "_shutdown_workers", None)
             if callable(shutdown):
                 shutdown()
 
-    def end_pass(self) -> None:
-        """Forget the current pass: the next batch starts a new one."""
+    def end_pass(self, left_over: Optional[int] = None) -> None:
+        """End the current pass: the next batch starts a new one. ``left_over``: for a pass that
+        ran its course, the batches no iteration took (fewer than ``accumulation_steps``); they
+        and the pass's end are drawn, as a for loop does, where a sampler with a generator of
+        its own draws once more. None for a pass cut short (``max_iters``) or ended already (a
+        stream's), released."""
+        if left_over is None:
+            self.release()
+            return
         self._ahead.clear()
+        start = time.perf_counter()
+        if self._iter is None:  # resumed at the pass's last iteration: the pass again
+            self._iter = self._start_pass()
+        for _ in itertools.islice(self._iter, left_over + 1):
+            pass
+        self.data_time += time.perf_counter() - start
         self._iter = None
 
     def _start_pass(self) -> Any:
-        if self._persistent_to_make:
+        if self._persistent_to_make and self._resumed:
             self._make_persistent_iterator()
         if self._to_skip or self._restored:
             return self._replay_pass()
@@ -132,6 +155,13 @@ class DataStream:
         # state costs 50 to 200 us, a noticeable share of a short epoch of small batches).
         sequence = isinstance(self.data_loader, (list, tuple))
         self._pass_rng = None if sequence else get_rng_state(self.generators)
+        if self._persistent_to_make:  # the run's first pass makes the iterator, as a loop does:
+            # it draws the workers' base seed, then its sampler draws, where a replay starts
+            start = self._pass_rng
+            _draw_base_seed(self.data_loader)
+            self._pass_rng = get_rng_state(self.generators)
+            set_rng_state(start, self.generators)
+            self._persistent_to_make = False
         return iter(self.data_loader)
 
     def rng_state(self, mid_pass: bool) -> dict[str, Any]:
@@ -170,6 +200,7 @@ class DataStream:
             )
         state = per_rank[rank % len(per_rank)]
         set_rng_state(state["now"], self.generators)
+        self._resumed = True
         self._pass_rng = state["epoch_start"]
         self._iter = None
         self._restored = False
@@ -192,15 +223,14 @@ class DataStream:
         self._to_skip = to_skip
 
     def _make_persistent_iterator(self) -> None:
-        """Make a persistent loader's iterator, which draws its workers' base seed, and put the RNG
-        state back, so that every pass draws what a later pass draws: the first of a run and the
-        first after a resume alike."""
+        """Make a resumed run's persistent iterator, which draws its workers' base seed, and put
+        the RNG state back: the run it resumes had made it, so its passes go on drawing only what
+        the sampler draws."""
         now = get_rng_state(self.generators)
         # The base seed comes from a stream derived from the state: the state's own first number is
-        # the first pass's shuffle seed, which would seed worker 0's RNG.
-        source = getattr(self.data_loader, "generator", None) or torch.default_generator
-        drawn = int(torch.empty((), dtype=torch.int64).random_(generator=source))
-        source.manual_seed(drawn ^ _WORKER_STREAM)
+        # the next pass's shuffle seed, which would seed worker 0's RNG.
+        drawn = _draw_base_seed(self.data_loader)
+        _base_seed_source(self.data_loader).manual_seed(drawn ^ _WORKER_STREAM)
         iter(self.data_loader)
         set_rng_state(now, self.generators)
         self._persistent_to_make = False
@@ -297,10 +327,10 @@ class UnsizedDataStream(DataStream):
             self.pass_ended = True
         return full
 
-    def end_pass(self) -> None:
+    def end_pass(self, left_over: Optional[int] = None) -> None:
         self._drawn = 0
         self.pass_ended = False
-        super().end_pass()
+        super().end_pass(left_over)
 
     def _start_pass(self) -> Any:
         self._restored_pass = self._restored
@@ -332,6 +362,16 @@ def data_stream(data_loader: Any, cpu: Optional[CpuGroup], *, sized: bool) -> Da
     """The passes over ``data_loader``: an ``UnsizedDataStream`` unless ``sized`` (the loader has
     a length, as :func:`loader_length` tells)."""
     return DataStream(data_loader, cpu) if sized else UnsizedDataStream(data_loader, cpu)
+
+
+def _base_seed_source(loader: Any) -> torch.Generator:
+    """The generator a DataLoader's iterator draws its workers' base seed from."""
+    return getattr(loader, "generator", None) or torch.default_generator
+
+
+def _draw_base_seed(loader: Any) -> int:
+    """Draw a number as a DataLoader's new iterator draws its workers' base seed."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=_base_seed_source(loader)))
 
 
 def _why_not_skippable(loader: Any) -> Optional[str]:

@@ -1,5 +1,6 @@
 """Warmup on top of any ``torch.optim.lr_scheduler`` scheduler, and the LRs that are logged."""
 
+import math
 import warnings
 from typing import Any, Optional
 
@@ -7,7 +8,7 @@ import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
 
-from .misc import check_int
+from .misc import NUMBER, check_int, check_type
 
 _WARMUP_MODES = ("fix", "factor", "auto")
 
@@ -38,8 +39,8 @@ class LRWarmupScheduler:
         warmup_t: Length of the warmup in iterations (or epochs); 0 disables warmup.
         warmup_by_epoch: Count ``warmup_t`` in epochs and update the warmup LR per epoch.
         warmup_mode: ``"fix"``, ``"factor"`` or ``"auto"``.
-        warmup_init_lr: The first LR of ``"fix"`` warmup.
-        warmup_factor: The starting factor of ``"factor"`` and ``"auto"`` warmup.
+        warmup_init_lr: The first LR of ``"fix"`` warmup, >= 0.
+        warmup_factor: The starting factor of ``"factor"`` and ``"auto"`` warmup, in [0, 1].
         optimizer: The optimizer, needed only when ``torch_scheduler`` is None.
     """
 
@@ -56,9 +57,25 @@ class LRWarmupScheduler:
         *,
         optimizer: Optional[Optimizer] = None,
     ) -> None:
+        check_type("by_epoch", by_epoch, bool, "True or False")
         check_int("warmup_t", warmup_t, minimum=0, note="0 disables warmup")
+        check_type("warmup_by_epoch", warmup_by_epoch, bool, "True or False")
+        check_type("warmup_mode", warmup_mode, str, f"one of {_WARMUP_MODES}")
         if warmup_mode not in _WARMUP_MODES:
             raise ValueError(f"warmup_mode must be one of {_WARMUP_MODES}, got {warmup_mode!r}.")
+        # a negative or NaN LR, or one above the regular LR, is no warmup
+        check_type("warmup_init_lr", warmup_init_lr, NUMBER, "a finite number >= 0")
+        if not 0.0 <= warmup_init_lr < math.inf:
+            raise ValueError(
+                f"warmup_init_lr must be a finite number >= 0 (the first LR of warmup), got "
+                f"{warmup_init_lr!r}."
+            )
+        check_type("warmup_factor", warmup_factor, NUMBER, "a number in [0, 1]")
+        if not 0.0 <= warmup_factor <= 1.0:
+            raise ValueError(
+                f"warmup_factor must be in [0, 1] (the first LR of warmup over the regular LR), "
+                f"got {warmup_factor!r}."
+            )
         if warmup_by_epoch and not by_epoch:
             raise ValueError("warmup_by_epoch=True needs by_epoch=True.")
         if torch_scheduler is None and optimizer is None:

@@ -76,8 +76,8 @@ class Trainer:
         warmup_t: The warmup's length in iterations (epochs with ``warmup_by_epoch``); 0: none.
         warmup_by_epoch: Count ``warmup_t`` in epochs.
         warmup_mode: ``"fix"``, ``"factor"`` or ``"auto"`` (see :class:`LRWarmupScheduler`).
-        warmup_init_lr: The first LR of ``"fix"`` warmup.
-        warmup_factor: The starting factor of ``"factor"`` and ``"auto"`` warmup.
+        warmup_init_lr: The first LR of ``"fix"`` warmup, >= 0.
+        warmup_factor: The starting factor of ``"factor"`` and ``"auto"`` warmup, in [0, 1].
         cuda_graph: Capture the whole step in a CUDA graph after 3 eager iterations.
         preempt_check_period: Under torchrun, the ranks share caught preemption signals every N
             iterations.
@@ -380,7 +380,12 @@ class Trainer:
         progress = self.progress
         if progress.position[1] < progress.epoch_iters and not self._data.pass_ended:
             return False  # stop() in mid-epoch: the next train() goes on from here
-        self._data.end_pass()
+        # A pass that max_iters did not cut ends as a for loop's: to its end, where a sampler
+        # with a generator of its own draws once more, which the next pass's order depends on
+        left_over = None
+        if progress.epoch_iters == self.epoch_len:
+            left_over = len(self.data_loader) - self.epoch_len * self.accumulation_steps
+        self._data.end_pass(left_over)
         progress.end_epoch()
         self._storage.flush(every_rank=True)  # for the epoch's hooks (no sync if just logged)
         return True

@@ -121,3 +121,33 @@ def test_the_average_is_exported_and_evaluated_after_the_trainer_is_gone(make_tr
     with ema.swapped():
         assert all(torch.equal(exported[k], v) for k, v in model.state_dict().items())
     assert ema.evaluate(lambda: model.linear.weight.clone()).equal(exported["linear.weight"])
+
+
+class Layers(torch.nn.Module):
+    """Two layers in a ModuleList, the first of which a script compiles on its own."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)])
+
+    def forward(self, batch):
+        x, y = batch
+        for layer in self.layers:
+            x = layer(x)
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def test_the_average_of_a_model_with_a_compiled_layer_loads_into_the_plain_model(make_trainer):
+    model = Layers()
+    model.layers[0] = torch.compile(model.layers[0], backend="eager")  # no code generation
+    trainer = make_trainer(model=model, max_epochs=1)
+    ema = EMAHook(decay=0.5)
+    trainer.register_hook(ema)
+    trainer.train()
+    exported = ema.ema_state_dict()
+    plain = Layers()
+    plain.load_state_dict(exported)  # strict: the names the uncompiled model has
+    with ema.swapped():
+        assert torch.equal(plain.layers[0].weight, model.layers[0].weight)
+        assert torch.equal(plain.layers[1].bias, model.layers[1].bias)
+    assert not torch.equal(plain.layers[0].weight, model.layers[0].weight)

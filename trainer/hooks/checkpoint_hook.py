@@ -5,7 +5,7 @@ import os
 from typing import Any, Optional
 
 from ..checkpoint_io import remove_checkpoint
-from ..misc import check_file_name, check_int
+from ..misc import check_file_name, check_int, check_type
 from .hookbase import HookBase, Priority
 
 logger = logging.getLogger(__name__)
@@ -31,6 +31,7 @@ class CheckpointHook(HookBase):
         check_int("period", period, minimum=0, note="0 saves at the end only")
         if max_to_keep is not None:
             check_int("max_to_keep", max_to_keep, minimum=1, note="or None to keep all")
+        check_type("by_epoch", by_epoch, bool, "True or False")
         self._period = period
         self._max_to_keep = max_to_keep
         self._by_epoch = by_epoch

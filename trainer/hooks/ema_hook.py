@@ -100,15 +100,17 @@ class EMAHook(HookBase):
             torch._foreach_copy_(copied, sources)
 
     def ema_state_dict(self) -> dict[str, torch.Tensor]:
-        """The averaged weights under the model's ``state_dict`` names (a copy), to save or
-        to load into a model: ``model.load_state_dict(ema.ema_state_dict())``."""
+        """The averaged weights under the uncompiled model's ``state_dict`` names (a copy), to
+        save or to load into a model: ``model.load_state_dict(ema.ema_state_dict())``."""
         if self._ema is None:
             raise RuntimeError("EMAHook has no average before train() starts.")
         # By identity: a tied weight has one name in the average and several in state_dict()
         key_of = {id(tensor): key for key, tensor in self._model_tensors().items()}
-        state = self._module().state_dict(keep_vars=True)
+        module = self._module()
+        state = module.state_dict(keep_vars=True)
+        names = plain_names(module, state)  # a compiled submodule's "_orig_mod." dropped
         return {
-            name: self._ema[key_of[id(tensor)]].detach().clone()
+            names[name]: self._ema[key_of[id(tensor)]].detach().clone()
             for name, tensor in state.items()
             if id(tensor) in key_of
         }

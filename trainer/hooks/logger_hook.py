@@ -12,7 +12,7 @@ from tabulate import tabulate
 
 from ..distributed import is_main_process
 from ..logger import TRACEBACK_FOLLOWS, open_no_follow
-from ..misc import check_int
+from ..misc import check_int, check_type
 from ..writers import (
     ConsoleWriter,
     JSONLinesWriter,
@@ -65,6 +65,8 @@ class LoggerHook(HookBase):
             isinstance(w, MetricWriter) for w in extra
         ):
             raise TypeError(f"writers must be a list of MetricWriter objects, got {writers!r}.")
+        check_type("tensorboard", tensorboard, bool, "True or False")
+        check_type("metrics_jsonl", metrics_jsonl, bool, "True or False")
         self._period = period
         self._extra = list(extra)
         self._tensorboard = tensorboard
