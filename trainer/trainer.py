@@ -63,7 +63,7 @@ class Trainer:
         data_loader: Any iterable of batches; one without a length needs ``max_iters``.
         max_epochs: Train this many epochs (pass exactly one of ``max_epochs``, ``max_iters``).
         max_iters: Train this many iterations, crossing data-loader passes as needed.
-        work_dir: Where checkpoints and logs go.
+        work_dir: Where checkpoints and logs go (``~`` is the home folder, as in a shell).
         unpack_batch_dict: Call ``model(**batch)`` instead of ``model(batch)``.
         max_num_checkpoints: Keep the newest N periodic checkpoints; None keeps all.
         checkpoint_period: Save every N epochs and at the end; 0: no ``CheckpointHook``.
@@ -131,8 +131,9 @@ class Trainer:
         self.model = model
         self.optimizer = optimizer
         self.data_loader = data_loader
-        # absolute now: a chdir before train() must not split the outputs across two folders
-        self.work_dir = os.path.abspath(work_dir)
+        # absolute now: a chdir before train() must not split the outputs across two folders;
+        # "~" is the home folder, as in a shell (not a folder named "~" in the current one)
+        self.work_dir = os.path.abspath(os.path.expanduser(work_dir))
         self.accumulation_steps = accumulation_steps
         self.log_period = log_period
         self.train_by_epoch = max_epochs > 0
