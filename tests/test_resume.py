@@ -527,6 +527,21 @@ def test_auto_resume_falls_back_to_the_newest_checkpoint_that_loads(tmp_path, ca
     assert_bit_equal(trainer.model.state_dict(), uninterrupted(tmp_path, max_epochs=4))
 
 
+def test_replacing_a_checkpoint_that_did_not_load_is_said(tmp_path, caplog):
+    build(tmp_path, max_epochs=3).train()
+    damaged = tmp_path / "checkpoints" / "epoch_3.pth"
+    corrupt(damaged, "truncate")
+    caplog.clear()
+    build(tmp_path, max_epochs=4).train()  # from epoch_2.pth, then saves epoch_3.pth again
+    said = [r.getMessage() for r in caplog.records if "Replacing" in r.getMessage()]
+    assert said == [f"Replacing {damaged}, which did not load when this run resumed."]
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages.index(said[0]) + 1 == messages.index(
+        f"Writing checkpoint {damaged} (after iteration 24) in the background."
+    )
+    assert load(damaged)["progress"]["iters_done"] == 24
+
+
 def test_never_starts_from_scratch_while_checkpoints_exist(tmp_path):
     build(tmp_path, max_epochs=2).train()
     for name in ("epoch_1.pth", "epoch_2.pth"):

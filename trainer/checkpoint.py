@@ -111,6 +111,7 @@ class Checkpointer:
         self.last_path: Optional[str] = None
         """The newest checkpoint on disk: the one loaded, or saved (on rank 0) once its write is
         complete; never one still being written."""
+        self._skipped: set[str] = set()  # the checkpoints that did not load at the resume
         self._writing: Optional[str] = None  # the checkpoint being written (rank 0)
         self._publishing = threading.Lock()  # held while a write takes its name: see held()
         self._model_sharded = is_sharded(model)  # by FSDP2's fully_shard
@@ -231,6 +232,9 @@ class Checkpointer:
             job()
         if not is_main_process():
             return None
+        if os.path.normpath(path) in self._skipped:
+            self._skipped.remove(os.path.normpath(path))
+            logger.warning(f"Replacing {path}, which did not load when this run resumed.")
         done = self._progress.iter + 1
         logger.info(f"Writing checkpoint {path} (after iteration {done}) in the background.")
         return path
@@ -502,6 +506,7 @@ class Checkpointer:
             except (RuntimeError, OSError) as e:
                 logger.warning(f"Skipping a checkpoint that does not load: {e}")
                 failures.append(str(e))
+                self._skipped.add(os.path.normpath(path))  # a save of its name says it replaces it
                 continue
             if failures:
                 logger.warning(f"Resuming from {path}, the newest checkpoint that loads.")
