@@ -12,7 +12,8 @@ import time
 import pytest
 import torch
 
-from trainer import HookBase
+from trainer import CheckpointHook, HookBase, Priority
+from trainer.checkpoint_io import Background
 from trainer.preemption import Interrupt, Preemption
 from trainer.progress import Progress
 
@@ -143,14 +144,14 @@ def wait_until(condition, what):
         time.sleep(0.001)
 
 
-def checkpoints(last, writing):
+def checkpoints(last, writing, done=-1):
     """A stand-in for ``Checkpointer.held``, recording that it was entered and left."""
     held = []
 
     @contextlib.contextmanager
     def hold():
         held.append("held")
-        yield last, writing
+        yield last, done, writing
         held.append("released")
 
     return hold, held
@@ -283,3 +284,38 @@ def test_ctrl_c_while_train_waits_for_the_last_checkpoint_lets_it_land(
     )
     assert log.count("Interrupted (Ctrl-C)") == 1 and log.rstrip().endswith(line)
     assert "Traceback" not in log
+
+
+@pytest.mark.parametrize("write", ["lands at once", "Ctrl-C as it begins"])
+def test_the_lines_of_a_save_and_a_ctrl_c_after_it_say_what_happened(tmp_path, monkeypatch, write):
+    real_submit = Background.submit
+
+    def submit(self, work):  # the write of iter_10.pth lands before submit() returns, or
+        real_submit(self, work)  # Ctrl-C comes as soon as it has begun
+        if write == "lands at once":
+            self.wait()
+        elif trainer.cur_iter == 9:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    class CtrlCAfterTheSave(HookBase):  # in the hooks of the iteration saved
+        priority = Priority.CHECKPOINT + 1
+
+        def after_iter(self):
+            if trainer.cur_iter == 9:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(Background, "submit", submit)
+    trainer = build(tmp_path, max_epochs=2, checkpoint_period=0)
+    trainer.register_hooks([CheckpointHook(5, by_epoch=False), CtrlCAfterTheSave()])
+    with pytest.raises(SystemExit):
+        trainer.train()
+    log = (tmp_path / "log.txt").read_text()
+    for n in (5, 10):  # each write said as it begins, and then once on disk
+        path = tmp_path / "checkpoints" / f"iter_{n}.pth"
+        writing = log.index(f"Writing checkpoint {path} (after iteration {n})")
+        assert writing < log.index(f"Saved checkpoint {path} (on disk)")
+    assert "Interrupted (Ctrl-C) after iteration 10 of 16: saved. Rerun to resume from the " in log
+    monkeypatch.undo()
+    rerun = build(tmp_path, max_epochs=2, checkpoint_period=0)
+    rerun.train()
+    assert rerun.start_iter == 10  # resumed after iteration 10, as the line said

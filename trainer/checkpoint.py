@@ -111,6 +111,7 @@ class Checkpointer:
         self.last_path: Optional[str] = None
         """The newest checkpoint on disk: the one loaded, or saved (on rank 0) once its write is
         complete; never one still being written."""
+        self._last_done = 0  # the iterations done that last_path holds
         self._skipped: set[str] = set()  # the checkpoints that did not load at the resume
         self._writing: Optional[str] = None  # the checkpoint being written (rank 0)
         self._publishing = threading.Lock()  # held while a write takes its name: see held()
@@ -215,50 +216,51 @@ class Checkpointer:
         if write is None:  # this rank writes nothing
             return None
 
+        done = self._progress.iter + 1
+
         def job() -> None:
             try:
-                write(lambda: self._publish(temp, path, then))
+                write(lambda: self._publish(temp, path, done, then))
             except BaseException as e:
                 # a folder stays for the next start to remove: other ranks may still write there
                 if is_main_process() and os.path.isfile(temp):
                     os.remove(temp)
                 raise_write_failure(path, e)
 
-        if is_main_process():
+        if is_main_process():  # said before the write begins, whose "Saved" line comes after
+            if os.path.normpath(path) in self._skipped:
+                self._skipped.remove(os.path.normpath(path))
+                logger.warning(f"Replacing {path}, which did not load when this run resumed.")
+            logger.info(f"Writing checkpoint {path} (after iteration {done}) in the background.")
             self._writing = path
         if fmt.in_background:
             self.writer.submit(job)
         else:
             job()
-        if not is_main_process():
-            return None
-        if os.path.normpath(path) in self._skipped:
-            self._skipped.remove(os.path.normpath(path))
-            logger.warning(f"Replacing {path}, which did not load when this run resumed.")
-        done = self._progress.iter + 1
-        logger.info(f"Writing checkpoint {path} (after iteration {done}) in the background.")
-        return path
+        return path if is_main_process() else None
 
-    def _publish(self, temp: str, path: str, then: Optional[Callable[[], None]]) -> None:
-        """Give the complete checkpoint ``temp`` its name ``path`` and point ``latest.txt`` at
-        it (on rank 0, in the writer's thread), then call ``then()``."""
+    def _publish(self, temp: str, path: str, done: int, then: Optional[Callable[[], None]]) -> None:
+        """Give the complete checkpoint ``temp`` (after iteration ``done``) its name ``path`` and
+        point ``latest.txt`` at it (on rank 0, in the writer's thread), then call ``then()``."""
         replace(temp, path)
         folder, name = os.path.split(path)  # a file in a sub-folder gets a latest.txt there
         with self._publishing:
             update_latest_pointer(folder, name)
             self.last_path = path
+            self._last_done = done
             self._writing = None
         logger.info(f"Saved checkpoint {path} (on disk).")
         if then is not None:
             then()
 
     @contextlib.contextmanager
-    def held(self) -> Iterator[tuple[Optional[str], Optional[str]]]:
-        """Yield :attr:`last_path` (on disk) and the checkpoint being written (None when no write
-        is in flight), which stay so while the block runs: no write takes its name meanwhile, so
-        a message can name them and the process exit in the block (a second Ctrl-C does)."""
+    def held(self) -> Iterator[tuple[Optional[str], int, Optional[str]]]:
+        """Yield :attr:`last_path` (on disk), the iterations done that it holds, and the
+        checkpoint being written (None when no write is in flight), which stay so while the
+        block runs: no write takes its name meanwhile, so a message can name them and the
+        process exit in the block (a second Ctrl-C does)."""
         with self._publishing:
-            yield self.last_path, None if self.writer.failed else self._writing
+            yield self.last_path, self._last_done, None if self.writer.failed else self._writing
 
     def _refuse_unloadable(self, file_name: str, state: dict[str, Any]) -> None:
         """Refuse a state no resume could use: tensors not finite (as `latest` it would fail
@@ -419,6 +421,7 @@ class Checkpointer:
             return True
         self._load_state(data, path)
         self.last_path = path
+        self._last_done = self._progress.start_iter  # as this run counts them
         done = self._progress.resumed_iters  # the checkpoint's, which max_iters may cut
         logger.info(f"Resumed from checkpoint {path} after iteration {done}.")
         return True

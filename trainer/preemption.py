@@ -146,13 +146,16 @@ class Interrupt:
     Args:
         progress: Where training is, for the line.
         checkpoints: ``Checkpointer.held``: a context that holds the checkpoints as they are and
-            yields the newest on disk and the one being written (or None).
+            yields the newest on disk, the iterations it holds, and the one being written (or
+            None).
     """
 
     def __init__(
         self,
         progress: Progress,
-        checkpoints: Callable[[], contextlib.AbstractContextManager[tuple[Optional[str], ...]]],
+        checkpoints: Callable[
+            [], contextlib.AbstractContextManager[tuple[Optional[str], int, Any]]
+        ],
     ) -> None:
         self._progress = progress
         self._checkpoints = checkpoints
@@ -178,8 +181,8 @@ class Interrupt:
             except KeyboardInterrupt:
                 interrupted = True
             if interrupted or self.put_off:  # train() waited for the write in flight
-                with self._checkpoints() as (last, _):
-                    logger.warning(self._line(last, None, twice=False))
+                with self._checkpoints() as (last, done, _):
+                    logger.warning(self._line(last, done, None, twice=False))
                 raise SystemExit(INTERRUPTED) from None
         finally:
             if ours:  # restored so that no handler keeps the trainer alive after train()
@@ -202,17 +205,23 @@ class Interrupt:
     def _exit_now(self) -> NoReturn:
         """Log the line and exit at once, leaving the write in flight and the rest of
         ``train()``'s cleanup undone."""
-        with self._checkpoints() as (last, writing):  # no write takes its name until the exit
-            logger.warning(self._line(last, writing, twice=True))
+        # no write takes its name until the exit
+        with self._checkpoints() as (last, done, writing):
+            logger.warning(self._line(last, done, writing, twice=True))
             logging.shutdown()  # flushes the console and log.txt, which os._exit would not
             os._exit(INTERRUPTED)
 
-    def _line(self, last: Optional[str], writing: Optional[str], twice: bool) -> str:
+    def _line(self, last: Optional[str], done: int, writing: Optional[str], twice: bool) -> str:
+        """The line: where training was, whether the checkpoint ``last`` on disk (after ``done``
+        iterations) holds it, the write abandoned (``writing``), and where a rerun resumes."""
         progress = self._progress
-        done = f"iteration {progress.iter + 1} of {progress.max_iters}"
-        where = (
-            f"as training ended, after {done}." if progress.finished else f"in {done}: not saved."
-        )
+        it = f"iteration {progress.iter + 1} of {progress.max_iters}"
+        if progress.finished:
+            where = f"as training ended, after {it}."
+        elif last is not None and done == progress.iter + 1:  # (a save in its hooks)
+            where = f"after {it}: saved."
+        else:
+            where = f"in {it}: not saved."
         abandoned = f" Abandoned the checkpoint write in flight ({writing})." if writing else ""
         return (
             f"Interrupted (Ctrl-C){' twice' if twice else ''} {where}{abandoned} Rerun to resume "
