@@ -554,13 +554,11 @@ def test_last_path_names_a_checkpoint_once_its_write_is_complete(tmp_path, monke
     monkeypatch.setattr(torch, "save", held_save)
     path = trainer.save_checkpoint("extra.pth")
     assert checkpointer.last_path == first  # not extra.pth, still being written
-    with checkpointer.held() as held:
-        assert held == (first, 8, path)
+    assert checkpointer.newest_on_disk() == (first, 8)
     go_on.set()
     checkpointer.wait()
     assert checkpointer.last_path == path and os.path.isfile(path)
-    with checkpointer.held() as held:
-        assert held == (path, 8, None)
+    assert checkpointer.newest_on_disk() == (path, 8)
 
 
 def test_a_work_dir_named_with_glob_characters_resumes_its_own_checkpoints(tmp_path):

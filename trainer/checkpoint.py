@@ -9,7 +9,6 @@ import glob
 import logging
 import math
 import os
-import threading
 from collections.abc import Iterator
 from typing import Any, Callable, Optional, Sequence
 
@@ -113,8 +112,6 @@ class Checkpointer:
         complete; never one still being written."""
         self._last_done = 0  # the iterations done that last_path holds
         self._skipped: set[str] = set()  # the checkpoints that did not load at the resume
-        self._writing: Optional[str] = None  # the checkpoint being written (rank 0)
-        self._publishing = threading.Lock()  # held while a write takes its name: see held()
         self._model_sharded = is_sharded(model)  # by FSDP2's fully_shard
         self._buffers_warned = False  # that an FSDP2 model's buffers differ by rank
         self.sharded = self._model_sharded
@@ -232,7 +229,6 @@ class Checkpointer:
                 self._skipped.remove(os.path.normpath(path))
                 logger.warning(f"Replacing {path}, which did not load when this run resumed.")
             logger.info(f"Writing checkpoint {path} (after iteration {done}) in the background.")
-            self._writing = path
         if fmt.in_background:
             self.writer.submit(job)
         else:
@@ -244,23 +240,16 @@ class Checkpointer:
         point ``latest.txt`` at it (on rank 0, in the writer's thread), then call ``then()``."""
         replace(temp, path)
         folder, name = os.path.split(path)  # a file in a sub-folder gets a latest.txt there
-        with self._publishing:
-            update_latest_pointer(folder, name)
-            self.last_path = path
-            self._last_done = done
-            self._writing = None
+        update_latest_pointer(folder, name)
+        self.last_path = path
+        self._last_done = done
         logger.info(f"Saved checkpoint {path} (on disk).")
         if then is not None:
             then()
 
-    @contextlib.contextmanager
-    def held(self) -> Iterator[tuple[Optional[str], int, Optional[str]]]:
-        """Yield :attr:`last_path` (on disk), the iterations done that it holds, and the
-        checkpoint being written (None when no write is in flight), which stay so while the
-        block runs: no write takes its name meanwhile, so a message can name them and the
-        process exit in the block (a second Ctrl-C does)."""
-        with self._publishing:
-            yield self.last_path, self._last_done, None if self.writer.failed else self._writing
+    def newest_on_disk(self) -> tuple[Optional[str], int]:
+        """:attr:`last_path` and the iterations done that it holds (for the Ctrl-C line)."""
+        return self.last_path, self._last_done
 
     def _refuse_unloadable(self, file_name: str, state: dict[str, Any]) -> None:
         """Refuse a state no resume could use: tensors not finite (as `latest` it would fail

@@ -182,7 +182,7 @@ class Trainer:
             metric_storage=self._storage,
             hooks=self._hooks,
         )
-        self._interrupt = Interrupt(self.progress, self._checkpointer.held)  # Ctrl-C
+        self._interrupt = Interrupt(self.progress, self._checkpointer.newest_on_disk)  # Ctrl-C
         if cuda_graph:  # the loop's train_one_iter replays a CUDA graph of the built-in one
             check_graphable(model, optimizer, device, self._step.scaling, built_in_step)
             self.train_one_iter = GraphedStep(  # type: ignore[method-assign]
@@ -400,7 +400,7 @@ class Trainer:
         failed = self._checkpointer.writer.failed
         if not (self._preemption.pending or self._interrupt.put_off or failed):
             return
-        if self._interrupt.put_off:  # it came while a thread was joined (see Interrupt)
+        if self._interrupt.put_off:  # it came while a thread was joined, or again (Interrupt)
             raise KeyboardInterrupt
         it = self.progress.iter
         signum = self._preemption.agreed_signal(it, failed)
