@@ -5,6 +5,7 @@ under a name in ``work_dir/checkpoints`` with ``latest.txt`` naming the newest, 
 from the newest that loads."""
 
 import contextlib
+import datetime
 import glob
 import logging
 import math
@@ -26,6 +27,7 @@ from .checkpoint_io import (
     bad_tensors,
     check_rank_state,
     check_revise_keys,
+    fsync_folder,
     load_model_state,
     load_optimizer_state,
     model_weights,
@@ -40,13 +42,22 @@ from .checkpoint_io import (
     walk,
 )
 from .data import DataStream
-from .distributed import CpuGroup, all_gather, gather, get_world_size, is_main_process, is_sharded
+from .distributed import (
+    CpuGroup,
+    all_gather,
+    gather,
+    get_world_size,
+    is_main_process,
+    is_sharded,
+    raise_on_every_rank,
+)
 from .misc import check_file_name, plain_state_dict, unwrapped
 from .progress import Progress, map_position
 
 logger = logging.getLogger(__name__)
 
 LATEST_POINTER = "latest.txt"  # names the newest checkpoint of its folder
+PREVIOUS_RUNS = "previous"  # the folder where a fresh start moves the earlier run's checkpoints
 # What every checkpoint holds besides the registered things, in the order they are checked.
 _OWN_KEYS = ("progress", "config", "model", "optimizer", "rng")
 _PROGRESS_KEYS = ("epoch", "inner_iter", "epoch_len", "iters_done", "world_size", "batch_size")
@@ -347,6 +358,31 @@ class Checkpointer:
                     logger.info(f"Removed {stray}, left by an interrupted checkpoint write.")
         all_gather("cleaned up", group=self._cpu.group)  # the others then list checkpoints
 
+    def set_aside(self) -> None:
+        """On rank 0, move what :attr:`ckpt_dir` holds (an earlier run's checkpoints and
+        ``latest.txt``) into a new ``ckpt_dir/previous/<date_time>/``, for a run that starts
+        afresh: none of them is resumed by a fallback of the new run, nor deleted. Every rank
+        calls it, and waits for it."""
+        error = None
+        names = []
+        if is_main_process():
+            names = sorted(set(os.listdir(self.ckpt_dir)) - {PREVIOUS_RUNS})
+        if names:
+            try:
+                folder = _new_folder(os.path.join(self.ckpt_dir, PREVIOUS_RUNS))
+                for name in names:
+                    os.replace(os.path.join(self.ckpt_dir, name), os.path.join(folder, name))
+                fsync_folder(self.ckpt_dir)
+            except OSError as e:
+                error = e
+            else:
+                listed = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if names[5:] else "")
+                logger.info(
+                    f"Starting afresh (auto_resume=False): moved the earlier run's checkpoints "
+                    f"({listed}) to {folder}."
+                )
+        raise_on_every_rank(error, group=self._cpu.group)  # the others then save there
+
     def parameters(self) -> set[str]:
         """The names of the model's parameters in a checkpoint (a tied weight's every one)."""
         return parameters(self._module)
@@ -504,8 +540,8 @@ class Checkpointer:
                 logger.warning(f"Resuming from {path}, the newest checkpoint that loads.")
             return path, data
         raise RuntimeError(
-            f"No checkpoint in {self.ckpt_dir} loads; move them away to start afresh:\n"
-            + "\n".join(failures)
+            f"No checkpoint in {self.ckpt_dir} loads; train(auto_resume=False) starts afresh, "
+            f"moving them into {PREVIOUS_RUNS}/:\n" + "\n".join(failures)
         )
 
 
@@ -545,6 +581,21 @@ def list_checkpoints(ckpt_dir: str) -> list[str]:
         paths.remove(latest)
         paths.insert(0, latest)
     return paths
+
+
+def _new_folder(parent: str) -> str:
+    """Make a new folder in ``parent``, named by the date and time (``2026-11-29_10-46-04``, or
+    ``..._2`` after it), and return its path."""
+    os.makedirs(parent, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    folder, n = os.path.join(parent, stamp), 1
+    while True:
+        try:
+            os.mkdir(folder)
+            return folder
+        except FileExistsError:
+            n += 1
+            folder = os.path.join(parent, f"{stamp}_{n}")
 
 
 def _mtime(path: str) -> float:

@@ -332,8 +332,9 @@ class Trainer:
         continue_after_stop: bool = False,
     ) -> None:
         """Train, first resuming from ``resume_from_checkpoint`` or (``auto_resume``) from
-        ``work_dir``'s latest checkpoint. A run that :meth:`stop` ended stays stopped unless
-        ``continue_after_stop``."""
+        ``work_dir``'s latest checkpoint. ``auto_resume=False`` starts afresh and moves the
+        checkpoints there into ``checkpoints/previous/<date_time>/``. A run that :meth:`stop`
+        ended stays stopped unless ``continue_after_stop``."""
         progress = self.progress
         with self._session():
             self._start(resume_from_checkpoint, auto_resume, continue_after_stop)
@@ -463,6 +464,9 @@ class Trainer:
             if not auto_resume and self.cur_iter + 1 < self.max_iters:
                 fix = f"call train() to go on from the last checkpoint, or {fix}"
             raise RuntimeError(f"This Trainer trained up to {done} already: to train on, {fix}.")
+        if path is None and not auto_resume and self.start_iter == 0:
+            # afresh: no fallback to a checkpoint that does not load may reach the earlier run
+            self._checkpointer.set_aside()
         if self.progress.stay_stopped(continue_after_stop):
             logger.info(
                 f"The run was ended by stop() after iteration {self.start_iter}: not training on. "
