@@ -27,8 +27,8 @@ Under torchrun it trains with DistributedDataParallel and a DistributedSampler.
     KILL_IN_SAVE=n        SIGKILL it halfway through writing its n-th checkpoint
     KILL_BEFORE_POINTER=n SIGKILL it after its n-th checkpoint file, before latest.txt moves
     SLOW_SAVE=s           sleep s seconds in every checkpoint write (after creating WORK_DIR/saving)
-    HOLD_SAVE=n           the write of the checkpoint of iteration n, once begun, creates
-                          WORK_DIR/holding and waits until WORK_DIR/release exists
+    HOLD_SAVE=n           the write of the checkpoint of iteration n ("every": of each), once
+                          begun, creates WORK_DIR/holding and waits until WORK_DIR/release exists
     MARK_CTRL_C=1         each Ctrl-C, once the trainer's handler has run, creates WORK_DIR/ctrl_c_k
     PID_DIR               write this process's pid to PID_DIR/pid_{rank}
     DUMP_RESUMED=path     rank 0 saves the full model and optimizer state there as training starts
@@ -80,7 +80,8 @@ def main():
             f.flush()
             os.kill(os.getpid(), signal.SIGKILL)
         progress = obj.get("progress") if isinstance(obj, dict) else None  # a checkpoint's
-        if progress is not None and progress["iters_done"] == env_int("HOLD_SAVE", -1):
+        held = os.environ.get("HOLD_SAVE")
+        if progress is not None and held in ("every", str(progress["iters_done"])):
             open(os.path.join(work_dir, "holding"), "w").close()
             while not os.path.exists(os.path.join(work_dir, "release")):  # the test's move
                 time.sleep(0.01)

@@ -15,7 +15,7 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from trainer import HookBase, Trainer
 from trainer.checkpoint import read_latest_pointer
-from trainer.hooks import BestCheckpointHook
+from trainer.hooks import BestCheckpointHook, EvalHook
 
 from conftest import RecordLR, TinyModel, build, load, save_checkpoint_file, tiny_loader
 
@@ -554,13 +554,11 @@ def test_last_path_names_a_checkpoint_once_its_write_is_complete(tmp_path, monke
     monkeypatch.setattr(torch, "save", held_save)
     path = trainer.save_checkpoint("extra.pth")
     assert checkpointer.last_path == first  # not extra.pth, still being written
-    with checkpointer.held() as (last, writing):
-        assert (last, writing) == (first, path)
+    assert checkpointer.newest_on_disk() == (first, 8)
     go_on.set()
     checkpointer.wait()
     assert checkpointer.last_path == path and os.path.isfile(path)
-    with checkpointer.held() as (last, writing):
-        assert (last, writing) == (path, None)
+    assert checkpointer.newest_on_disk() == (path, 8)
 
 
 def test_a_work_dir_named_with_glob_characters_resumes_its_own_checkpoints(tmp_path):
@@ -704,3 +702,53 @@ def test_one_registry_holds_the_trainers_parts_and_the_users_by_name(make_traine
     assert saved["second"] == second.state_dict()
     assert saved["config"]["classes"]["second"] == "SGD"
     assert {"CheckpointHook", "LoggerHook"} <= set(saved["hooks"])  # the hooks, as one thing
+
+
+# ---- a fresh start ----------------------------------------------------------------------------
+
+
+def moved_to(caplog):
+    """The folder that the fresh start's line names."""
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Starting")]
+    return re.search(r" to (\S+)\.$", line)[1]
+
+
+def test_a_fresh_start_sets_the_earlier_run_aside_and_never_falls_back_to_it(tmp_path, caplog):
+    build(tmp_path, max_epochs=3, lr=0.1).train()
+    ckpt_dir = tmp_path / "checkpoints"
+    earlier = {name: (ckpt_dir / name).read_bytes() for name in os.listdir(ckpt_dir)}
+    build(tmp_path, max_epochs=1, lr=0.01).train(auto_resume=False)  # the new run's first epoch
+    folder = moved_to(caplog)
+    assert os.path.dirname(folder) == str(ckpt_dir / "previous")
+    assert {name: open(os.path.join(folder, name), "rb").read() for name in earlier} == earlier
+    assert sorted(os.listdir(ckpt_dir)) == ["epoch_1.pth", "latest.txt", "previous"]
+    (ckpt_dir / "epoch_1.pth").write_bytes(b"damaged")
+    rerun = build(tmp_path, max_epochs=3, lr=0.01)
+    with pytest.raises(RuntimeError, match=r"No checkpoint in .* loads; train\(auto_resume=False"):
+        rerun.train()  # not the earlier run's epoch_3.pth (LR 0.1, finished)
+    assert sorted(os.listdir(folder)) == sorted(earlier)  # still there, as the line said
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["files", "sharded"])
+def test_a_rerun_of_a_fresh_start_resumes_the_new_run(tmp_path, caplog, sharded):
+    def trainer(max_epochs, lr):
+        made = build(tmp_path, max_epochs=max_epochs, lr=lr)
+        made.checkpointer.sharded = sharded
+        made.register_hook(BestCheckpointHook("acc", mode="max"))
+        made.register_hook(EvalHook(1, lambda: {"acc": 1.0}))
+        return made
+
+    trainer(2, lr=0.1).train()
+    trainer(1, lr=0.01).train(auto_resume=False)
+    folder = moved_to(caplog)
+    assert sorted(os.listdir(folder)) == ["best.pth", "epoch_1.pth", "epoch_2.pth", "latest.txt"]
+    rerun = trainer(2, lr=0.01)
+    rerun.train()
+    assert rerun.start_iter == 8  # after the new run's epoch 1 (not the earlier run's 2 epochs)
+    assert rerun.optimizer.param_groups[0]["initial_lr"] == 0.01
+    names = ["best.pth", "epoch_1.pth", "epoch_2.pth", "latest.txt", "previous"]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == names
+    caplog.clear()
+    trainer(2, lr=0.01).train(auto_resume=False)  # once more: beside the first folder moved
+    assert len(os.listdir(tmp_path / "checkpoints" / "previous")) == 2
+    assert os.path.dirname(moved_to(caplog)) == os.path.dirname(folder)

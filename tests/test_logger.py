@@ -27,6 +27,12 @@ def test_other_ranks_get_their_own_file_and_no_console(tmp_path):
     assert log_file_path(str(tmp_path / "run.log"), 1).endswith("run_rank1.log")
 
 
+def test_a_log_folder_in_the_home_folder_is_written_there(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert log_file_path("~/runs/x") == str(tmp_path / "runs" / "x" / "log.txt")
+    assert log_file_path("~/runs/x.log", 1) == str(tmp_path / "runs" / "x_rank1.log")
+
+
 def test_log_to_file_detaches_and_closes(tmp_path):
     path = str(tmp_path / "x.txt")
     with log_to_file("trainer_test_c", path):

@@ -1,8 +1,6 @@
 """Preemption signals: caught while training, agreed across ranks; and Ctrl-C (the torchrun
 cases, and Ctrl-C pressed at a real process, are in test_resume.py)."""
 
-import contextlib
-import logging
 import os
 import signal
 import sys
@@ -12,7 +10,8 @@ import time
 import pytest
 import torch
 
-from trainer import HookBase
+from trainer import CheckpointHook, HookBase, Priority
+from trainer.checkpoint_io import Background
 from trainer.preemption import Interrupt, Preemption
 from trainer.progress import Progress
 
@@ -143,23 +142,14 @@ def wait_until(condition, what):
         time.sleep(0.001)
 
 
-def checkpoints(last, writing):
-    """A stand-in for ``Checkpointer.held``, recording that it was entered and left."""
-    held = []
-
-    @contextlib.contextmanager
-    def hold():
-        held.append("held")
-        yield last, writing
-        held.append("released")
-
-    return hold, held
+def newest(last, done=-1):
+    """A stand-in for ``Checkpointer.newest_on_disk``."""
+    return lambda: (last, done)
 
 
 def test_a_ctrl_c_during_a_thread_join_is_put_off_and_the_join_waits_for_the_thread(caplog):
     progress = Progress(epoch_len=8, max_iters=16, iter=4)
-    hold, _ = checkpoints("last.pth", None)
-    interrupt = Interrupt(progress, hold)
+    interrupt = Interrupt(progress, newest("last.pth"))
     main = threading.main_thread()
 
     def write():  # a checkpoint write, during whose join Ctrl-C comes
@@ -186,38 +176,70 @@ def test_a_ctrl_c_during_a_thread_join_is_put_off_and_the_join_waits_for_the_thr
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
 
 
-def test_a_second_ctrl_c_exits_at_once_holding_the_checkpoints_it_names(monkeypatch, caplog):
-    class Exited(BaseException):
-        pass
-
-    def exit_now(status):
-        raise Exited(status)
-
-    monkeypatch.setattr(os, "_exit", exit_now)
-    monkeypatch.setattr(logging, "shutdown", lambda: None)  # pytest's handlers stay open
+def test_another_ctrl_c_while_train_ends_is_ignored(monkeypatch, caplog):
+    # a launcher (torchrun) passes on the terminal's Ctrl-C, which reaches this process too
+    monkeypatch.setattr(os, "_exit", lambda status: pytest.fail("exited at once"))
     progress = Progress(epoch_len=8, max_iters=16, iter=15, position=(2, 0))  # training ended
-    hold, held = checkpoints("epoch_1.pth", "epoch_2.pth")
-    interrupt = Interrupt(progress, hold)
-    with pytest.raises(Exited) as exit_info:
+    interrupt = Interrupt(progress, newest("epoch_2.pth", 16))
+    ended = []
+    with pytest.raises(SystemExit) as exit_info:
         with interrupt.catching():
             try:
                 os.kill(os.getpid(), signal.SIGINT)
             except KeyboardInterrupt:
                 os.kill(os.getpid(), signal.SIGINT)  # again, while train() ends
-    assert exit_info.value.args == (128 + signal.SIGINT,)
-    assert held == ["held"]  # it exited within: no write took its name after the line
+                os.kill(os.getpid(), signal.SIGINT)
+                ended.append(True)  # (the write in flight lands, the logs close)
+    assert ended == [True] and exit_info.value.code == 128 + signal.SIGINT
     line = (
-        "Interrupted (Ctrl-C) twice as training ended, after iteration 16 of 16. Abandoned the "
-        "checkpoint write in flight (epoch_2.pth). Rerun to resume from the last checkpoint "
-        "(epoch_1.pth)."
+        "Interrupted (Ctrl-C, 2 more ignored) as training ended, after iteration 16 of 16. Rerun "
+        "to resume from the last checkpoint (epoch_2.pth)."
     )
     assert [r.getMessage() for r in caplog.records if "Ctrl-C" in r.getMessage()] == [line]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
+def test_a_ctrl_c_after_one_that_code_caught_stops_at_the_iteration_end(tmp_path):
+    class CtrlC(HookBase):
+        def after_iter(self):
+            if self.trainer.cur_iter == 2:
+                try:
+                    os.kill(os.getpid(), signal.SIGINT)
+                except KeyboardInterrupt:  # caught by code the trainer calls
+                    pass
+            if self.trainer.cur_iter == 5:
+                os.kill(os.getpid(), signal.SIGINT)  # ignored as a copy, yet not for nothing
+                ran.append(True)
+
+    ran = []
+    trainer = build(tmp_path, max_epochs=2)
+    trainer.register_hook(CtrlC())
+    with pytest.raises(SystemExit) as exit_info:
+        trainer.train()
+    assert exit_info.value.code == 128 + signal.SIGINT
+    assert ran == [True] and trainer.cur_iter == 5  # stopped at the end of that iteration
+
+
+def test_copies_of_a_preemption_signal_are_ignored_and_counted(caplog):
+    preemption = Preemption(check_period=10)
+    with pytest.raises(SystemExit) as exit_info:
+        with preemption.catching():
+            for _ in range(3):  # as srun and torchrun each pass it on, within milliseconds
+                os.kill(os.getpid(), signal.SIGTERM)
+            assert preemption.agreed_signal(3) == signal.SIGTERM
+            os.kill(os.getpid(), signal.SIGUSR1)  # another, while it saves
+            preemption.exit(signal.SIGTERM, "iter_4.pth", 4)
+    assert exit_info.value.code == 128 + signal.SIGTERM
+    line = (
+        "Preempted by SIGTERM after iteration 4 (3 more signals ignored): saved iter_4.pth; "
+        "exiting with status 143. Rerun the same command to resume."
+    )
+    assert [r.getMessage() for r in caplog.records if "Preempted" in r.getMessage()] == [line]
+
+
 def test_a_sigint_handler_of_the_users_is_left_alone(caplog):
     progress = Progress(epoch_len=8, max_iters=16, iter=2)
-    interrupt = Interrupt(progress, checkpoints(None, None)[0])
+    interrupt = Interrupt(progress, newest(None))
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a background job's
     try:
         with pytest.raises(SystemExit) as exit_info:
@@ -283,3 +305,38 @@ def test_ctrl_c_while_train_waits_for_the_last_checkpoint_lets_it_land(
     )
     assert log.count("Interrupted (Ctrl-C)") == 1 and log.rstrip().endswith(line)
     assert "Traceback" not in log
+
+
+@pytest.mark.parametrize("write", ["lands at once", "Ctrl-C as it begins"])
+def test_the_lines_of_a_save_and_a_ctrl_c_after_it_say_what_happened(tmp_path, monkeypatch, write):
+    real_submit = Background.submit
+
+    def submit(self, work):  # the write of iter_10.pth lands before submit() returns, or
+        real_submit(self, work)  # Ctrl-C comes as soon as it has begun
+        if write == "lands at once":
+            self.wait()
+        elif trainer.cur_iter == 9:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    class CtrlCAfterTheSave(HookBase):  # in the hooks of the iteration saved
+        priority = Priority.CHECKPOINT + 1
+
+        def after_iter(self):
+            if trainer.cur_iter == 9:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(Background, "submit", submit)
+    trainer = build(tmp_path, max_epochs=2, checkpoint_period=0)
+    trainer.register_hooks([CheckpointHook(5, by_epoch=False), CtrlCAfterTheSave()])
+    with pytest.raises(SystemExit):
+        trainer.train()
+    log = (tmp_path / "log.txt").read_text()
+    for n in (5, 10):  # each write said as it begins, and then once on disk
+        path = tmp_path / "checkpoints" / f"iter_{n}.pth"
+        writing = log.index(f"Writing checkpoint {path} (after iteration {n})")
+        assert writing < log.index(f"Saved checkpoint {path} (on disk)")
+    assert "Interrupted (Ctrl-C) after iteration 10 of 16: saved. Rerun to resume from the " in log
+    monkeypatch.undo()
+    rerun = build(tmp_path, max_epochs=2, checkpoint_period=0)
+    rerun.train()
+    assert rerun.start_iter == 10  # resumed after iteration 10, as the line said

@@ -610,6 +610,20 @@ def test_a_damaged_sharded_checkpoint_is_refused_and_auto_resume_falls_back(
     assert_bit_equal(trainer.model.state_dict(), full["model"])
 
 
+def test_a_manifest_too_large_for_its_folder_is_refused_unparsed(tmp_path):
+    trainer = plain_trainer(tmp_path)
+    trainer.checkpointer.sharded = True
+    trainer.save_checkpoint("epoch_1.pth")
+    trainer.checkpointer.wait()
+    folder = tmp_path / "checkpoints" / "epoch_1.pth"
+    manifest = folder / MANIFEST
+    manifest.write_text(manifest.read_text() + " " * (1 << 20))  # still valid JSON
+    with pytest.raises(RuntimeError, match=rf"epoch_1\.pth' is damaged: its {MANIFEST} has \d+"):
+        plain_trainer(tmp_path).load_checkpoint(str(folder))
+    with pytest.raises(RuntimeError, match=rf"its {MANIFEST} has \d+ bytes, more than"):
+        read_weights(str(folder))
+
+
 # The scripts below run on 2 gloo ranks (run_script), between these two parts.
 PREAMBLE = """
 import errno, os, sys, threading, time

@@ -482,6 +482,16 @@ def test_a_relative_work_dir_is_resolved_when_the_trainer_is_built(tmp_path, mon
     assert not os.path.exists(tmp_path.parent / "runs")
 
 
+def test_a_work_dir_in_the_home_folder_is_written_there(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    trainer = build("~/runs/x", max_epochs=1)
+    trainer.train()
+    assert trainer.work_dir == str(tmp_path / "home" / "runs" / "x")
+    assert os.path.isfile(tmp_path / "home" / "runs" / "x" / "checkpoints" / "epoch_1.pth")
+    assert not os.path.exists(tmp_path / "~")  # no folder named "~" in the current one
+
+
 def test_a_work_dir_named_like_a_log_file_works(tmp_path):
     trainer = build(tmp_path / "exp1.log")
     trainer.train()

@@ -5,12 +5,12 @@ under a name in ``work_dir/checkpoints`` with ``latest.txt`` naming the newest, 
 from the newest that loads."""
 
 import contextlib
+import datetime
 import glob
 import logging
 import math
 import os
 import re
-import threading
 from collections.abc import Iterator
 from typing import Any, Callable, Optional, Sequence
 
@@ -28,6 +28,7 @@ from .checkpoint_io import (
     bad_tensors,
     check_rank_state,
     check_revise_keys,
+    fsync_folder,
     load_model_state,
     load_optimizer_state,
     model_weights,
@@ -42,7 +43,15 @@ from .checkpoint_io import (
     walk,
 )
 from .data import DataStream
-from .distributed import CpuGroup, all_gather, gather, get_world_size, is_main_process, is_sharded
+from .distributed import (
+    CpuGroup,
+    all_gather,
+    gather,
+    get_world_size,
+    is_main_process,
+    is_sharded,
+    raise_on_every_rank,
+)
 from .misc import check_file_name, plain_state_dict, unwrapped
 from .progress import Progress, map_position
 
@@ -50,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 LATEST_POINTER = "latest.txt"  # names the newest checkpoint of its folder
 _PERIODIC = re.compile(r"(epoch|iter)_[0-9]+\.pth")  # the names Checkpointer.name() gives
+PREVIOUS_RUNS = "previous"  # the folder where a fresh start moves the earlier run's checkpoints
 # What every checkpoint holds besides the registered things, in the order they are checked.
 _OWN_KEYS = ("progress", "config", "model", "optimizer", "rng")
 _PROGRESS_KEYS = ("epoch", "inner_iter", "epoch_len", "iters_done", "world_size", "batch_size")
@@ -113,8 +123,8 @@ class Checkpointer:
         self.last_path: Optional[str] = None
         """The newest checkpoint on disk: the one loaded, or saved (on rank 0) once its write is
         complete; never one still being written."""
-        self._writing: Optional[str] = None  # the checkpoint being written (rank 0)
-        self._publishing = threading.Lock()  # held while a write takes its name: see held()
+        self._last_done = 0  # the iterations done that last_path holds
+        self._skipped: set[str] = set()  # the checkpoints that did not load at the resume
         self._model_sharded = is_sharded(model)  # by FSDP2's fully_shard
         self._buffers_warned = False  # that an FSDP2 model's buffers differ by rank
         self.sharded = self._model_sharded
@@ -216,47 +226,43 @@ class Checkpointer:
         if write is None:  # this rank writes nothing
             return None
 
+        done = self._progress.iter + 1
+
         def job() -> None:
             try:
-                write(lambda: self._publish(temp, path, then))
+                write(lambda: self._publish(temp, path, done, then))
             except BaseException as e:
                 # a folder stays for the next start to remove: other ranks may still write there
                 if is_main_process() and os.path.isfile(temp):
                     os.remove(temp)
                 raise_write_failure(path, e)
 
-        if is_main_process():
-            self._writing = path
+        if is_main_process():  # said before the write begins, whose "Saved" line comes after
+            if os.path.normpath(path) in self._skipped:
+                self._skipped.remove(os.path.normpath(path))
+                logger.warning(f"Replacing {path}, which did not load when this run resumed.")
+            logger.info(f"Writing checkpoint {path} (after iteration {done}) in the background.")
         if fmt.in_background:
             self.writer.submit(job)
         else:
             job()
-        if not is_main_process():
-            return None
-        done = self._progress.iter + 1
-        logger.info(f"Writing checkpoint {path} (after iteration {done}) in the background.")
-        return path
+        return path if is_main_process() else None
 
-    def _publish(self, temp: str, path: str, then: Optional[Callable[[], None]]) -> None:
-        """Give the complete checkpoint ``temp`` its name ``path`` and point ``latest.txt`` at
-        it (on rank 0, in the writer's thread), then call ``then()``."""
+    def _publish(self, temp: str, path: str, done: int, then: Optional[Callable[[], None]]) -> None:
+        """Give the complete checkpoint ``temp`` (after iteration ``done``) its name ``path`` and
+        point ``latest.txt`` at it (on rank 0, in the writer's thread), then call ``then()``."""
         replace(temp, path)
         folder, name = os.path.split(path)  # a file in a sub-folder gets a latest.txt there
-        with self._publishing:
-            update_latest_pointer(folder, name)
-            self.last_path = path
-            self._writing = None
+        update_latest_pointer(folder, name)
+        self.last_path = path
+        self._last_done = done
         logger.info(f"Saved checkpoint {path} (on disk).")
         if then is not None:
             then()
 
-    @contextlib.contextmanager
-    def held(self) -> Iterator[tuple[Optional[str], Optional[str]]]:
-        """Yield :attr:`last_path` (on disk) and the checkpoint being written (None when no write
-        is in flight), which stay so while the block runs: no write takes its name meanwhile, so
-        a message can name them and the process exit in the block (a second Ctrl-C does)."""
-        with self._publishing:
-            yield self.last_path, None if self.writer.failed else self._writing
+    def newest_on_disk(self) -> tuple[Optional[str], int]:
+        """:attr:`last_path` and the iterations done that it holds (for the Ctrl-C line)."""
+        return self.last_path, self._last_done
 
     def _refuse_unloadable(self, file_name: str, state: dict[str, Any]) -> None:
         """Refuse a state no resume could use: tensors not finite (as `latest` it would fail
@@ -354,6 +360,31 @@ class Checkpointer:
                     logger.info(f"Removed {stray}, left by an interrupted checkpoint write.")
         all_gather("cleaned up", group=self._cpu.group)  # the others then list checkpoints
 
+    def set_aside(self) -> None:
+        """On rank 0, move what :attr:`ckpt_dir` holds (an earlier run's checkpoints and
+        ``latest.txt``) into a new ``ckpt_dir/previous/<date_time>/``, for a run that starts
+        afresh: none of them is resumed by a fallback of the new run, nor deleted. Every rank
+        calls it, and waits for it."""
+        error = None
+        names = []
+        if is_main_process():
+            names = sorted(set(os.listdir(self.ckpt_dir)) - {PREVIOUS_RUNS})
+        if names:
+            try:
+                folder = _new_folder(os.path.join(self.ckpt_dir, PREVIOUS_RUNS))
+                for name in names:
+                    os.replace(os.path.join(self.ckpt_dir, name), os.path.join(folder, name))
+                fsync_folder(self.ckpt_dir)
+            except OSError as e:
+                error = e
+            else:
+                listed = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if names[5:] else "")
+                logger.info(
+                    f"Starting afresh (auto_resume=False): moved the earlier run's checkpoints "
+                    f"({listed}) to {folder}."
+                )
+        raise_on_every_rank(error, group=self._cpu.group)  # the others then save there
+
     def parameters(self) -> set[str]:
         """The names of the model's parameters in a checkpoint (a tied weight's every one)."""
         return parameters(self._module)
@@ -417,6 +448,7 @@ class Checkpointer:
             return True
         self._load_state(data, path)
         self.last_path = path
+        self._last_done = self._progress.start_iter  # as this run counts them
         done = self._progress.resumed_iters  # the checkpoint's, which max_iters may cut
         logger.info(f"Resumed from checkpoint {path} after iteration {done}.")
         return True
@@ -503,13 +535,14 @@ class Checkpointer:
             except (RuntimeError, OSError) as e:
                 logger.warning(f"Skipping a checkpoint that does not load: {e}")
                 failures.append(str(e))
+                self._skipped.add(os.path.normpath(path))  # a save of its name says it replaces it
                 continue
             if failures:
                 logger.warning(f"Resuming from {path}, the newest checkpoint that loads.")
             return path, data
         raise RuntimeError(
-            f"No checkpoint in {self.ckpt_dir} loads; move them away to start afresh:\n"
-            + "\n".join(failures)
+            f"No checkpoint in {self.ckpt_dir} loads; train(auto_resume=False) starts afresh, "
+            f"moving them into {PREVIOUS_RUNS}/:\n" + "\n".join(failures)
         )
 
 
@@ -559,6 +592,21 @@ def list_checkpoints(ckpt_dir: str) -> list[str]:
         paths.remove(latest)
         paths.insert(0, latest)
     return paths
+
+
+def _new_folder(parent: str) -> str:
+    """Make a new folder in ``parent``, named by the date and time (``2026-11-29_10-46-04``, or
+    ``..._2`` after it), and return its path."""
+    os.makedirs(parent, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    folder, n = os.path.join(parent, stamp), 1
+    while True:
+        try:
+            os.mkdir(folder)
+            return folder
+        except FileExistsError:
+            n += 1
+            folder = os.path.join(parent, f"{stamp}_{n}")
 
 
 def _mtime(path: str) -> float:

@@ -169,7 +169,7 @@ def setup_logger(
 def log_file_path(output: str, rank: int = 0) -> str:
     """The log file that ``output`` means for ``rank``: ``output`` itself when it names a
     ``.txt`` or ``.log`` file (not an existing folder), else ``output/log.txt``."""
-    output = os.fspath(output)
+    output = os.path.expanduser(output)  # "~": the home folder, as in a shell
     is_file = output.endswith((".txt", ".log")) and not os.path.isdir(output)
     return rank_log_file(output if is_file else os.path.join(output, "log.txt"), rank)
 

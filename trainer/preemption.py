@@ -1,15 +1,17 @@
 """Signals while training. Preemption: SIGTERM or SIGUSR1 means "finish this iteration, save,
 exit", and under torchrun every rank must agree on the iteration (the save is a collective).
-Ctrl-C (SIGINT) means "stop now": the checkpoint write in flight lands, nothing more is saved."""
+Ctrl-C (SIGINT) means "stop now": the checkpoint write in flight lands, nothing more is saved.
+A signal that comes again while the trainer acts on the first is counted and ignored: launchers
+(torchrun, srun) pass on a signal that reaches their workers too, so one Ctrl-C or ``scancel``
+often arrives twice within milliseconds, and the copy must not cut the save short."""
 
 import contextlib
 import logging
-import os
 import signal
 import threading
 from collections.abc import Iterator
 from types import FrameType
-from typing import Any, Callable, NoReturn, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
@@ -43,6 +45,7 @@ class Preemption:
     def __init__(self, check_period: int = 10, cpu: Optional[CpuGroup] = None) -> None:
         self.check_period = check_period
         self.caught: Optional[int] = None  # the signal this process caught
+        self.ignored = 0  # the signals that came after it
         self._cpu = cpu or CpuGroup()
         self._agreement: Optional[_Agreement] = None  # under torchrun, while catching
 
@@ -51,6 +54,7 @@ class Preemption:
         """Catch the signals for the block (in the main thread only). A signal it did not act on
         (in the last iteration, or after it) still exits the process if the block ends normally."""
         self.caught = None
+        self.ignored = 0
         self._agreement = None
         if get_world_size() > 1:
             self._agreement = _Agreement(self.check_period, self._cpu)
@@ -69,15 +73,16 @@ class Preemption:
         if self.caught is not None:
             status = 128 + self.caught
             logger.warning(
-                f"{signal.Signals(self.caught).name} arrived after the last iteration: training "
-                f"is complete; exiting with status {status}, as the signal asks."
+                f"{signal.Signals(self.caught).name} arrived after the last iteration"
+                f"{_ignored(self.ignored)}: training is complete; exiting with status "
+                f"{status}, as the signal asks."
             )
             raise SystemExit(status)
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if self.caught is not None:  # a second signal: exit at once, as the default handler does
-            signal.signal(signum, signal.SIG_DFL)
-            os.kill(os.getpid(), signum)
+        if self.caught is not None:  # a copy: the save the first asked for goes on
+            self.ignored += 1
+            return
         self.caught = signum
 
     @property
@@ -97,9 +102,9 @@ class Preemption:
         with the status a shell reports for death by ``signum`` (128 + its number)."""
         status = 128 + signum
         logger.warning(
-            f"Preempted by {signal.Signals(signum).name} after iteration {iters_done}: saved "
-            f"{path or 'a checkpoint (rank 0 writes)'}; exiting with status {status}. Rerun the "
-            "same command to resume."
+            f"Preempted by {signal.Signals(signum).name} after iteration {iters_done}"
+            f"{_ignored(self.ignored)}: saved {path or 'a checkpoint (rank 0 writes)'}; "
+            f"exiting with status {status}. Rerun the same command to resume."
         )
         raise SystemExit(status)
 
@@ -139,25 +144,24 @@ class Interrupt:
     once, as Python's own handler does (a ``KeyboardInterrupt``), yet the checkpoint write in
     flight finishes, since it holds finished iterations, and ``train()`` ends in order; then
     :meth:`catching` logs one line naming the newest checkpoint on disk and exits with status
-    130. A second Ctrl-C exits at once with that line, abandoning the write in flight: writes
-    are atomic, so the previous checkpoint is intact, and the next start removes the temporary
-    file.
+    130. Another Ctrl-C meanwhile is ignored, as Lightning does: a launcher passes on the
+    terminal's Ctrl-C, which reaches its workers too, and the copy must not abandon the write
+    (``kill -9`` ends a process at once). If the first did not stop training (code that caught
+    its ``KeyboardInterrupt``), the next one stops it at the end of the iteration.
 
     Args:
         progress: Where training is, for the line.
-        checkpoints: ``Checkpointer.held``: a context that holds the checkpoints as they are and
-            yields the newest on disk and the one being written (or None).
+        checkpoints: ``Checkpointer.newest_on_disk``: the newest checkpoint on disk and the
+            iterations it holds.
     """
 
     def __init__(
-        self,
-        progress: Progress,
-        checkpoints: Callable[[], contextlib.AbstractContextManager[tuple[Optional[str], ...]]],
+        self, progress: Progress, checkpoints: Callable[[], tuple[Optional[str], int]]
     ) -> None:
         self._progress = progress
         self._checkpoints = checkpoints
         self.count = 0  # the Ctrl-Cs caught since catching began
-        self.put_off = False  # one came while a thread was joined (read every iteration)
+        self.put_off = False  # one to act on at the end of the iteration (read every iteration)
 
     @contextlib.contextmanager
     def catching(self) -> Iterator[None]:
@@ -178,8 +182,7 @@ class Interrupt:
             except KeyboardInterrupt:
                 interrupted = True
             if interrupted or self.put_off:  # train() waited for the write in flight
-                with self._checkpoints() as (last, _):
-                    logger.warning(self._line(last, None, twice=False))
+                logger.warning(self._line(*self._checkpoints()))
                 raise SystemExit(INTERRUPTED) from None
         finally:
             if ours:  # restored so that no handler keeps the trainer alive after train()
@@ -187,34 +190,37 @@ class Interrupt:
 
     def _on_ctrl_c(self, signum: int, frame: Optional[FrameType]) -> None:
         self.count += 1
-        if self.count > 2:  # the second one's exit waits for a write to take its name: go now
-            os._exit(INTERRUPTED)
-        if self.count == 2:
-            self._exit_now()
-        if frame is not None and _JOIN in (frame.f_code, frame.f_back and frame.f_back.f_code):
-            # Raised in Thread.join, it marks the thread finished while it runs (CPython
-            # gh-90882, before 3.13): the checkpoint write would be cut off at exit, unseen.
-            # Put off to the end of the iteration, or of train().
+        joining = frame is not None and _JOIN in (
+            frame.f_code,
+            frame.f_back and frame.f_back.f_code,
+        )
+        if self.count > 1 or joining:
+            # Another Ctrl-C: ignored (see the class), but stops training if the first did not.
+            # One in Thread.join: raised there, it marks the thread finished while it runs
+            # (CPython gh-90882, before 3.13), and the checkpoint write would be cut off at exit,
+            # unseen. Both are put off to the end of the iteration, or of train().
             self.put_off = True
             return
         raise KeyboardInterrupt
 
-    def _exit_now(self) -> NoReturn:
-        """Log the line and exit at once, leaving the write in flight and the rest of
-        ``train()``'s cleanup undone."""
-        with self._checkpoints() as (last, writing):  # no write takes its name until the exit
-            logger.warning(self._line(last, writing, twice=True))
-            logging.shutdown()  # flushes the console and log.txt, which os._exit would not
-            os._exit(INTERRUPTED)
-
-    def _line(self, last: Optional[str], writing: Optional[str], twice: bool) -> str:
+    def _line(self, last: Optional[str], done: int) -> str:
+        """The line: where training was, whether the checkpoint ``last`` on disk (after ``done``
+        iterations) holds it, and where a rerun resumes."""
         progress = self._progress
-        done = f"iteration {progress.iter + 1} of {progress.max_iters}"
-        where = (
-            f"as training ended, after {done}." if progress.finished else f"in {done}: not saved."
-        )
-        abandoned = f" Abandoned the checkpoint write in flight ({writing})." if writing else ""
+        it = f"iteration {progress.iter + 1} of {progress.max_iters}"
+        if progress.finished:
+            where = f"as training ended, after {it}."
+        elif last is not None and done == progress.iter + 1:  # (a save in its hooks)
+            where = f"after {it}: saved."
+        else:
+            where = f"in {it}: not saved."
+        more = f", {self.count - 1} more ignored" if self.count > 1 else ""
         return (
-            f"Interrupted (Ctrl-C){' twice' if twice else ''} {where}{abandoned} Rerun to resume "
-            f"from the last checkpoint ({last or 'none yet: from the start'})."
+            f"Interrupted (Ctrl-C{more}) {where} Rerun to resume from the last checkpoint "
+            f"({last or 'none yet: from the start'})."
         )
+
+
+def _ignored(count: int) -> str:
+    """`` (2 more signals ignored)``, or "" when none came."""
+    return f" ({count} more signal{'s' if count > 1 else ''} ignored)" if count else ""

@@ -288,6 +288,15 @@ class _Folder(FileSystem):
             if need_checksums:
                 _refuse(folder, f"it has no {MANIFEST} (weights may load with resume=False)")
             return
+        # An entry per file of the folder at most, each a name and two numbers: far below 4 KiB
+        # (a damaged manifest's size, not parsed, cannot cost minutes and gigabytes)
+        limit = 4096 * len(sizes)
+        if sizes[MANIFEST] > limit:
+            _refuse(
+                folder,
+                f"its {MANIFEST} has {sizes[MANIFEST]} bytes, more than the manifest of "
+                f"{len(sizes)} files can (at most {limit})",
+            )
         try:
             manifest = json.loads(os.pread(self._fds[MANIFEST], sizes[MANIFEST], 0))
             files = {str(k): [int(size), int(crc)] for k, (size, crc) in manifest.items()}

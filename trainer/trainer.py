@@ -63,7 +63,7 @@ class Trainer:
         data_loader: Any iterable of batches; one without a length needs ``max_iters``.
         max_epochs: Train this many epochs (pass exactly one of ``max_epochs``, ``max_iters``).
         max_iters: Train this many iterations, crossing data-loader passes as needed.
-        work_dir: Where checkpoints and logs go.
+        work_dir: Where checkpoints and logs go (``~`` is the home folder, as in a shell).
         unpack_batch_dict: Call ``model(**batch)`` instead of ``model(batch)``.
         max_num_checkpoints: Keep the newest N periodic checkpoints; None keeps all.
         checkpoint_period: Save every N epochs and at the end; 0: no ``CheckpointHook``.
@@ -131,8 +131,9 @@ class Trainer:
         self.model = model
         self.optimizer = optimizer
         self.data_loader = data_loader
-        # absolute now: a chdir before train() must not split the outputs across two folders
-        self.work_dir = os.path.abspath(work_dir)
+        # absolute now: a chdir before train() must not split the outputs across two folders;
+        # "~" is the home folder, as in a shell (not a folder named "~" in the current one)
+        self.work_dir = os.path.abspath(os.path.expanduser(work_dir))
         self.accumulation_steps = accumulation_steps
         self.log_period = log_period
         self.train_by_epoch = max_epochs > 0
@@ -181,7 +182,7 @@ class Trainer:
             metric_storage=self._storage,
             hooks=self._hooks,
         )
-        self._interrupt = Interrupt(self.progress, self._checkpointer.held)  # Ctrl-C
+        self._interrupt = Interrupt(self.progress, self._checkpointer.newest_on_disk)  # Ctrl-C
         if cuda_graph:  # the loop's train_one_iter replays a CUDA graph of the built-in one
             check_graphable(model, optimizer, device, self._step.scaling, built_in_step)
             self.train_one_iter = GraphedStep(  # type: ignore[method-assign]
@@ -331,8 +332,9 @@ class Trainer:
         continue_after_stop: bool = False,
     ) -> None:
         """Train, first resuming from ``resume_from_checkpoint`` or (``auto_resume``) from
-        ``work_dir``'s latest checkpoint. A run that :meth:`stop` ended stays stopped unless
-        ``continue_after_stop``."""
+        ``work_dir``'s latest checkpoint. ``auto_resume=False`` starts afresh and moves the
+        checkpoints there into ``checkpoints/previous/<date_time>/``. A run that :meth:`stop`
+        ended stays stopped unless ``continue_after_stop``."""
         progress = self.progress
         with self._session():
             self._start(resume_from_checkpoint, auto_resume, continue_after_stop)
@@ -404,7 +406,7 @@ class Trainer:
         failed = self._checkpointer.writer.failed
         if not (self._preemption.pending or self._interrupt.put_off or failed):
             return
-        if self._interrupt.put_off:  # it came while a thread was joined (see Interrupt)
+        if self._interrupt.put_off:  # it came while a thread was joined, or again (Interrupt)
             raise KeyboardInterrupt
         it = self.progress.iter
         signum = self._preemption.agreed_signal(it, failed)
@@ -467,6 +469,9 @@ class Trainer:
             if not auto_resume and self.cur_iter + 1 < self.max_iters:
                 fix = f"call train() to go on from the last checkpoint, or {fix}"
             raise RuntimeError(f"This Trainer trained up to {done} already: to train on, {fix}.")
+        if path is None and not auto_resume and self.start_iter == 0:
+            # afresh: no fallback to a checkpoint that does not load may reach the earlier run
+            self._checkpointer.set_aside()
         if self.progress.stay_stopped(continue_after_stop):
             logger.info(
                 f"The run was ended by stop() after iteration {self.start_iter}: not training on. "
