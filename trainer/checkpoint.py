@@ -221,6 +221,7 @@ class Checkpointer:
         state["rng"] = gather(own_rng, group=self._cpu.group)
         fmt = self._format(self.sharded)
         self.writer.wait()  # one write at a time; raises if the last one failed
+        os.makedirs(os.path.dirname(path), exist_ok=True)  # a sub-folder's (file_name="best/x")
         temp = temp_path(path)
         write = fmt.write(state, temp)
         if write is None:  # this rank writes nothing
@@ -561,10 +562,12 @@ def written_by_trainer(file_name: str) -> bool:
     """Whether the trainer writes ``file_name`` (a path in ``ckpt_dir``) itself: a periodic
     checkpoint (``epoch_N.pth``, ``iter_N.pth``) or a file in one (a sharded checkpoint's
     folder), ``latest.txt`` (in each folder a checkpoint goes to), or a temporary name (ending
-    in ``.tmp`` or ``.tmp.old``, the endings of the files that a start removes)."""
+    in ``.tmp`` or ``.tmp.old``, the endings of the files that a start removes), or a file in
+    ``previous/``, where a fresh start moves the earlier run's checkpoints."""
     parts = os.path.normpath(file_name).split(os.sep)
     temporary = any(part.endswith((TEMP_SUFFIX, ASIDE_SUFFIX)) for part in parts)
-    return bool(_PERIODIC.fullmatch(parts[0])) or LATEST_POINTER in parts or temporary
+    ours = _PERIODIC.fullmatch(parts[0]) or parts[0] == PREVIOUS_RUNS
+    return bool(ours) or LATEST_POINTER in parts or temporary
 
 
 def read_latest_pointer(ckpt_dir: str) -> Optional[str]:

@@ -112,6 +112,7 @@ def test_a_nan_is_never_a_new_best_nor_infinity_after_infinity(make_trainer, cap
         "best.pth.tmp.old",
         "epoch_2.pth/trainer.pth",  # in a sharded checkpoint's folder
         "best/latest.txt",  # a save in best/ points best/latest.txt at itself
+        "previous/best.pth",  # where a fresh start moves the earlier run's checkpoints
     ],
 )
 def test_a_name_the_trainer_writes_itself_is_refused(name):
@@ -119,8 +120,11 @@ def test_a_name_the_trainer_writes_itself_is_refused(name):
         BestCheckpointHook("acc", file_name=name)
 
 
-@pytest.mark.parametrize("name", ["best.pth", "epoch_best.pth", "best_iter_8.pth", "iter_8.pt"])
+@pytest.mark.parametrize(
+    "name", ["best.pth", "epoch_best.pth", "best_iter_8.pth", "iter_8.pt", "best/acc.pth"]
+)
 def test_other_names_hold_the_best_checkpoint(make_trainer, name):
+    """In a sub-folder too: its save failed, blaming the disk, as the folder did not exist."""
     values = [0.5, 0.9, 0.7]
     trainer = make_trainer(max_epochs=3)
     evaluating(trainer, values, BestCheckpointHook("acc", file_name=name)).train()

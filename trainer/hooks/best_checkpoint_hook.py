@@ -27,8 +27,9 @@ class BestCheckpointHook(HookBase):
         mode: ``"max"`` (higher is better) or ``"min"``; by default inferred from the name
             (``loss``, ``err``: min; ``acc``, ``ap``, ``f1``, ``iou``: max), and a name that does
             not tell is refused (docs/evaluation.md has the rule); logged when training starts.
-        file_name: The file name in ``trainer.ckpt_dir``; not one the trainer writes itself
-            (``epoch_N.pth``, ``iter_N.pth``, ``latest.txt``, a name ending in ``.tmp``).
+        file_name: The file name in ``trainer.ckpt_dir`` (a sub-folder is made); not one the
+            trainer writes itself (``epoch_N.pth``, ``iter_N.pth``, ``latest.txt``, a name ending
+            in ``.tmp``, one in ``previous/``).
 
     Example::
 
@@ -44,7 +45,7 @@ class BestCheckpointHook(HookBase):
         if written_by_trainer(file_name):  # it would overwrite, or be overwritten or removed
             raise ValueError(
                 f"file_name={file_name!r} is a name the trainer writes itself (epoch_N.pth, "
-                "iter_N.pth, latest.txt, *.tmp): pass another, such as 'best.pth'."
+                "iter_N.pth, latest.txt, *.tmp, previous/...): pass another, such as 'best.pth'."
             )
         self._watch = MetricWatch(metric, mode)
         self._file_name = file_name
