@@ -581,6 +581,26 @@ def test_a_pass_cut_short_shuts_its_workers_down_when_training_ends(tmp_path):
     assert set(multiprocessing.active_children()) <= before
 
 
+class LongerThanItsLength(Stream):
+    """A stream that says it has fewer samples than it yields (each worker yields them all)."""
+
+    def __len__(self):
+        return self.n // 2
+
+
+@pytest.mark.filterwarnings("ignore:Length of IterableDataset")
+def test_a_pass_of_a_loader_longer_than_its_length_shuts_its_workers_down(tmp_path):
+    """Ended at its length, the pass stopped short of its end, and the workers lived on."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    before = set(multiprocessing.active_children())  # another test's, not yet collected
+    loader = StatefulDataLoader(LongerThanItsLength(8), batch_size=2, num_workers=2)
+    trainer = build(tmp_path, model=Seen(), loader=loader, max_epochs=1)
+    trainer.train()
+    assert trainer.cur_iter + 1 == len(loader) == 2
+    assert set(multiprocessing.active_children()) <= before
+
+
 def test_a_stream_without_state_starts_again_on_resume_with_one_warning(tmp_path, caplog):
     def run(crash=None):
         trainer, epochs = stream_trainer(

@@ -131,6 +131,15 @@ def test_a_batch_mean_of_shape_1_is_refused_not_taken_for_a_sample(make_trainer,
         trainer.evaluate(batches, mean)
 
 
+def test_a_value_of_shape_1_is_taken_where_the_batch_does_not_tell_its_size(make_trainer):
+    """A sequence-first batch (x of [time, batch], y of [batch]) of one sample: its tensors'
+    first dimensions disagree, so a value of shape [1] is its sample's, not refused."""
+    trainer = make_trainer()
+    batches = [(torch.full((7, 1), float(i)), torch.ones(1)) for i in range(3)]
+    per_sample = lambda model, batch: {"x": batch[0].mean(0)}  # noqa: E731
+    assert trainer.evaluate(batches, per_sample) == {"x": 1.0}
+
+
 @pytest.mark.parametrize(
     "returned, got",
     [

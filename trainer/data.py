@@ -133,18 +133,17 @@ class DataStream:
         ran its course, the batches no iteration took (fewer than ``accumulation_steps``); they
         and the pass's end are drawn, as a for loop does, where a sampler with a generator of
         its own draws once more. None for a pass cut short (``max_iters``) or ended already (a
-        stream's), released."""
-        if left_over is None:
-            self.release()
-            return
-        self._ahead.clear()
-        start = time.perf_counter()
-        if self._iter is None:  # resumed at the pass's last iteration: the pass again
-            self._iter = self._start_pass()
-        for _ in itertools.islice(self._iter, left_over + 1):
-            pass
-        self.data_time += time.perf_counter() - start
-        self._iter = None
+        stream's). Its workers are shut down (unless persistent), also where a loader yields
+        more than its length."""
+        if left_over is not None:
+            self._ahead.clear()
+            start = time.perf_counter()
+            if self._iter is None:  # resumed at the pass's last iteration: the pass again
+                self._iter = self._start_pass()
+            for _ in itertools.islice(self._iter, left_over + 1):
+                pass
+            self.data_time += time.perf_counter() - start
+        self.release()
 
     def _start_pass(self) -> Any:
         if self._persistent_to_make and self._resumed:

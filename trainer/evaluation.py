@@ -202,15 +202,15 @@ def eval_mode(model: nn.Module) -> Iterator[None]:
 
 
 def _rows(batch: Any) -> Optional[int]:
-    """The first dimension of ``batch``, or of its first item (a tuple's, a list's, a mapping's
-    value) if that is a tensor: its number of samples as a DataLoader collates them; None if
-    neither is a tensor."""
-    first = batch
-    if isinstance(batch, Mapping):
-        first = next(iter(batch.values()), None)
-    elif isinstance(batch, (tuple, list)):
-        first = batch[0] if batch else None
-    return first.shape[0] if isinstance(first, torch.Tensor) and first.dim() else None
+    """The number of samples in ``batch``, where its tensors tell: the first dimension that the
+    batch (a tensor) or each tensor of its items (a tuple's, a list's, a mapping's values) has,
+    as a DataLoader collates them; None when they disagree (a sequence-first batch) or there
+    are none."""
+    items = batch.values() if isinstance(batch, Mapping) else batch
+    if isinstance(batch, torch.Tensor) or not isinstance(batch, (Mapping, tuple, list)):
+        items = [batch]
+    firsts = {t.shape[0] for t in items if isinstance(t, torch.Tensor) and t.dim()}
+    return firsts.pop() if len(firsts) == 1 else None
 
 
 def _checked(values: Any, names: Optional[Any], rows: Optional[int]) -> dict[str, torch.Tensor]:

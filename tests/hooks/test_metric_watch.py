@@ -33,7 +33,7 @@ def test_a_hook_without_mode_judges_a_loss_by_its_minimum(make_trainer):
 
 
 @pytest.mark.parametrize("hook", [EarlyStoppingHook, BestCheckpointHook, MetricWatch])
-@pytest.mark.parametrize("name", ["step", "neg_log_loss", "accuracy_drop"])
+@pytest.mark.parametrize("name", ["step", "neg_log_loss", "accuracy_drop", "brier_score"])
 def test_a_name_that_does_not_tell_the_mode_is_refused(hook, name):
     with pytest.raises(ValueError, match=f"^mode: is '{name}' better high or low"):
         hook(name)

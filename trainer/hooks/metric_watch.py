@@ -13,7 +13,7 @@ logger = logging.getLogger(__name__)
 
 # Words in a metric's name that tell which way is better.
 _LOWER_IS_BETTER = set(
-    "loss err error errors mse mae rmse nll ppl perplexity cer wer fid distance dist".split()
+    "loss err error errors mse mae rmse nll ppl perplexity cer wer fid distance dist brier".split()
 )
 _HIGHER_IS_BETTER = set(
     "acc accuracy ap map f1 iou miou auc auroc precision recall bleu rouge dice psnr ssim r2 "
