@@ -188,15 +188,38 @@ def test_another_ctrl_c_while_train_ends_is_ignored(monkeypatch, caplog):
                 os.kill(os.getpid(), signal.SIGINT)
             except KeyboardInterrupt:
                 os.kill(os.getpid(), signal.SIGINT)  # again, while train() ends
-                os.kill(os.getpid(), signal.SIGINT)
                 ended.append(True)  # (the write in flight lands, the logs close)
     assert ended == [True] and exit_info.value.code == 128 + signal.SIGINT
     line = (
-        "Interrupted (Ctrl-C, 2 more ignored) as training ended, after iteration 16 of 16. Rerun "
+        "Interrupted (Ctrl-C, 1 more ignored) as training ended, after iteration 16 of 16. Rerun "
         "to resume from the last checkpoint (epoch_2.pth)."
     )
     assert [r.getMessage() for r in caplog.records if "Ctrl-C" in r.getMessage()] == [line]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+class _Exited(BaseException):
+    pass
+
+
+def test_a_third_ctrl_c_exits_at_once_saying_so_on_stderr(monkeypatch, capfd):
+    def exit_now(status):
+        raise _Exited(status)
+
+    monkeypatch.setattr(os, "_exit", exit_now)
+    interrupt = Interrupt(Progress(epoch_len=8, max_iters=16, iter=15), newest("epoch_1.pth"))
+    with pytest.raises(_Exited) as exit_info:
+        with interrupt.catching():
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+            except KeyboardInterrupt:  # train() ends: a hook's after_train hangs, say
+                os.kill(os.getpid(), signal.SIGINT)  # ignored, as a launcher's copy
+                os.kill(os.getpid(), signal.SIGINT)  # the user, again
+                pytest.fail("the third Ctrl-C was ignored")
+    assert exit_info.value.args == (128 + signal.SIGINT,)
+    err = capfd.readouterr().err
+    assert "Interrupted (Ctrl-C 3 times): exiting now" in err and err.endswith("\n")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (catching ended)
 
 
 def test_a_ctrl_c_after_one_that_code_caught_stops_at_the_iteration_end(tmp_path):

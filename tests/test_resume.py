@@ -472,6 +472,30 @@ def test_ctrl_c_during_the_last_checkpoint_write_lets_it_land_and_exits_130(
     assert_bit_equal(load(out), reference())
 
 
+@pytest.mark.slow
+def test_a_third_ctrl_c_while_the_last_write_hangs_exits_at_once_and_keeps_the_last_checkpoint(
+    tmp_path,
+):
+    work, out = tmp_path / "work", tmp_path / "out.pth"
+    # epoch_3.pth's write hangs (as on dead ranks) until the test releases it: it never does
+    proc = start(work, out, CKPT_PERIOD=10, HOLD_SAVE=30, MARK_CTRL_C=1)
+    try:
+        wait_for(work / "holding", proc)
+        for press in (1, 2):  # the second is ignored (a launcher's copy), and the write waits
+            proc.send_signal(signal.SIGINT)
+            wait_for(work / f"ctrl_c_{press}", proc)
+        proc.send_signal(signal.SIGINT)
+        _, err = communicate(proc, timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT, failure_output(err)
+    assert "Interrupted (Ctrl-C 3 times): exiting now" in err and "Traceback" not in err
+    ckpt = work / "checkpoints"
+    assert (ckpt / "latest.txt").read_text() == "epoch_2.pth"  # the write abandoned
+    assert not (ckpt / "epoch_3.pth").exists() and not out.exists()
+    torch.load(ckpt / "epoch_2.pth", weights_only=True)  # intact
+
+
 # ---- in one process ---------------------------------------------------------------------------
 
 

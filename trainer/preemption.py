@@ -3,15 +3,17 @@ exit", and under torchrun every rank must agree on the iteration (the save is a 
 Ctrl-C (SIGINT) means "stop now": the checkpoint write in flight lands, nothing more is saved.
 A signal that comes again while the trainer acts on the first is counted and ignored: launchers
 (torchrun, srun) pass on a signal that reaches their workers too, so one Ctrl-C or ``scancel``
-often arrives twice within milliseconds, and the copy must not cut the save short."""
+often arrives twice within milliseconds, and the copy must not cut the save short. A third
+Ctrl-C exits at once: a user's way out of a run that hangs."""
 
 import contextlib
 import logging
+import os
 import signal
 import threading
 from collections.abc import Iterator
 from types import FrameType
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 import numpy as np
 import torch
@@ -144,10 +146,13 @@ class Interrupt:
     once, as Python's own handler does (a ``KeyboardInterrupt``), yet the checkpoint write in
     flight finishes, since it holds finished iterations, and ``train()`` ends in order; then
     :meth:`catching` logs one line naming the newest checkpoint on disk and exits with status
-    130. Another Ctrl-C meanwhile is ignored, as Lightning does: a launcher passes on the
-    terminal's Ctrl-C, which reaches its workers too, and the copy must not abandon the write
-    (``kill -9`` ends a process at once). If the first did not stop training (code that caught
-    its ``KeyboardInterrupt``), the next one stops it at the end of the iteration.
+    130. A second Ctrl-C meanwhile is ignored, as Lightning does: a launcher passes on the
+    terminal's Ctrl-C, which reaches its workers too, and the copy must not abandon the write.
+    If the first did not stop training (code that caught its ``KeyboardInterrupt``), the second
+    stops it at the end of the iteration. A third exits at once with status 130, for a user
+    whose run hangs after the first (an evaluation in ``after_train``, a tracker stalled on the
+    network, a write waiting on dead ranks): the write in flight is abandoned, yet writes are
+    atomic, so the last checkpoint on disk stays as it was.
 
     Args:
         progress: Where training is, for the line.
@@ -190,18 +195,35 @@ class Interrupt:
 
     def _on_ctrl_c(self, signum: int, frame: Optional[FrameType]) -> None:
         self.count += 1
+        if self.count > 2:  # (a launcher's copy makes two) a user pressing again: exit now
+            self._exit_now()
         joining = frame is not None and _JOIN in (
             frame.f_code,
             frame.f_back and frame.f_back.f_code,
         )
         if self.count > 1 or joining:
-            # Another Ctrl-C: ignored (see the class), but stops training if the first did not.
+            # A second Ctrl-C: ignored (see the class), but stops training if the first did not.
             # One in Thread.join: raised there, it marks the thread finished while it runs
             # (CPython gh-90882, before 3.13), and the checkpoint write would be cut off at exit,
             # unseen. Both are put off to the end of the iteration, or of train().
             self.put_off = True
             return
         raise KeyboardInterrupt
+
+    def _exit_now(self) -> NoReturn:
+        """Say so on stderr and exit with status 130, leaving the rest undone. Not logged: the
+        handler runs in the main thread between two of its bytecodes, perhaps while it or the
+        writing thread holds a logging handler's lock (a deadlock) or is inside the log file's
+        buffered write; ``os.write`` to fd 2 takes no lock. ``os._exit`` flushes nothing, and
+        log.txt keeps the lines before it (each is flushed as it is logged)."""
+        line = (
+            f"Interrupted (Ctrl-C {self.count} times): exiting now, abandoning the checkpoint "
+            "write in flight, if any; the last checkpoint on disk is kept. Rerun to resume.\n"
+        )
+        try:
+            os.write(2, line.encode())
+        finally:  # exit even where stderr is closed
+            os._exit(INTERRUPTED)
 
     def _line(self, last: Optional[str], done: int) -> str:
         """The line: where training was, whether the checkpoint ``last`` on disk (after ``done``
