@@ -667,6 +667,43 @@ def test_mlflow_any_answer_of_a_tracking_server_is_one(status):
         thread.join(timeout=10)
 
 
+def test_mlflow_a_tracking_server_with_credentials_in_its_uri_is_reached():
+    """urllib took "user:pw@127.0.0.1" for the host name, which MLflow's requests reaches."""
+    import http.server
+
+    authorizations = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            authorizations.append(self.headers["Authorization"])
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    with http.server.HTTPServer(("127.0.0.1", 0), Handler) as server:
+        thread = threading.Thread(target=server.handle_request)
+        thread.start()
+        writers._check_answers(f"http://user:pw@127.0.0.1:{server.server_address[1]}", 10.0)
+        thread.join(timeout=10)
+    assert authorizations == ["Basic dXNlcjpwdw=="]  # base64 of user:pw
+
+
+def test_mlflow_a_tracking_server_that_does_not_answer_is_named_without_its_password(
+    make_trainer,
+):
+    port = free_port()  # no server there
+    trainer = make_trainer(
+        max_epochs=1, metric_writers=[MLflowWriter(f"http://user:secret@127.0.0.1:{port}")]
+    )
+    with pytest.raises(RuntimeError, match=rf"server http://127.0.0.1:{port} did not answer"):
+        trainer.train()
+    with open(trainer.log_file) as f:
+        log = f.read()
+    assert "did not answer" in log and "secret" not in log
+
+
 def test_tracker_writers_refuse_bad_arguments_and_name_the_extra_to_install(monkeypatch):
     with pytest.raises(TypeError, match="^experiment_name .*got int 3"):
         MLflowWriter("file:./mlruns", experiment_name=3)

@@ -9,10 +9,8 @@ import logging
 import os
 import posixpath
 import re
-import ssl
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from collections.abc import Collection
 from typing import Any, Callable, Optional
 
@@ -499,18 +497,19 @@ class MLflowWriter(_TrackerWriter):
 
 def _check_answers(uri: str, seconds: float) -> None:
     """Raise RuntimeError if nothing at ``uri`` answers an HTTP request within ``seconds``."""
+    import requests  # mlflow's dependency: MLflow's own requests go through it, as this one
+
     try:
-        urllib.request.urlopen(urllib.request.Request(uri, method="HEAD"), timeout=seconds).close()
-    except urllib.error.HTTPError:
-        pass  # an answer, if not a welcome one: MLflow's own requests will tell
-    except OSError as e:
-        reason = getattr(e, "reason", e)  # a URLError's
-        if not isinstance(reason, ssl.SSLError):  # it spoke TLS: MLflow has its own TLS settings
-            raise RuntimeError(
-                f"MLflowWriter: the tracking server {uri} did not answer within {seconds:g} s "
-                f"({reason}). Start it, or pass tracking_uri= one that runs (None: "
-                "MLFLOW_TRACKING_URI)."
-            ) from e
+        requests.head(uri, timeout=seconds).close()  # any answer is one: MLflow's will tell
+    except requests.exceptions.SSLError:
+        pass  # it spoke TLS: MLflow has its own TLS settings
+    except (requests.ConnectionError, requests.Timeout) as e:
+        parts = urllib.parse.urlsplit(uri)
+        shown = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()  # no password
+        raise RuntimeError(
+            f"MLflowWriter: the tracking server {shown} did not answer within {seconds:g} s "
+            f"({e}). Start it, or pass tracking_uri= one that runs (None: MLFLOW_TRACKING_URI)."
+        ) from e
 
 
 class WandbWriter(_TrackerWriter):
