@@ -18,7 +18,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from trainer import HookBase, Priority, writers
 from trainer.hooks import EvalHook, ProgressBarHook
-from trainer.writers import MLflowWriter, TensorBoardWriter, WandbWriter, tensorboard_tag
+from trainer.writers import (
+    MetricWriter,
+    MLflowWriter,
+    TensorBoardWriter,
+    WandbWriter,
+    tensorboard_tag,
+)
 
 from conftest import communicate, cpu_env, free_port, load, popen
 
@@ -452,6 +458,45 @@ def test_a_tracker_added_on_resume_gets_the_rows_before_the_checkpoint(
     (init,) = inits
     assert "resume_from" not in init  # a new W&B run
     assert logged == [(row["iter"], row_metrics(row)) for row in rows]
+
+
+class HistoryRecorder(MetricWriter):
+    """A writer of your own that records the rows ``load_history`` gives it."""
+
+    def __init__(self):
+        self.history = None
+
+    def load_history(self, rows):
+        self.history = rows
+
+    def write(self, trainer, step, metrics):
+        pass
+
+
+def test_a_resume_replays_only_the_rows_its_checkpoints_run_wrote(make_trainer, caplog):
+    """Resumed from a checkpoint that a fresh start had set aside, the writers got the fresh
+    run's rows of metrics.jsonl as the checkpoint's run's (W&B logged them into its run)."""
+    first = make_trainer(max_epochs=2, log_period=4)
+    first.train()
+    other = make_trainer(max_epochs=2, log_period=4, lr=0.05)  # a fresh start, which fails
+    other.register_hook(EndAt(10, "error"))
+    with pytest.raises(RuntimeError, match="a bug in a hook"):
+        other.train(auto_resume=False)
+    rows = [row for row in jsonl_rows(other) if row["iter"] <= 8]  # up to its checkpoint's
+    assert [row["iter"] for row in rows] == [4, 8]
+    # the failed run resumed: its rows are replayed
+    recorder = HistoryRecorder()
+    make_trainer(max_epochs=2, log_period=4, lr=0.05, metric_writers=[recorder]).train()
+    assert recorder.history == rows
+    assert not [w for w in warnings(caplog) if "metrics.jsonl" in w]
+    # the first run resumed from its set-aside checkpoint: metrics.jsonl holds the other's rows
+    (aside,) = glob.glob(os.path.join(first.ckpt_dir, "previous", "*", "epoch_1.pth"))
+    recorder = HistoryRecorder()
+    resumed = make_trainer(max_epochs=2, log_period=4, metric_writers=[recorder])
+    resumed.train(resume_from_checkpoint=aside)
+    assert resumed.start_iter == 8 and recorder.history == []
+    (warning,) = [w for w in warnings(caplog) if "metrics.jsonl" in w]
+    assert aside in warning
 
 
 def row_metrics(row):
