@@ -18,7 +18,13 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from trainer import HookBase, Priority, writers
 from trainer.hooks import EvalHook, ProgressBarHook
-from trainer.writers import MLflowWriter, TensorBoardWriter, WandbWriter, tensorboard_tag
+from trainer.writers import (
+    MetricWriter,
+    MLflowWriter,
+    TensorBoardWriter,
+    WandbWriter,
+    tensorboard_tag,
+)
 
 from conftest import communicate, cpu_env, free_port, load, popen
 
@@ -454,6 +460,45 @@ def test_a_tracker_added_on_resume_gets_the_rows_before_the_checkpoint(
     assert logged == [(row["iter"], row_metrics(row)) for row in rows]
 
 
+class HistoryRecorder(MetricWriter):
+    """A writer of your own that records the rows ``load_history`` gives it."""
+
+    def __init__(self):
+        self.history = None
+
+    def load_history(self, rows):
+        self.history = rows
+
+    def write(self, trainer, step, metrics):
+        pass
+
+
+def test_a_resume_replays_only_the_rows_its_checkpoints_run_wrote(make_trainer, caplog):
+    """Resumed from a checkpoint that a fresh start had set aside, the writers got the fresh
+    run's rows of metrics.jsonl as the checkpoint's run's (W&B logged them into its run)."""
+    first = make_trainer(max_epochs=2, log_period=4)
+    first.train()
+    other = make_trainer(max_epochs=2, log_period=4, lr=0.05)  # a fresh start, which fails
+    other.register_hook(EndAt(10, "error"))
+    with pytest.raises(RuntimeError, match="a bug in a hook"):
+        other.train(auto_resume=False)
+    rows = [row for row in jsonl_rows(other) if row["iter"] <= 8]  # up to its checkpoint's
+    assert [row["iter"] for row in rows] == [4, 8]
+    # the failed run resumed: its rows are replayed
+    recorder = HistoryRecorder()
+    make_trainer(max_epochs=2, log_period=4, lr=0.05, metric_writers=[recorder]).train()
+    assert recorder.history == rows
+    assert not [w for w in warnings(caplog) if "metrics.jsonl" in w]
+    # the first run resumed from its set-aside checkpoint: metrics.jsonl holds the other's rows
+    (aside,) = glob.glob(os.path.join(first.ckpt_dir, "previous", "*", "epoch_1.pth"))
+    recorder = HistoryRecorder()
+    resumed = make_trainer(max_epochs=2, log_period=4, metric_writers=[recorder])
+    resumed.train(resume_from_checkpoint=aside)
+    assert resumed.start_iter == 8 and recorder.history == []
+    (warning,) = [w for w in warnings(caplog) if "metrics.jsonl" in w]
+    assert aside in warning
+
+
 def row_metrics(row):
     return {k: v for k, v in row.items() if k not in ("iter", "epoch")}
 
@@ -665,6 +710,43 @@ def test_mlflow_any_answer_of_a_tracking_server_is_one(status):
         thread.start()
         writers._check_answers(f"http://127.0.0.1:{server.server_address[1]}", 10.0)
         thread.join(timeout=10)
+
+
+def test_mlflow_a_tracking_server_with_credentials_in_its_uri_is_reached():
+    """urllib took "user:pw@127.0.0.1" for the host name, which MLflow's requests reaches."""
+    import http.server
+
+    authorizations = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_HEAD(self):
+            authorizations.append(self.headers["Authorization"])
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    with http.server.HTTPServer(("127.0.0.1", 0), Handler) as server:
+        thread = threading.Thread(target=server.handle_request)
+        thread.start()
+        writers._check_answers(f"http://user:pw@127.0.0.1:{server.server_address[1]}", 10.0)
+        thread.join(timeout=10)
+    assert authorizations == ["Basic dXNlcjpwdw=="]  # base64 of user:pw
+
+
+def test_mlflow_a_tracking_server_that_does_not_answer_is_named_without_its_password(
+    make_trainer,
+):
+    port = free_port()  # no server there
+    trainer = make_trainer(
+        max_epochs=1, metric_writers=[MLflowWriter(f"http://user:secret@127.0.0.1:{port}")]
+    )
+    with pytest.raises(RuntimeError, match=rf"server http://127.0.0.1:{port} did not answer"):
+        trainer.train()
+    with open(trainer.log_file) as f:
+        log = f.read()
+    assert "did not answer" in log and "secret" not in log
 
 
 def test_tracker_writers_refuse_bad_arguments_and_name_the_extra_to_install(monkeypatch):

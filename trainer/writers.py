@@ -9,10 +9,9 @@ import logging
 import os
 import posixpath
 import re
-import ssl
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
+import zlib
 from collections.abc import Collection
 from typing import Any, Callable, Optional
 
@@ -71,7 +70,8 @@ class MetricWriter:
         """Given before :meth:`start`: the rows of ``work_dir/metrics.jsonl`` (``iter``,
         ``epoch`` and the metrics) up to ``start_iter``, which a resumed run logged before its
         checkpoint, for a writer whose store may have lost some (a process killed outright loses
-        what it had not sent); none where ``LoggerHook`` writes no metrics.jsonl."""
+        what it had not sent); none where ``LoggerHook`` writes no metrics.jsonl, or where its
+        rows are not those of the checkpoint's run (another run wrote it since)."""
 
 
 def time_left(elapsed: float, iters_done: int, iters_left: int) -> datetime.timedelta:
@@ -222,14 +222,19 @@ class JSONLinesWriter(MetricWriter):
     def __init__(self, path: str, start_iter: int = 0) -> None:
         #: The rows it kept, of the steps up to ``start_iter`` (what a resumed run logged).
         self.history: list[dict[str, Any]] = []
+        #: The CRC-32 (``zlib.crc32``) of the lines the file holds: those kept, then those
+        #: written. A checkpoint keeps it: a resumed run's kept rows are its run's if it matches.
+        self.crc = 0
         if os.path.isfile(path) and not os.path.islink(path):
-            self.history = _keep_lines_up_to(path, start_iter)
+            self.history, self.crc = _keep_lines_up_to(path, start_iter)
         self._file = open_no_follow(path, append=True)
 
     def write(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
-        record = dict(zip(ROW_KEYS, (step, trainer.cur_epoch + 1)))
-        self._file.write(json.dumps({**record, **metrics}) + "\n")
+        # the keys before the metrics: ROW_KEYS
+        line = json.dumps({"iter": step, "epoch": trainer.cur_epoch + 1, **metrics}) + "\n"
+        self._file.write(line)
         self._file.flush()
+        self.crc = zlib.crc32(line.encode("utf-8"), self.crc)
 
     def close(self) -> None:
         self._file.close()
@@ -262,7 +267,7 @@ def settings_to_compare(config: dict[str, Any]) -> dict[str, Any]:
 
 def _metrics(row: dict[str, Any]) -> dict[str, float]:
     """The metrics of a row of metrics.jsonl."""
-    return {name: value for name, value in row.items() if name not in ("iter", "epoch")}
+    return {name: value for name, value in row.items() if name not in ROW_KEYS}
 
 
 def _as_param(value: Any) -> str:
@@ -499,18 +504,19 @@ class MLflowWriter(_TrackerWriter):
 
 def _check_answers(uri: str, seconds: float) -> None:
     """Raise RuntimeError if nothing at ``uri`` answers an HTTP request within ``seconds``."""
+    import requests  # mlflow's dependency: MLflow's own requests go through it, as this one
+
     try:
-        urllib.request.urlopen(urllib.request.Request(uri, method="HEAD"), timeout=seconds).close()
-    except urllib.error.HTTPError:
-        pass  # an answer, if not a welcome one: MLflow's own requests will tell
-    except OSError as e:
-        reason = getattr(e, "reason", e)  # a URLError's
-        if not isinstance(reason, ssl.SSLError):  # it spoke TLS: MLflow has its own TLS settings
-            raise RuntimeError(
-                f"MLflowWriter: the tracking server {uri} did not answer within {seconds:g} s "
-                f"({reason}). Start it, or pass tracking_uri= one that runs (None: "
-                "MLFLOW_TRACKING_URI)."
-            ) from e
+        requests.head(uri, timeout=seconds).close()  # any answer is one: MLflow's will tell
+    except requests.exceptions.SSLError:
+        pass  # it spoke TLS: MLflow has its own TLS settings
+    except (requests.ConnectionError, requests.Timeout) as e:
+        parts = urllib.parse.urlsplit(uri)
+        shown = parts._replace(netloc=parts.netloc.rpartition("@")[2]).geturl()  # no password
+        raise RuntimeError(
+            f"MLflowWriter: the tracking server {shown} did not answer within {seconds:g} s "
+            f"({e}). Start it, or pass tracking_uri= one that runs (None: MLFLOW_TRACKING_URI)."
+        ) from e
 
 
 class WandbWriter(_TrackerWriter):
@@ -644,10 +650,11 @@ def _drop_events_from(log_dir: str, step: int) -> None:
         atomic_write(path, write)
 
 
-def _keep_lines_up_to(path: str, start_iter: int) -> list[dict[str, Any]]:
+def _keep_lines_up_to(path: str, start_iter: int) -> tuple[list[dict[str, Any]], int]:
     """Keep the rows of ``metrics.jsonl`` of steps up to ``start_iter`` (iterations done), and
-    return them. A line that is no row (cut short by a crash, without an integer ``iter``, or
-    with a value that is not a number) is dropped, said once; the rows after it stay."""
+    return them and the CRC-32 of their lines. A line that is no row (cut short by a crash,
+    without an integer ``iter``, or with a value that is not a number) is dropped, said once;
+    the rows after it stay."""
     with open(path, encoding="utf-8") as f:
         lines = f.readlines()
     kept: list[str] = []
@@ -672,6 +679,7 @@ def _keep_lines_up_to(path: str, start_iter: int) -> list[dict[str, Any]]:
             f"{path}: dropped {len(unread)} line(s) that hold no row of numbers with an integer "
             f"'iter' (line {', '.join(map(str, unread[:5]))}{', ...' if len(unread) > 5 else ''})."
         )
+    data = "".join(kept).encode("utf-8")
     if kept != lines:
-        atomic_write(path, lambda f: f.write("".join(kept).encode("utf-8")))
-    return rows
+        atomic_write(path, lambda f: f.write(data))
+    return rows, zlib.crc32(data)

@@ -74,6 +74,7 @@ class LoggerHook(HookBase):
         self._writers: list[MetricWriter] = []
         self._written: dict[str, int] = {}  # metric -> values already written
         self._resumed_written: Optional[dict[str, int]] = None  # the checkpoint's _written
+        self._resumed_rows_crc: Optional[int] = None  # the checkpoint's CRC of metrics.jsonl
         self._train_start: Optional[float] = None  # when its before_train ran
         self._data_start = 0.0  # trainer.data_seconds then
         self._evals: dict[str, dict[str, Any]] = {}  # evaluated metrics' final and best values
@@ -94,6 +95,7 @@ class LoggerHook(HookBase):
         if written is None:
             written = {name: buffer.count for name, buffer in trainer.metric_storage.items()}
         self._written = written
+        rows_crc, self._resumed_rows_crc = self._resumed_rows_crc, None
         self._writers = [ConsoleWriter(self._train_start, trainer.start_iter)]
         if is_main_process():
             # the settings, and the hooks in run order (the options they take are theirs)
@@ -102,11 +104,13 @@ class LoggerHook(HookBase):
             if trainer.start_iter > 0:  # resumed: the run's own settings are in its run.json
                 config = _log_changes(trainer.work_dir, _read_run_json(path), config)
             if not trainer.progress.finished:  # a rerun of a finished run changes no file
-                self._open_files(config)
+                self._open_files(config, rows_crc)
 
-    def _open_files(self, config: dict[str, Any]) -> None:
+    def _open_files(self, config: dict[str, Any], rows_crc: Optional[int]) -> None:
         """On rank 0 of a run that trains: write ``run.json``, and open the file writers and
-        yours, which drop the steps after the checkpoint's (the run writes them again)."""
+        yours, which drop the steps after the checkpoint's (the run writes them again); yours
+        get the rows of metrics.jsonl up to it if their CRC is the checkpoint's ``rows_crc``
+        (or it has none)."""
         trainer = self.trainer
         with open_no_follow(os.path.join(trainer.work_dir, "run.json"), append=False) as f:
             json.dump(config, f, indent=2)
@@ -121,6 +125,13 @@ class LoggerHook(HookBase):
             path = os.path.join(trainer.work_dir, "metrics.jsonl")
             jsonl = JSONLinesWriter(path, trainer.start_iter)
             history, jsonl.history = jsonl.history, []  # for your writers, not kept
+            if history and rows_crc not in (None, jsonl.crc):  # a fresh start's, since
+                logger.warning(
+                    f"{path} does not hold the rows of the run that "
+                    f"{trainer.checkpointer.last_path} belongs to (another run wrote it since): "
+                    f"the trackers get none of its rows up to step {trainer.start_iter} again."
+                )
+                history = []
             self._writers.append(jsonl)
         for extra in self._extra:  # each closed when training ends, once started
             extra.load_history(history)
@@ -210,17 +221,25 @@ class LoggerHook(HookBase):
 
     def state_dict(self) -> dict[str, Any]:
         """The evaluated metrics' final and best values (for the summary of a resumed run), and
-        how many values of each metric were written (a resumed run writes the others), and what
-        your writers need to resume (a tracker's run id), by class name."""
+        how many values of each metric were written (a resumed run writes the others), what
+        your writers need to resume (a tracker's run id), by class name, and the CRC-32 of the
+        lines of metrics.jsonl (a resumed run replays them to your writers if theirs matches)."""
         writers = {key: writer.state_dict() for key, writer in self._writer_keys()}
         evals = {name: dict(entry) for name, entry in self._evals.items()}
-        return {"evals": {"metrics": evals}, "written": dict(self._written), "writers": writers}
+        rows_crc = next((w.crc for w in self._writers if isinstance(w, JSONLinesWriter)), None)
+        return {
+            "evals": {"metrics": evals},
+            "written": dict(self._written),
+            "writers": writers,
+            "rows_crc": rows_crc,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` returned."""
         self._evals = {name: dict(entry) for name, entry in state["evals"]["metrics"].items()}
         written = state.get("written")
         self._resumed_written = None if written is None else dict(written)
+        self._resumed_rows_crc = state.get("rows_crc")  # None: saved before it was kept
         saved = state.get("writers", {})
         for key, writer in self._writer_keys():
             writer.load_state_dict(saved.get(key, {}))
