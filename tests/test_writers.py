@@ -1,3 +1,4 @@
+import contextlib
 import glob
 import io
 import json
@@ -693,12 +694,16 @@ def test_mlflow_a_tracking_server_that_does_not_answer_fails_the_start_naming_it
             trainer.train()
 
 
-@pytest.mark.parametrize("status", [200, 401, 404])
-def test_mlflow_any_answer_of_a_tracking_server_is_one(status):
+@contextlib.contextmanager
+def answering_once(status=200, authorizations=None):
+    """A local HTTP server that answers one HEAD request with ``status`` (noting its
+    ``Authorization`` header in ``authorizations``); yields its ``host:port``."""
     import http.server
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_HEAD(self):
+            if authorizations is not None:
+                authorizations.append(self.headers["Authorization"])
             self.send_response(status)
             self.end_headers()
 
@@ -708,30 +713,21 @@ def test_mlflow_any_answer_of_a_tracking_server_is_one(status):
     with http.server.HTTPServer(("127.0.0.1", 0), Handler) as server:
         thread = threading.Thread(target=server.handle_request)
         thread.start()
-        writers._check_answers(f"http://127.0.0.1:{server.server_address[1]}", 10.0)
+        yield f"127.0.0.1:{server.server_address[1]}"
         thread.join(timeout=10)
+
+
+@pytest.mark.parametrize("status", [200, 401, 404])
+def test_mlflow_any_answer_of_a_tracking_server_is_one(status):
+    with answering_once(status) as address:
+        writers._check_answers(f"http://{address}", 10.0)
 
 
 def test_mlflow_a_tracking_server_with_credentials_in_its_uri_is_reached():
     """urllib took "user:pw@127.0.0.1" for the host name, which MLflow's requests reaches."""
-    import http.server
-
     authorizations = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_HEAD(self):
-            authorizations.append(self.headers["Authorization"])
-            self.send_response(200)
-            self.end_headers()
-
-        def log_message(self, *args):
-            pass
-
-    with http.server.HTTPServer(("127.0.0.1", 0), Handler) as server:
-        thread = threading.Thread(target=server.handle_request)
-        thread.start()
-        writers._check_answers(f"http://user:pw@127.0.0.1:{server.server_address[1]}", 10.0)
-        thread.join(timeout=10)
+    with answering_once(authorizations=authorizations) as address:
+        writers._check_answers(f"http://user:pw@{address}", 10.0)
     assert authorizations == ["Basic dXNlcjpwdw=="]  # base64 of user:pw
 
 
