@@ -36,7 +36,7 @@ def test_the_usage_snippet_trains_in_work_dir_and_a_rerun_says_it_is_finished(tm
     script = tmp_path / "usage.py"
     script.write_text(usage_snippet())
     log = run(script, cwd=tmp_path)
-    work = tmp_path / "work_dir"  # relative: in the current directory
+    work = tmp_path / "work_dir" / "quick"  # relative: in the current directory
     assert sorted(os.listdir(work / "checkpoints")) == [
         "epoch_10.pth", "epoch_8.pth", "epoch_9.pth", "latest.txt",
     ]  # fmt: skip
@@ -51,6 +51,18 @@ def test_the_usage_snippet_trains_in_work_dir_and_a_rerun_says_it_is_finished(tm
         f"Nothing to train: {work} holds a finished run of 10 epochs (320 iterations) "
         f"({work}/checkpoints/epoch_10.pth)."
     ) in again
+
+
+@pytest.mark.slow  # two training processes
+def test_the_usage_snippet_and_getting_starteds_first_run_share_no_work_dir(tmp_path):
+    """Both trained in ./work_dir: the second refused the first's checkpoint ("saved with 32
+    iterations per epoch, this trainer has 48")."""
+    with open(os.path.join(ROOT, "docs", "getting-started.md"), encoding="utf-8") as f:
+        first_run = re.search(r"```python\n(.*?trainer\.train\(\).*?)```", f.read(), re.DOTALL)
+    for name, code in (("usage.py", usage_snippet()), ("first_run.py", first_run.group(1))):
+        (tmp_path / name).write_text(code)
+        log = run(tmp_path / name, cwd=tmp_path)
+        assert "afresh." in log, name
 
 
 def test_the_test_command_is_what_ci_runs():
