@@ -53,7 +53,6 @@ def test_the_usage_snippet_trains_in_work_dir_and_a_rerun_says_it_is_finished(tm
     ) in again
 
 
-@pytest.mark.slow  # two training processes
 def test_the_usage_snippet_and_getting_starteds_first_run_share_no_work_dir(tmp_path):
     """Both trained in ./work_dir: the second refused the first's checkpoint ("saved with 32
     iterations per epoch, this trainer has 48")."""
@@ -63,6 +62,14 @@ def test_the_usage_snippet_and_getting_starteds_first_run_share_no_work_dir(tmp_
         (tmp_path / name).write_text(code)
         log = run(tmp_path / name, cwd=tmp_path)
         assert "afresh." in log, name
+
+
+def test_readme_gives_the_command_of_a_cpu_build_of_pytorch():
+    """It said "install a CPU build of PyTorch first" without a command; a plain pip install
+    torch pulls the CUDA build on Linux."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        commands = re.findall(r"```bash\n(.*?)\n```", f.read(), re.DOTALL)
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in commands
 
 
 def test_the_test_command_is_what_ci_runs():
