@@ -136,7 +136,6 @@ class DataStream:
         stream's). Its workers are shut down (unless persistent), also where a loader yields
         more than its length."""
         if left_over is not None:
-            self._ahead.clear()
             start = time.perf_counter()
             if self._iter is None:  # resumed at the pass's last iteration: the pass again
                 self._iter = self._start_pass()
