@@ -462,6 +462,8 @@ class Trainer:
         args.warn_unoptimized(self.model_or_module, self._checkpointer.optimizers)
         if self.epoch_len is None:  # a stream: say what counts in epochs, which end with it
             args.warn_stream_epochs(self.lr_scheduler, self.hooks)
+        else:  # the batches that accumulation leaves over at each epoch's end
+            args.warn_left_over(len(self.data_loader), self.accumulation_steps)
         self._checkpointer.remove_temp_files()
         # Trained by an earlier train() since built or resumed, or to the end: the model and
         # optimizer hold that state, which only a checkpoint can replace.
