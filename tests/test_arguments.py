@@ -196,3 +196,35 @@ def test_trainable_parameters_in_no_optimizer_are_warned_about(tmp_path, caplog)
     model.extra.requires_grad_(False)  # frozen on purpose: nothing to say
     Trainer(model, optimizer, None, tiny_loader(), max_epochs=2, work_dir=tmp_path).train()
     assert "in no optimizer" not in caplog.text
+
+
+def test_batches_that_accumulation_leaves_over_are_named_once_at_the_start(tmp_path, caplog):
+    class Stream(torch.utils.data.IterableDataset):  # 33 batches of 4, without a length
+        def __iter__(self):
+            return iter(tiny_dataset(132))
+
+    def train(loader, accumulation_steps, name, **length):
+        model = TinyModel()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        Trainer(
+            model,
+            optimizer,
+            None,
+            loader,
+            accumulation_steps=accumulation_steps,
+            work_dir=tmp_path / name,
+            **(length or {"max_epochs": 2}),
+        ).train()
+        return [r.getMessage() for r in caplog.records if "left over" in r.getMessage()]
+
+    said = train(tiny_loader(132), 2, "33")  # the 33rd batch of each epoch is drawn and dropped
+    assert len(said) == 1
+    assert "33 batches per epoch, accumulation_steps=2: the last batch" in said[0]
+    assert "multiple of 2" in said[0]
+    caplog.clear()
+    said = train(tiny_loader(140), 4, "35")
+    assert len(said) == 1 and "35 batches" in said[0] and "the last 3 of each epoch" in said[0]
+    caplog.clear()
+    assert train(tiny_loader(128), 2, "32") == []  # 32 batches: accumulation 2 divides them
+    assert train(tiny_loader(132), 1, "no accumulation") == []
+    assert train(DataLoader(Stream(), batch_size=4), 2, "stream", max_iters=20) == []

@@ -3,11 +3,26 @@ import json
 
 import pytest
 import torch
-from torch.optim.lr_scheduler import MultiStepLR, ReduceLROnPlateau, StepLR
+from torch.optim.lr_scheduler import (
+    ChainedScheduler,
+    ConstantLR,
+    CosineAnnealingLR,
+    CyclicLR,
+    ExponentialLR,
+    LambdaLR,
+    LinearLR,
+    MultiStepLR,
+    OneCycleLR,
+    PolynomialLR,
+    ReduceLROnPlateau,
+    SequentialLR,
+    StepLR,
+)
+from torch.utils.data import DataLoader
 
 from trainer import HookBase, LRWarmupScheduler, Trainer
 
-from conftest import TinyModel, tiny_loader
+from conftest import TinyModel, tiny_dataset, tiny_loader
 
 # These unit tests step schedulers without an optimizer step, which torch warns about.
 pytestmark = pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step")
@@ -271,3 +286,185 @@ def test_a_tensor_lr_trains_warms_up_logs_and_resumes_exactly(tmp_path):
     cut = torch.load(tmp_path / "cut/checkpoints/epoch_3.pth", weights_only=True)
     for key, value in end["model"].items():
         assert torch.equal(value, cut["model"][key])
+
+
+# ---- how a run steps the schedule: 3 epochs of 16 iterations, unless said -------------------
+
+
+def per_iteration_cosine(optimizer):
+    warm = LinearLR(optimizer, start_factor=0.1, total_iters=5)
+    return SequentialLR(optimizer, [warm, CosineAnnealingLR(optimizer, T_max=43)], [5])
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """64 samples, without a length."""
+
+    def __iter__(self):
+        return iter(tiny_dataset(64))
+
+
+def scheduled(tmp_path, scheduler, stream=False, **kwargs):
+    """A trainer of 3 epochs of 16 iterations (or ``max_iters``) with ``scheduler(optimizer)``."""
+    torch.manual_seed(0)
+    model = TinyModel()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    loader = DataLoader(Stream(), batch_size=4) if stream else tiny_loader(64)
+    if "max_iters" not in kwargs:
+        kwargs["max_epochs"] = 3
+    kwargs.setdefault("checkpoint_period", 0)
+    return Trainer(
+        model, optimizer, scheduler(optimizer), loader, work_dir=tmp_path, log_period=16, **kwargs
+    )
+
+
+@pytest.mark.parametrize(
+    "scheduler, kwargs, message",
+    [
+        # per-iteration horizons stepped per epoch (by_epoch=True, the default): 3 steps of 48
+        (lambda o: OneCycleLR(o, 0.1, total_steps=48), {}, r"by_epoch=True .*OneCycleLR 3 .*48"),
+        (lambda o: LinearLR(o, 1.0, 0.0, total_iters=48), {}, r"by_epoch=True .*LinearLR .*48"),
+        (lambda o: CosineAnnealingLR(o, T_max=48), {}, r"by_epoch=True .*Cosine.* 48 steps"),
+        (lambda o: PolynomialLR(o, total_iters=40), {}, r"by_epoch=True .*PolynomialLR .*40"),
+        (lambda o: ConstantLR(o, 0.5, total_iters=48), {}, r"by_epoch=True .*ConstantLR .*48"),
+        (lambda o: MultiStepLR(o, [24, 40]), {}, r"by_epoch=True .*MultiStepLR .*40 steps"),
+        (per_iteration_cosine, {}, r"by_epoch=True .*SequentialLR .*48 steps"),
+        (
+            lambda o: ChainedScheduler([ConstantLR(o, 0.5, 5), CosineAnnealingLR(o, 48)]),
+            {},
+            r"by_epoch=True .*ChainedScheduler .*48 steps",
+        ),
+        (lambda o: StepLR(o, 10), {"warmup_t": 48, "warmup_by_epoch": True}, r"warmup_by_epoch"),
+        # per-epoch horizons stepped per iteration: T_max=3 is over at iteration 3 of 48
+        (
+            lambda o: CosineAnnealingLR(o, T_max=3),
+            {"by_epoch": False},
+            r"by_epoch=False .*Cosine.*48 times in 3 epochs \(48 iterations\).* 3 steps",
+        ),
+        (lambda o: PolynomialLR(o, 3), {"by_epoch": False}, r"by_epoch=False .*PolynomialLR .*3"),
+        (lambda o: MultiStepLR(o, [2]), {"by_epoch": False}, r"by_epoch=False .*MultiStepLR .*2"),
+        # OneCycleLR raises when stepped past total_steps
+        (
+            lambda o: OneCycleLR(o, 0.1, total_steps=40),
+            {"by_epoch": False},
+            r"by_epoch=False .*OneCycleLR 48 times.*total_steps=40.*total_steps=48",
+        ),
+        (lambda o: OneCycleLR(o, 0.1, total_steps=2), {}, r"by_epoch=True .*total_steps=3"),
+        (
+            lambda o: OneCycleLR(o, 0.1, total_steps=40),
+            {"by_epoch": False, "max_iters": 48, "stream": True},
+            r"by_epoch=False .*OneCycleLR 48 times in 48 iterations.*total_steps=40",
+        ),
+    ],
+)
+def test_a_schedule_stepped_against_its_horizon_is_refused_at_start(
+    tmp_path, scheduler, kwargs, message
+):
+    with pytest.raises(ValueError, match=message):
+        scheduled(tmp_path, scheduler, **kwargs)
+    assert not (tmp_path / "checkpoints").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize(
+    "scheduler, kwargs",
+    [
+        (lambda o: CosineAnnealingLR(o, T_max=4), {}),  # a bit longer than the run, on purpose
+        (lambda o: CosineAnnealingLR(o, T_max=60), {"by_epoch": False}),
+        (lambda o: MultiStepLR(o, [1, 2]), {}),  # milestones inside the run
+        (lambda o: MultiStepLR(o, [24, 40]), {"by_epoch": False}),
+        (lambda o: OneCycleLR(o, 0.1, total_steps=3), {}),
+        (lambda o: OneCycleLR(o, 0.1, total_steps=48), {"by_epoch": False}),
+        (per_iteration_cosine, {"by_epoch": False}),
+        (lambda o: LinearLR(o, 0.1, total_iters=5), {"by_epoch": False}),  # a short warmup
+        (lambda o: ConstantLR(o, 0.5, total_iters=2), {"by_epoch": False}),
+        (lambda o: StepLR(o, 1), {"warmup_t": 5}),  # warmups in iterations may be short
+        (lambda o: StepLR(o, 1), {"warmup_t": 1, "warmup_by_epoch": True}),
+        # max_iters cuts the third epoch, which ends and steps the schedule all the same
+        (lambda o: OneCycleLR(o, 0.1, total_steps=3), {"max_iters": 40}),
+        (lambda o: OneCycleLR(o, 0.1, total_steps=40), {"max_iters": 40, "by_epoch": False}),
+        # a stream: max_iters only, its epochs unknown
+        (lambda o: OneCycleLR(o, 0.1, total_steps=48), {"max_iters": 48, "stream": True}),
+        (
+            lambda o: OneCycleLR(o, 0.1, total_steps=48),
+            {"max_iters": 48, "by_epoch": False, "stream": True},
+        ),
+        (lambda o: CosineAnnealingLR(o, T_max=3), {"max_iters": 48, "stream": True}),
+    ],
+)
+def test_a_schedule_stepped_as_its_horizon_counts_trains_to_the_end(tmp_path, scheduler, kwargs):
+    trainer = scheduled(tmp_path, scheduler, **kwargs)
+    trainer.train()
+    assert trainer.cur_iter + 1 == trainer.max_iters
+
+
+@pytest.mark.parametrize(
+    "scheduler",
+    [
+        lambda o: LambdaLR(o, lambda step: max(0.0, 1 - step / 48)),  # get_scheduler's kind
+        lambda o: StepLR(o, 30),
+        lambda o: ExponentialLR(o, 0.99),
+        lambda o: CyclicLR(o, 0.01, 0.1, step_size_up=24),
+        lambda o: ChainedScheduler([ConstantLR(o, 0.5, 48), ExponentialLR(o, 0.99)]),
+    ],
+)
+@pytest.mark.parametrize("by_epoch", [True, False])
+def test_a_schedule_of_unknown_horizon_is_never_refused(tmp_path, scheduler, by_epoch):
+    scheduled(tmp_path, scheduler, by_epoch=by_epoch)
+    scheduled(tmp_path, lambda o: ReduceLROnPlateau(o), by_epoch=True)
+
+
+class StopAfter(HookBase):
+    def __init__(self, iters):
+        self.iters = iters
+
+    def after_iter(self):
+        if self.trainer.cur_iter + 1 == self.iters:
+            self.trainer.stop()
+
+
+def test_a_resumed_one_cycle_schedule_ends_as_the_whole_run(tmp_path):
+    def one_cycle(optimizer):
+        return OneCycleLR(optimizer, 0.1, total_steps=48)
+
+    whole = scheduled(tmp_path / "whole", one_cycle, by_epoch=False)
+    whole_lrs = SetLRAt(at=-1, lr=None)  # records the LRs only
+    whole.register_hook(whole_lrs)
+    whole.train()
+    cut = scheduled(tmp_path / "cut", one_cycle, by_epoch=False)
+    cut.register_hook(StopAfter(20))  # saves where it stops, in mid-epoch
+    cut.train()
+    resumed = scheduled(tmp_path / "cut", one_cycle, by_epoch=False)
+    resumed_lrs = SetLRAt(at=-1, lr=None)
+    resumed.register_hook(resumed_lrs)
+    resumed.train(continue_after_stop=True)
+    assert resumed.start_iter == 20
+    assert resumed_lrs.lrs == whole_lrs.lrs[20:]
+
+
+@pytest.mark.parametrize(
+    "scheduler, kwargs, said",
+    [
+        (
+            lambda o: OneCycleLR(o, 0.1, total_steps=48),
+            {"by_epoch": False},
+            "OneCycleLR stepped per iteration (by_epoch=False), 48 steps in this run (its "
+            "horizon: 48); no warmup.",
+        ),
+        (
+            lambda o: CosineAnnealingLR(o, T_max=3),
+            {"warmup_t": 10},
+            "CosineAnnealingLR stepped per epoch (by_epoch=True), 3 steps in this run (its "
+            "horizon: 3); warmup: 10 iterations, 'fix' mode.",
+        ),
+        (lambda o: LambdaLR(o, lambda s: 1.0), {}, "LambdaLR stepped per epoch (by_epoch=True), 3"),
+        (lambda o: None, {}, "constant (lr_scheduler=None); no warmup."),
+        (
+            lambda o: StepLR(o, 1),
+            {"max_iters": 48, "stream": True},
+            "StepLR stepped per epoch (by_epoch=True), at each end of the data stream",
+        ),
+    ],
+)
+def test_the_first_lines_say_how_the_schedule_steps(tmp_path, caplog, scheduler, kwargs, said):
+    scheduled(tmp_path, scheduler, **kwargs).train()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("LR schedule:")]
+    assert len(lines) == 1 and said in lines[0]

@@ -223,6 +223,22 @@ def warn_unoptimized(model: nn.Module, optimizers: list[Optimizer]) -> None:
         )
 
 
+def warn_left_over(num_batches: int, accumulation_steps: int) -> None:
+    """Say that the last ``num_batches % accumulation_steps`` batches of each epoch are drawn
+    and dropped, if there are any."""
+    left = num_batches % accumulation_steps
+    if left:
+        last = (
+            "the last batch of each epoch is" if left == 1 else f"the last {left} of each epoch are"
+        )
+        logger.warning(
+            f"{num_batches} batches per epoch, accumulation_steps={accumulation_steps}: {last} "
+            "left over and dropped (drawn, not trained on). To train on every batch, make "
+            f"len(data_loader) a multiple of {accumulation_steps} (batch size, dataset size, "
+            "drop_last)."
+        )
+
+
 def warn_stream_epochs(scheduler: LRWarmupScheduler, hooks: Iterable[Any]) -> None:
     """For a data loader without a length: say what counts in epochs, which end only with its
     passes."""

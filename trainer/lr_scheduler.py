@@ -1,4 +1,5 @@
-"""Warmup on top of any ``torch.optim.lr_scheduler`` scheduler, and the LRs that are logged."""
+"""Warmup on top of any ``torch.optim.lr_scheduler`` scheduler, how a run steps it, and the LRs
+that are logged."""
 
 import math
 import warnings
@@ -6,7 +7,18 @@ from typing import Any, Optional
 
 import torch
 from torch.optim import Optimizer
-from torch.optim.lr_scheduler import LRScheduler, ReduceLROnPlateau
+from torch.optim.lr_scheduler import (
+    ChainedScheduler,
+    ConstantLR,
+    CosineAnnealingLR,
+    LinearLR,
+    LRScheduler,
+    MultiStepLR,
+    OneCycleLR,
+    PolynomialLR,
+    ReduceLROnPlateau,
+    SequentialLR,
+)
 
 from .misc import NUMBER, check_int, check_type
 
@@ -214,3 +226,88 @@ class LRWarmupScheduler:
         torch_scheduler.load_state_dict(saved)
         self._set_lrs(self.base_lrs)
         return end_lrs
+
+
+def schedule_horizon(scheduler: Any) -> Optional[int]:
+    """The steps that ``scheduler``'s schedule spans: OneCycleLR's ``total_steps``,
+    CosineAnnealingLR's ``T_max``, LinearLR's, ConstantLR's and PolynomialLR's ``total_iters``,
+    MultiStepLR's last milestone, SequentialLR's last milestone plus its last scheduler's horizon,
+    ChainedScheduler's longest; None for a schedule without an end (StepLR, LambdaLR, ...)."""
+    if isinstance(scheduler, OneCycleLR):
+        return scheduler.total_steps
+    if isinstance(scheduler, CosineAnnealingLR):
+        return scheduler.T_max
+    if isinstance(scheduler, (LinearLR, ConstantLR, PolynomialLR)):
+        return scheduler.total_iters
+    if isinstance(scheduler, MultiStepLR):
+        return max(scheduler.milestones, default=None)
+    if isinstance(scheduler, SequentialLR):  # the last scheduler starts at the last milestone
+        last = schedule_horizon(scheduler._schedulers[-1])
+        start = scheduler._milestones[-1] if scheduler._milestones else 0
+        return None if last is None else start + last
+    if isinstance(scheduler, ChainedScheduler):  # they all step together
+        horizons = [schedule_horizon(s) for s in scheduler._schedulers]
+        return None if None in horizons else max(horizons)
+    return None
+
+
+def check_steps(scheduler: LRWarmupScheduler, epochs: Optional[int], iters: int) -> None:
+    """Refuse a schedule that a run of ``epochs`` (None: a stream's, unknown) and ``iters``
+    would step in a unit its horizon contradicts (docs/arguments.md, "How the schedule steps"):
+    a horizon nearer, by ratio, to the run's count in the other unit than to the count
+    ``by_epoch`` gives; one stepped per iteration may be short if it is a warmup (ends at the
+    base LR). And a OneCycleLR that the run would step past ``total_steps``, where it raises."""
+    torch_scheduler = scheduler.torch_scheduler
+    horizon = schedule_horizon(torch_scheduler)
+    by_epoch = scheduler.by_epoch
+    steps = epochs if by_epoch else iters
+    run = f"{epochs} epochs ({iters} iterations)" if epochs else f"{iters} iterations"
+    said = f"by_epoch={by_epoch} steps {type(torch_scheduler).__name__} {steps} times in {run}"
+    if horizon is not None and epochs is not None:
+        warmup = isinstance(torch_scheduler, ConstantLR) or (
+            isinstance(torch_scheduler, LinearLR) and torch_scheduler.end_factor == 1
+        )
+        if by_epoch and horizon * horizon > epochs * iters:
+            raise ValueError(
+                f"{said}, but its horizon of {horizon} steps counts iterations: pass "
+                f"by_epoch=False, or build it for {epochs} epochs."
+            )
+        if not by_epoch and horizon * horizon < epochs * iters and not warmup:
+            raise ValueError(
+                f"{said}, but its horizon of {horizon} steps counts epochs: pass by_epoch=True, "
+                f"or build it for {iters} iterations."
+            )
+    if isinstance(torch_scheduler, OneCycleLR) and steps and steps > torch_scheduler.total_steps:
+        raise ValueError(
+            f"{said}, past its total_steps={horizon}, where it raises: build it with "
+            f"total_steps={steps}."
+        )
+    warmup_t = scheduler.warmup_t
+    if scheduler.warmup_by_epoch and epochs is not None and warmup_t * warmup_t > epochs * iters:
+        raise ValueError(
+            f"warmup_by_epoch=True counts warmup_t={warmup_t} in epochs, but {warmup_t} is nearer "
+            f"this run's {iters} iterations than its {epochs} epochs: pass warmup_by_epoch=False."
+        )
+
+
+def describe_steps(scheduler: LRWarmupScheduler, epochs: Optional[int], iters: int) -> str:
+    """How a run of ``epochs`` (None: a stream's, unknown) and ``iters`` steps ``scheduler``, in
+    one line: which scheduler, per epoch or per iteration, how many steps, and the warmup."""
+    torch_scheduler = scheduler.torch_scheduler
+    if torch_scheduler is None:
+        line = "constant (lr_scheduler=None)"
+    else:
+        line = type(torch_scheduler).__name__
+        if not scheduler.by_epoch:
+            line += f" stepped per iteration (by_epoch=False), {iters} steps in this run"
+        elif epochs is not None:
+            line += f" stepped per epoch (by_epoch=True), {epochs} steps in this run"
+        else:
+            line += " stepped per epoch (by_epoch=True), at each end of the data stream"
+        horizon = schedule_horizon(torch_scheduler)
+        if horizon is not None:
+            line += f" (its horizon: {horizon})"
+    if scheduler.warmup_t:
+        unit = "epochs" if scheduler.warmup_by_epoch else "iterations"
+        return f"{line}; warmup: {scheduler.warmup_t} {unit}, {scheduler.warmup_mode!r} mode."
+    return f"{line}; no warmup."

@@ -31,7 +31,7 @@ from .hooks import (
 )
 from .hooks.registry import HookRegistry
 from .logger import ensure_console_logging, log_to_file, rank_log_file
-from .lr_scheduler import LRWarmupScheduler
+from .lr_scheduler import LRWarmupScheduler, check_steps, describe_steps
 from .metric_storage import MetricStorage
 from .misc import WorkDirLock, collect_env, unwrapped
 from .preemption import WRITE_FAILED, Interrupt, Preemption
@@ -72,7 +72,8 @@ class Trainer:
         enable_amp: Mixed precision: True picks float16 (with a GradScaler) on CUDA and bfloat16
             on CPU; ``torch.float16`` or ``torch.bfloat16`` picks that dtype.
         accumulation_steps: Micro-batches whose gradients are summed per optimizer step.
-        by_epoch: Step ``lr_scheduler`` once per epoch (True) or once per iteration.
+        by_epoch: Step ``lr_scheduler`` once per epoch (True) or once per iteration; one whose
+            horizon (``T_max``, ``total_steps``, ...) counts the other unit is refused.
         warmup_t: The warmup's length in iterations (epochs with ``warmup_by_epoch``); 0: none.
         warmup_by_epoch: Count ``warmup_t`` in epochs.
         warmup_mode: ``"fix"``, ``"factor"`` or ``"auto"`` (see :class:`LRWarmupScheduler`).
@@ -152,6 +153,7 @@ class Trainer:
                 warmup_factor,
                 optimizer=optimizer,
             )
+        check_steps(lr_scheduler, self.max_epochs, self.max_iters)  # before it steps wrongly
         self.lr_scheduler = lr_scheduler
         self._unpack_batch_dict = unpack_batch_dict
 
@@ -454,9 +456,14 @@ class Trainer:
         self.progress.error = None
         logger.info(f"Environment:\n{collect_env()}")
         logger.info(f"Hooks: {self._hooks.info()}")
+        logger.info(
+            f"LR schedule: {describe_steps(self.lr_scheduler, self.max_epochs, self.max_iters)}"
+        )
         args.warn_unoptimized(self.model_or_module, self._checkpointer.optimizers)
         if self.epoch_len is None:  # a stream: say what counts in epochs, which end with it
             args.warn_stream_epochs(self.lr_scheduler, self.hooks)
+        else:  # the batches that accumulation leaves over at each epoch's end
+            args.warn_left_over(len(self.data_loader), self.accumulation_steps)
         self._checkpointer.remove_temp_files()
         # Trained by an earlier train() since built or resumed, or to the end: the model and
         # optimizer hold that state, which only a checkpoint can replace.
