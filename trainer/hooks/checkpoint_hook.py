@@ -75,9 +75,9 @@ class CheckpointHook(HookBase):
         # The checkpoint still lists the old files: a run killed before they are deleted deletes
         # them after resuming. They go in the background, once the new one is durable.
         if save:
-            self.trainer.save_checkpoint(file_name, then=lambda: _delete(paths))
+            self.trainer.save_checkpoint(file_name, then=lambda: delete_checkpoints(paths))
         else:
-            _delete(paths)
+            delete_checkpoints(paths)
         self._saved = self._saved[len(old) :]
 
     def _path(self, file_name: str) -> str:
@@ -100,7 +100,7 @@ class CheckpointHook(HookBase):
             self._saved.append(name)
 
 
-def _delete(paths: list[str]) -> None:
+def delete_checkpoints(paths: list[str]) -> None:
     """Delete old checkpoints; one that cannot be deleted is a warning (training is fine)."""
     for path in paths:
         try:
