@@ -102,7 +102,8 @@ from torch import nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from trainer import HookBase, Trainer
 from trainer.distributed import init_distributed
-from trainer.hooks import BestCheckpointHook, EarlyStoppingHook, EvalHook, eval_hook
+from trainer.hooks import BestCheckpointHook, CheckpointHook, EarlyStoppingHook, EvalHook
+from trainer.hooks import checkpoint_hook, eval_hook
 
 rank, world = init_distributed(timeout_s=float(os.environ.get("PG_TIMEOUT", 60)))
 nan_at = int(os.environ.get("NAN_AT", -1))
@@ -205,6 +206,17 @@ def main():
     if os.environ.get("EARLY_STOP"):
         trainer.register_hook(EarlyStoppingHook("acc", patience=1))
         trainer.register_hook(BestCheckpointHook("acc"))
+    saves = []  # after how many iterations each checkpoint was saved
+
+    class Saves(HookBase):
+        def before_save_checkpoint(self):
+            saves.append(self.trainer.cur_iter + 1)
+
+    trainer.register_hook(Saves())
+    if os.environ.get("TIMED"):  # rank 1's clock reads a minute per iteration, rank 0's stands
+        trainer.unregister_hook(CheckpointHook)
+        trainer.register_hook(CheckpointHook(0, every_minutes=5))
+        checkpoint_hook.monotonic = lambda: 60.0 * (trainer.cur_iter + 1) * rank
     try:
         training.append(True)
         trainer.train()
@@ -217,6 +229,7 @@ def main():
             print(f"rank {rank}: acc {s['acc'].latest} count {s['acc'].count}", flush=True)
             print(f"rank {rank}: results gathered over the trainer's group {eval_groups}")
         print(f"rank {rank}: stopped after {trainer.cur_iter + 1}", flush=True)
+        print(f"rank {rank}: saved after {saves}", flush=True)
         print(f"rank {rank}: {len(collectives)} collectives, over the default group "
               f"{on_default_group}", flush=True)
     except FloatingPointError as e:
@@ -292,6 +305,18 @@ def test_early_stopping_and_best_checkpoint_decide_alike_on_every_rank(tmp_path)
     best = torch.load(tmp_path / "work" / "checkpoints" / "best.pth", weights_only=True)
     # evaluated best after iteration 8, the end of the first epoch of 8 batches
     assert (best["progress"]["epoch"], best["progress"]["inner_iter"]) == (1, 0)
+
+
+@pytest.mark.slow
+def test_a_timed_save_comes_at_one_iteration_on_every_rank_and_is_written_once(tmp_path):
+    # rank 1's clock says 5 minutes are up at the log point after iteration 8, rank 0's does not
+    out = run_train_worker(tmp_path, TIMED=1, PG_TIMEOUT=20)
+    for rank in (0, 1):
+        assert f"rank {rank}: saved after [8, 16]" in out, out
+    work = tmp_path / "work"
+    assert sorted(os.listdir(work / "checkpoints")) == ["iter_16.pth", "iter_8.pth", "latest.txt"]
+    logs = (work / "log.txt").read_text(), (work / "log_rank1.txt").read_text()
+    assert [log.count("Writing checkpoint") for log in logs] == [2, 0]  # rank 0 writes
 
 
 def run_failing_worker(tmp_path, **env):

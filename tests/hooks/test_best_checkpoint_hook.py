@@ -7,7 +7,8 @@ import time
 import pytest
 import torch
 
-from trainer.hooks import BestCheckpointHook, EvalHook
+from trainer import HookBase
+from trainer.hooks import BestCheckpointHook, EvalHook, best_checkpoint_hook
 
 from conftest import evaluating, load
 
@@ -130,3 +131,121 @@ def test_other_names_hold_the_best_checkpoint(make_trainer, name):
     evaluating(trainer, values, BestCheckpointHook("acc", file_name=name)).train()
     assert load(os.path.join(trainer.ckpt_dir, name))["progress"]["epoch"] == 2
     assert load(os.path.join(trainer.ckpt_dir, "epoch_3.pth"))["progress"]["epoch"] == 3
+
+
+# top_k: the k best, each in its own file
+
+ACCS = [0.5, 0.7, 0.6, 0.65, 0.69, 0.71]  # after epochs 1 to 6, of 8 iterations each
+
+
+def kept_files(trainer):
+    """The kept best checkpoints' names and values, and each file's iterations done."""
+    (hook,) = [h for h in trainer.hooks if isinstance(h, BestCheckpointHook)]
+    kept = {os.path.basename(path): value for path, value in hook.best_checkpoints.items()}
+    done = {
+        name: load(os.path.join(trainer.ckpt_dir, name))["progress"]["epoch"] * 8 for name in kept
+    }
+    return kept, done
+
+
+def test_top_k_keeps_the_k_best_each_in_a_file_named_by_iteration_and_value(make_trainer):
+    trainer = evaluating(make_trainer(max_epochs=6), ACCS, BestCheckpointHook("acc", top_k=3))
+    trainer.train()
+    kept, done = kept_files(trainer)
+    assert list(kept.items()) == [  # best first
+        ("best-iter=48-acc=0.71.pth", 0.71),
+        ("best-iter=16-acc=0.7.pth", 0.7),
+        ("best-iter=40-acc=0.69.pth", 0.69),
+    ]
+    assert list(done.values()) == [48, 16, 40]
+    best_files = sorted(n for n in os.listdir(trainer.ckpt_dir) if n.startswith("best"))
+    assert best_files == sorted(kept)  # 0.5, 0.6 and 0.65 were pushed out and deleted
+    assert trainer.hooks[-2].best_checkpoint == os.path.join(trainer.ckpt_dir, next(iter(kept)))
+    # the last checkpoint lists them, and the one it pushed out (deleted once it was on disk)
+    last = load(trainer.checkpointer.last_path)["hooks"]["BestCheckpointHook"]
+    assert last["kept"] == [[name, value] for name, value in kept.items()] + [
+        ["best-iter=32-acc=0.65.pth", 0.65]
+    ]
+
+
+def test_top_k_keeps_the_earlier_of_a_tie_and_never_a_nan(make_trainer):
+    values = [0.5, float("nan"), 0.5, 0.5, 0.4]
+    trainer = evaluating(make_trainer(max_epochs=5), values, BestCheckpointHook("acc", top_k=2))
+    trainer.train()
+    kept, _ = kept_files(trainer)
+    assert kept == {"best-iter=8-acc=0.5.pth": 0.5, "best-iter=24-acc=0.5.pth": 0.5}
+
+
+def test_top_k_names_a_metric_with_a_slash_without_a_folder(make_trainer):
+    trainer = make_trainer(max_epochs=1)
+    trainer.register_hook(EvalHook(1, lambda: {"val/loss": 0.25}))
+    trainer.register_hook(BestCheckpointHook("val/loss", top_k=2, file_name="top.pth"))
+    trainer.train()
+    assert os.path.isfile(os.path.join(trainer.ckpt_dir, "top-iter=8-val_loss=0.25.pth"))
+
+
+def build_top_3(make_trainer, work_dir, max_epochs, crash_at=None):
+    trainer = make_trainer(max_epochs=max_epochs, work_dir=work_dir)
+    evaluating(trainer, ACCS, BestCheckpointHook("acc", top_k=3))
+    if crash_at is not None:
+
+        class Crash(HookBase):
+            def after_iter(self):
+                if self.trainer.cur_iter + 1 == crash_at:
+                    raise RuntimeError("crash")
+
+        trainer.register_hook(Crash())
+    return trainer
+
+
+def test_top_k_resumes_with_the_same_files_and_values(make_trainer, tmp_path):
+    whole = build_top_3(make_trainer, tmp_path / "whole", 6)
+    whole.train()
+    # a crash in epoch 5: the last checkpoint is the best of epoch 4, which pushed out 0.5
+    crashed = build_top_3(make_trainer, tmp_path / "resumed", 6, crash_at=35)
+    with pytest.raises(RuntimeError, match="crash"):
+        crashed.train()
+    resumed = build_top_3(make_trainer, tmp_path / "resumed", 6)
+    resumed.train()
+    assert resumed.start_iter == 32
+    assert kept_files(resumed) == kept_files(whole)
+    assert sorted(os.listdir(resumed.ckpt_dir)) == sorted(os.listdir(whole.ckpt_dir))
+    for name in kept_files(whole)[0]:
+        a = load(os.path.join(whole.ckpt_dir, name))["model"]
+        b = load(os.path.join(resumed.ckpt_dir, name))["model"]
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_best_pushed_out_but_not_deleted_is_deleted_on_resume(make_trainer, monkeypatch):
+    """A run killed after a new best's write, before the worst's deletion: the checkpoint lists
+    both, and the resumed run deletes the worst."""
+    monkeypatch.setattr(best_checkpoint_hook, "delete_checkpoints", lambda paths: None)
+    first = evaluating(make_trainer(max_epochs=4), ACCS, BestCheckpointHook("acc", top_k=3))
+    first.train()
+    ckpt_dir = first.ckpt_dir
+    assert os.path.exists(os.path.join(ckpt_dir, "best-iter=8-acc=0.5.pth"))  # not deleted
+    monkeypatch.undo()
+    accs = [*ACCS[:4], 0.1]  # no new best after the resume
+    resumed = evaluating(make_trainer(max_epochs=5), accs, BestCheckpointHook("acc", top_k=3))
+    resumed.train()
+    assert sorted(n for n in os.listdir(ckpt_dir) if n.startswith("best")) == [
+        "best-iter=16-acc=0.7.pth",
+        "best-iter=24-acc=0.6.pth",
+        "best-iter=32-acc=0.65.pth",
+    ]
+
+
+@pytest.mark.parametrize("listed", ["epoch_3.pth", "../victim.pth", "/abs.pth", 3])
+def test_a_crafted_list_of_best_checkpoints_never_deletes_another_file(
+    make_trainer, caplog, listed
+):
+    hook = BestCheckpointHook("acc", top_k=2)
+    hook.load_state_dict({"best": 0.9, "kept": [["best-iter=8-acc=0.9.pth", 0.9], [listed, 0.8]]})
+    assert hook.state_dict()["kept"] == [["best-iter=8-acc=0.9.pth", 0.9]]
+    assert f"Ignoring {listed!r} among the best checkpoints" in caplog.text
+
+
+@pytest.mark.parametrize("top_k, error", [(0, ValueError), (2.0, TypeError), (True, TypeError)])
+def test_a_bad_top_k_is_refused(top_k, error):
+    with pytest.raises(error, match="top_k must be a positive int"):
+        BestCheckpointHook("acc", top_k=top_k)

@@ -1,10 +1,15 @@
-"""Keeps a checkpoint of the best evaluation result."""
+"""Keeps the checkpoints of the best evaluation results."""
 
 import logging
+import math
+import os
+import re
 from typing import Any, Optional
 
 from ..checkpoint import written_by_trainer
-from ..misc import check_file_name
+from ..distributed import is_main_process
+from ..misc import check_file_name, check_int
+from .checkpoint_hook import delete_checkpoints
 from .hookbase import HookBase, Priority
 from .metric_watch import MetricWatch, warn_if_missing
 
@@ -12,15 +17,22 @@ logger = logging.getLogger(__name__)
 
 
 class BestCheckpointHook(HookBase):
-    """Saves ``best.pth`` (a full checkpoint, written atomically like every other) whenever the
-    evaluation metric ``metric`` reaches a new best (a NaN never is one).
+    """Keeps the checkpoints of the ``top_k`` best evaluations by ``metric`` (full checkpoints,
+    written atomically like every other): by default one, ``best.pth``, replaced at each new
+    best. A NaN never enters; a tie keeps the earlier.
+
+    With ``top_k`` > 1 each is a file of its own, named by the iteration and the value:
+    ``best-iter=1200-val_acc=0.9312.pth`` for ``file_name="best.pth"``. A file is never renamed
+    (a path you copied keeps its meaning); a result better than the worst kept is saved, and
+    the worst is deleted once the new one is on disk. :attr:`best_checkpoint` is the best's
+    path, :attr:`best_checkpoints` maps each kept path to its value, best first.
 
     The first evaluation that lacks ``metric`` (a misspelt name) is warned about, naming the
     results that came (see :func:`~trainer.hooks.metric_watch.warn_if_missing`).
 
     The save waits for the end of the iteration or epoch (after the LR update and the regular
-    checkpoint), so ``best.pth`` resumes exactly too. The best value is saved in checkpoints,
-    so a resumed run only replaces ``best.pth`` with something better.
+    checkpoint), so a best checkpoint resumes exactly too. The kept files and values are saved
+    in checkpoints, so a resumed run goes on with the same ones.
 
     Args:
         metric: A name that the ``EvalHook``'s function returns.
@@ -29,17 +41,19 @@ class BestCheckpointHook(HookBase):
             not tell is refused (docs/evaluation.md has the rule); logged when training starts.
         file_name: The file name in ``trainer.ckpt_dir`` (a sub-folder is made); not one the
             trainer writes itself (``epoch_N.pth``, ``iter_N.pth``, ``latest.txt``, a name ending
-            in ``.tmp``, one in ``previous/``).
+            in ``.tmp``, one in ``previous/``). With ``top_k`` > 1, the stem of the names.
+        top_k: How many of the best checkpoints to keep (Lightning's ``save_top_k``).
 
     Example::
 
         >>> hook = BestCheckpointHook("val_acc")  # mode="max", from the name
+        >>> hook = BestCheckpointHook("val_loss", top_k=3)
     """
 
     priority = Priority.CHECKPOINT + 5
 
     def __init__(
-        self, metric: str, mode: Optional[str] = None, file_name: str = "best.pth"
+        self, metric: str, mode: Optional[str] = None, file_name: str = "best.pth", top_k: int = 1
     ) -> None:
         check_file_name("file_name", file_name)
         if written_by_trainer(file_name):  # it would overwrite, or be overwritten or removed
@@ -47,27 +61,55 @@ class BestCheckpointHook(HookBase):
                 f"file_name={file_name!r} is a name the trainer writes itself (epoch_N.pth, "
                 "iter_N.pth, latest.txt, *.tmp, previous/...): pass another, such as 'best.pth'."
             )
+        check_int("top_k", top_k, minimum=1)
         self._watch = MetricWatch(metric, mode)
         self._file_name = file_name
-        self._due = False  # a new best, not saved yet
-        self._saved_best = None  # the value best.pth holds
+        self._top_k = top_k
+        self._kept: list[tuple[str, float]] = []  # the files on disk and their values, best first
+        self._due: Optional[tuple[str, float]] = None  # a result that enters, not saved yet
         self._warned = False  # that an evaluation lacked the metric
 
     def before_train(self) -> None:
-        """Log which way the metric is judged."""
+        """Log which way the metric is judged; delete what a resumed run keeps beyond ``top_k``
+        (a run stopped before it deleted the file that its last best replaced)."""
         self._watch.log_mode(self.class_name)
+        dropped = [self.trainer.checkpointer.path(name) for name, _ in self._kept[self._top_k :]]
+        self._kept = self._kept[: self._top_k]
+        if dropped and is_main_process():  # the rank that writes
+            delete_checkpoints(dropped)
 
     def after_eval(self, results: dict[str, float]) -> None:
-        """Note a new best; it is saved when the state is complete."""
+        """Note a result that enters the best; it is saved when the state is complete."""
         if not self._warned:
             self._warned = warn_if_missing(self, "metric", self._watch.metric, results)
         value = results.get(self._watch.metric)
-        previous = self._watch.best
-        if value is not None and self._watch.improves(value):
-            was = "" if previous is None else f" (was {previous:.5g})"
-            name = self._watch.metric
-            logger.info(f"New best {name}: {value:.5g}{was}: saving {self._file_name}.")
-            self._due = True
+        if value is None or not self._enters(value):
+            return
+        name = self._file_name if self._top_k == 1 else self._name(value)
+        metric = self._watch.metric
+        if self._top_k == 1:
+            best = self._due or (self._kept[0] if self._kept else None)
+            was = "" if best is None else f" (was {best[1]:.5g})"
+            logger.info(f"New best {metric}: {value:.5g}{was}: saving {name}.")
+        else:
+            logger.info(f"{metric} {value:.5g} is among the {self._top_k} best: saving {name}.")
+        self._due = (name, value)
+
+    def _enters(self, value: float) -> bool:
+        """Whether ``value`` beats the one due (if any) and the worst kept, or there is room."""
+        if math.isnan(value):
+            return False
+        if self._due is not None and not self._watch.beats(value, self._due[1]):
+            return False
+        full = len(self._kept) >= self._top_k
+        return not full or self._watch.beats(value, self._kept[self._top_k - 1][1])
+
+    def _name(self, value: float) -> str:
+        """``best-iter=1200-val_acc=0.9312.pth``: the stem of ``file_name``, the iterations done
+        and the value."""
+        stem, ext = os.path.splitext(self._file_name)
+        metric = re.sub(r"[^A-Za-z0-9_.-]+", "_", self._watch.metric)  # val/acc: no folder
+        return f"{stem}-iter={self.trainer.cur_iter + 1}-{metric}={value:.4g}{ext}"
 
     def after_iter(self) -> None:
         """Save a best found in iteration-based evaluation (at an epoch's end: after it)."""
@@ -82,19 +124,49 @@ class BestCheckpointHook(HookBase):
     @property
     def best_checkpoint(self) -> str:
         """The path of the best checkpoint (written once a best was found)."""
-        return self.trainer.checkpointer.path(self._file_name)
+        name = self._kept[0][0] if self._kept else self._file_name
+        return self.trainer.checkpointer.path(name)
+
+    @property
+    def best_checkpoints(self) -> dict[str, float]:
+        """The path of each kept checkpoint and its value, best first (Lightning's
+        ``best_k_models``)."""
+        return {self.trainer.checkpointer.path(name): value for name, value in self._kept}
 
     def _save(self) -> None:
-        self._due = False
-        self._saved_best = self._watch.best
-        self.trainer.save_checkpoint(self._file_name)
+        """Save the result due; the checkpoint lists the one it pushes out, deleted once the new
+        one is on disk (a run stopped before that deletes it when it resumes)."""
+        name, value = self._due
+        self._due = None
+        kept = [entry for entry in self._kept if entry[0] != name] + [(name, value)]
+        sign = -1 if self._watch.mode == "max" else 1
+        self._kept = sorted(kept, key=lambda entry: sign * entry[1])  # stable: ties keep order
+        dropped = [self.trainer.checkpointer.path(n) for n, _ in self._kept[self._top_k :]]
+        self.trainer.save_checkpoint(name, then=lambda: delete_checkpoints(dropped))
+        self._kept = self._kept[: self._top_k]
 
     def state_dict(self) -> dict[str, Any]:
-        """The value ``best.pth`` holds (a best not saved yet does not count: a run killed
-        before saving it must not take it for saved)."""
-        return {"best": self._saved_best}
+        """The best value saved, and with ``top_k`` > 1 the files kept and their values (a best
+        not saved yet does not count: a run killed before saving it must not take it for
+        saved)."""
+        best = self._kept[0][1] if self._kept else None
+        if self._top_k == 1:
+            return {"best": best}
+        return {"best": best, "kept": [[name, value] for name, value in self._kept]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
-        self._watch.load_state_dict(state)
-        self._saved_best = state["best"]
+        """Restore what :meth:`state_dict` returned; a name that is not a file of this hook's
+        in ``ckpt_dir`` is ignored with a warning, never deleted."""
+        best = state["best"]
+        kept = state.get("kept", [[self._file_name, best]] if best is not None else [])
+        self._kept = []
+        for name, value in kept:
+            try:
+                check_file_name("kept", name)
+                ours = not written_by_trainer(name)
+            except (TypeError, ValueError):
+                ours = False
+            if not ours:
+                logger.warning(f"Ignoring {name!r} among the best checkpoints the state lists.")
+                continue
+            self._kept.append((name, value))

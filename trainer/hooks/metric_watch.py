@@ -90,12 +90,16 @@ class MetricWatch:
         the best. A NaN never does, nor infinity after infinity."""
         if math.isnan(value):
             return False
-        if self.best is not None:
-            margin = value - self.best if self.mode == "max" else self.best - value
-            if not margin > self.min_delta:  # inf - inf is NaN
-                return False
+        if self.best is not None and not self.beats(value, self.best):
+            return False
         self.best = value
         return True
+
+    def beats(self, value: float, other: float) -> bool:
+        """Whether ``value`` is better than ``other`` by more than ``min_delta`` (a NaN never
+        is, nor infinity than infinity)."""
+        margin = value - other if self.mode == "max" else other - value
+        return margin > self.min_delta  # inf - inf is NaN
 
     def log_mode(self, hook: str) -> None:
         """Log which way ``hook`` judges the metric, and whether its name told."""
