@@ -330,6 +330,39 @@ def test_a_registered_object_with_unloadable_state_is_refused_naming_it(make_tra
         trainer.train()
 
 
+class Carried:
+    """A plain object with state, not a module, optimizer or scheduler: what a step carries from
+    one iteration to the next, its state_dict() the value itself."""
+
+    def __init__(self, value=None):
+        self.value = value
+
+    def state_dict(self):
+        return self.value
+
+    def load_state_dict(self, state):
+        self.value = state
+
+
+@pytest.mark.parametrize("value", [None, (torch.arange(3.0), torch.ones(2)), [1, "a"], 2.5])
+def test_a_registered_plain_object_resumes_whatever_plain_data_its_state_is(make_trainer, value):
+    first = make_trainer(max_epochs=1)
+    first.checkpointer.register("carried", Carried(value))
+    first.train()
+    saved = load(os.path.join(first.ckpt_dir, "epoch_1.pth"))["carried"]  # weights_only=True
+    rerun = make_trainer(max_epochs=2)
+    carried = Carried("not resumed")
+    rerun.checkpointer.register("carried", carried)
+    rerun.train()
+    assert rerun.start_iter == 8  # resumed, not refused as damaged
+    for loaded in (saved, carried.value):
+        assert type(loaded) is type(value)
+        if isinstance(value, tuple):
+            assert all(torch.equal(a, b) for a, b in zip(loaded, value))
+        else:
+            assert loaded == value
+
+
 class NumpyDecay:
     """An LR lambda holding NumPy numbers, which LambdaLR saves as the callable's attributes."""
 

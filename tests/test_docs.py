@@ -27,6 +27,7 @@ import sys
 import types
 
 import pytest
+import torch
 
 from trainer import Trainer
 
@@ -274,6 +275,36 @@ def test_the_loop_pseudocode_calls_what_a_real_run_calls(make_trainer):
     namespace.update(hooks=Calls(), trainer=Calls(), start_epoch=0, max_epochs=3, epoch_iters=8)
     exec(marked_block("docs/loop.md", "hook"), namespace)
     assert shape(events) == shape(recorder.events)
+
+
+# ----------------------------------------------------------------------------------------------
+# The Lightning port against the loop Lightning runs
+
+
+def test_the_lightning_port_trains_bit_equal_to_lightnings_automatic_optimization(
+    tmp_path, monkeypatch
+):
+    """docs/coming-from-lightning.md's autoencoder, trained by the Trainer, against what
+    Lightning's automatic optimization does for each batch (zero_grad, training_step, backward,
+    step) from the same seed, data and data order."""
+    monkeypatch.chdir(tmp_path)
+    (port,) = [b for b in blocks("docs/coming-from-lightning.md") if "class AutoEncoder" in b.code]
+    ported = {"__name__": "__main__"}
+    exec(compile(port.code, port.id, "exec"), ported)
+    setup, _ = port.code.split("trainer = Trainer(")  # the seed, data, model and optimizer
+    by_hand = {"__name__": "__main__"}
+    exec(compile(setup, port.id, "exec"), by_hand)
+    model, optimizer = by_hand["autoencoder"], by_hand["optimizer"]
+    for _ in range(ported["trainer"].max_epochs):
+        for batch in by_hand["train_loader"]:
+            optimizer.zero_grad()
+            loss = model(batch)  # the LightningModule's training_step
+            loss.backward()
+            optimizer.step()
+    assert ported["trainer"].cur_iter + 1 == 16  # two epochs of 8 batches
+    trained = dict(ported["autoencoder"].named_parameters())
+    for name, parameter in model.named_parameters():
+        assert torch.equal(trained[name], parameter), name
 
 
 # ----------------------------------------------------------------------------------------------

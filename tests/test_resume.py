@@ -355,6 +355,75 @@ def test_sigkill_at_random_moments_until_done(tmp_path, reference):
     assert_bit_equal(load(out), reference())
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CARRIED_DRIVER = """
+import os, signal, sys
+import torch
+from trainer import HookBase
+
+class KillAt(HookBase):  # SIGKILL once the checkpoint in flight is on disk, as a crash would
+    def after_iter(self):
+        if self.trainer.cur_iter == int(os.environ["KILL_AT"]):
+            self.trainer.checkpointer.wait()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+namespace = {"__name__": "__main__"}
+exec(open("block.py").read(), namespace)  # the docs' block, less its trainer.train()
+namespace["trainer"].register_hook(KillAt())
+namespace["trainer"].train()
+torch.save(namespace["model"].state_dict(), "out.pth")
+"""
+
+
+def docs_block(page, containing):
+    """The ```python block of ``docs/page`` that holds ``containing``."""
+    with open(os.path.join(ROOT, "docs", page), encoding="utf-8") as f:
+        found = re.findall(r"^```python\n(.*?)^```", f.read(), re.MULTILINE | re.DOTALL)
+    (block,) = [code for code in found if containing in code]
+    return block
+
+
+@pytest.mark.slow
+def test_carried_state_resumes_exactly_when_registered_and_not_otherwise(tmp_path):
+    """docs/loop.md's truncated BPTT, SIGKILLed in its second epoch and rerun: with the LSTM's
+    hidden state registered it ends with an uninterrupted run's weights, bit for bit; without,
+    the rerun starts the state at zeros and ends elsewhere, which is what the page warns of."""
+    block = docs_block("loop.md", "class Carried")
+    register = 'trainer.checkpointer.register("carried", model.carried)'
+    assert block.endswith("trainer.train()\n") and register in block
+    block = block[: -len("trainer.train()\n")]
+
+    def train(name, code, kill_at=-1):
+        folder = tmp_path / name
+        folder.mkdir(exist_ok=True)
+        (folder / "block.py").write_text(code)
+        (folder / "driver.py").write_text(CARRIED_DRIVER)
+        env = cpu_env(KILL_AT=str(kill_at), OMP_NUM_THREADS="1")
+        proc = popen(
+            [sys.executable, "driver.py"], cwd=folder, env=env, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        _, stderr = communicate(proc, timeout=60)
+        return proc.returncode, stderr
+
+    def killed_and_rerun(name, code):
+        code_, _ = train(name, code, kill_at=14)  # iteration 15 of 20, epochs of 10
+        assert code_ == -signal.SIGKILL
+        code_, err = train(name, code)
+        assert code_ == 0, failure_output(err)
+        assert "Resumed from checkpoint" in err and "epoch_1.pth after iteration 10" in err
+        return load(tmp_path / name / "out.pth")
+
+    code, err = train("full", block)
+    assert code == 0, failure_output(err)
+    full = load(tmp_path / "full" / "out.pth")
+    assert_bit_equal(killed_and_rerun("registered", block), full)
+    saved = load(tmp_path / "registered" / "tbptt_run" / "checkpoints" / "epoch_1.pth")
+    assert [h.shape for h in saved["carried"]["hidden"]] == [(1, 4, 16)] * 2  # weights_only
+    unregistered = killed_and_rerun("unregistered", block.replace(register, ""))
+    assert max((full[k] - unregistered[k]).abs().max() for k in full) > 1e-4
+
+
 def wait_for_training(work, proc, timeout=60):
     log = work / "log.txt"
     deadline = time.time() + timeout

@@ -135,8 +135,10 @@ class Checkpointer:
         self._shards: Any = None  # the ShardedFormat, once a run uses it
 
     def register(self, name: str, obj: Any) -> None:
-        """Save ``obj.state_dict()`` under ``name`` in every checkpoint and restore it on resume:
-        an extra optimizer, scheduler or module that an overridden step uses."""
+        """Save ``obj.state_dict()`` under ``name`` in every checkpoint and restore it on resume
+        with ``obj.load_state_dict()``: an extra optimizer, scheduler or module that an
+        overridden step uses, or any object with the two methods, such as state carried from
+        one iteration to the next (docs/loop.md, "Carried state")."""
         if not all(callable(getattr(obj, m, None)) for m in ("state_dict", "load_state_dict")):
             raise TypeError(
                 f"checkpointer.register({name!r}, obj) needs state_dict() and load_state_dict()."
@@ -504,7 +506,9 @@ class Checkpointer:
         missing = [key for key in _OWN_KEYS if key not in data]
         if missing:
             raise RuntimeError(f"Checkpoint {path!r} lacks {missing}: load it with resume=False.")
-        for key in (*_OWN_KEYS, *self._things):
+        # the trainer's parts hold dicts; a registered thing's state is whatever plain data its
+        # state_dict() returned (a tuple, None), which load_state_dict() gets back as it was
+        for key in (*_OWN_KEYS, *self._parts):
             kind = list if key == "rng" else dict
             if key in data and not isinstance(data[key], kind):
                 raise damaged(f"{key!r} is of type {type(data[key]).__name__}, not {kind.__name__}")

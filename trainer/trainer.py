@@ -300,8 +300,10 @@ class Trainer:
 
     @property
     def checkpointer(self) -> Checkpointer:
-        """What checkpoints hold: ``checkpointer.register(name, obj)`` adds an extra optimizer,
-        scheduler or module; ``name()``, ``last_path`` and ``wait()`` tell about the files."""
+        """What checkpoints hold: ``checkpointer.register(name, obj)`` adds anything with
+        ``state_dict()`` and ``load_state_dict()`` (an extra optimizer, scheduler or module,
+        state carried across iterations); ``name()``, ``last_path`` and ``wait()`` tell about
+        the files."""
         return self._checkpointer
 
     def save_checkpoint(
