@@ -50,6 +50,9 @@ setup(
             # tests read with `wandb leet inspect`
             "mlflow-skinny>=3.0",
             "wandb>=0.31",
+            # tests/test_transformers.py: Hugging Face models trained as they are (checked with
+            # 4.46.3 and 5.24.0)
+            "transformers>=4.46",
         ],
         "examples": ["scikit-learn"],
         # `mkdocs build --strict` builds the site in docs/ (.ci/run does)

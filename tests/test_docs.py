@@ -12,6 +12,7 @@ blank line between is allowed) says more, in words separated by spaces:
   state_dict with DDP's ``module.`` prefix;
 - ``continue``: run in the namespace of the block before it in the same file;
 - ``stub:NAME``: a stand-in module ``NAME`` (``wandb``) that records what it is given;
+- ``needs:NAME``: skipped where the optional module ``NAME`` (``transformers``) is missing;
 - ``torchrun``: run the block as a script under torchrun, 2 CPU processes;
 - ``skip (why)``: compile only (what needs CUDA, or torchrun with a model of its own);
 - ``hook order`` and ``arguments table``: checked by the tests at the end of this file.
@@ -122,7 +123,7 @@ def blocks(path):
             words = match.group(1).split() if match else []
             if "skip" in words:  # the reason follows
                 words = words[: words.index("skip") + 1]
-            unknown = [w for w in words if w not in WORDS and not w.startswith("stub:")]
+            unknown = [w for w in words if w not in WORDS and not w.startswith(("stub:", "needs:"))]
             assert not unknown, f"{path}:{start + 1}: unknown test words {unknown}"
             found.append(Block(path, start + 1, "\n".join(lines[start + 1 : i]) + "\n", words))
         i += 1
@@ -199,6 +200,9 @@ def run_chain(chain, tmp_path, monkeypatch):
         for block in chain:
             compile(block.code, block.id, "exec")
         return
+    for word in first.words:
+        if word.startswith("needs:"):
+            pytest.importorskip(word[6:])
     monkeypatch.chdir(tmp_path)
     if "torchrun" in first.words:
         script = tmp_path / "train.py"

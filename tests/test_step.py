@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import re
+import types
 
 import pytest
 import torch
@@ -150,12 +151,67 @@ class ReturnsWhat(nn.Module):
         (lambda w: "loss", TypeError, r"model must return .* got str"),
         (lambda w: {}, TypeError, r"model must return .* got dict"),
         (lambda w: {"a": 1.0}, TypeError, r"'a'.* got float"),
+        (lambda w: {"loss": 1.0}, TypeError, r"'loss'.* got float"),
+        (lambda w: {"loss": w * 2}, ValueError, r"'loss'.* shape \(3,\)"),
+        (lambda w: types.SimpleNamespace(loss=None), TypeError, r"model must return .* got"),
     ],
 )
 def test_wrong_model_output_raises(make_trainer, out, error, message):
     trainer = make_trainer(model=ReturnsWhat(out))
     with pytest.raises(error, match=message):
         trainer.train()
+
+
+def test_a_dict_of_losses_with_an_output_that_is_not_one_is_refused_naming_it(make_trainer):
+    class WithLogits(TinyModel):
+        def forward(self, batch):
+            x, y = batch
+            pred = self.linear(x)
+            return {"mse": nn.functional.mse_loss(pred, y), "logits": pred}
+
+    trainer = make_trainer(model=WithLogits())
+    with pytest.raises(ValueError, match=r"'logits'.* shape \(4, 1\).*'loss' entry") as error:
+        trainer.train()
+    assert "mean" not in str(error.value)  # never advise reducing what is not a loss
+
+
+class LossAndOutputs(TinyModel):
+    """Returns what a Hugging Face model does: the total ``loss``, a part of it, and outputs."""
+
+    def forward(self, batch):
+        x, y = batch
+        pred = self.linear(self.dropout(x))
+        aux = 0.1 * pred.pow(2).mean()  # in the loss already, as an MoE model's aux_loss
+        loss = nn.functional.mse_loss(pred, y) + aux
+        return {"loss": loss, "logits": pred, "aux_loss": aux, "hidden": (x,), "past": None}
+
+
+@pytest.mark.parametrize("wrap", [dict, types.SimpleNamespace], ids=["mapping", "attribute"])
+def test_an_output_with_a_loss_trains_on_the_loss_alone(make_trainer, tmp_path, wrap):
+    class Output(LossAndOutputs):
+        def forward(self, batch):
+            return wrap(**super().forward(batch))
+
+    torch.manual_seed(0)  # the same initial weights in both runs
+    trainer = make_trainer(model=Output(), max_epochs=1, log_period=1)
+    trainer.train()
+
+    class LossAlone(LossAndOutputs):
+        def forward(self, batch):
+            return super().forward(batch)["loss"]
+
+    torch.manual_seed(0)
+    alone = make_trainer(model=LossAlone(), max_epochs=1, log_period=1, work_dir=tmp_path / "a")
+    alone.train()
+    for key, value in weights(alone).items():  # aux_loss not added again, logits not summed
+        assert torch.equal(value, weights(trainer)[key])
+    storage = trainer.metric_storage
+    expected = {"total_loss", "loss"} | ({"aux_loss"} if wrap is dict else set())
+    assert expected <= set(storage) and not {"logits", "hidden", "past"} & set(storage)
+    assert storage["loss"].global_sum == alone.metric_storage["total_loss"].global_sum
+    assert storage["total_loss"].global_sum == storage["loss"].global_sum
+    if wrap is dict:
+        assert 0 < storage["aux_loss"].latest < storage["loss"].latest
 
 
 def test_dict_losses_are_summed_and_each_logged(make_trainer):

@@ -5,7 +5,7 @@ import contextlib
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -48,15 +48,17 @@ class Trainer:
     """Trains a model that returns its loss; hooks do everything around the loop.
 
     Each iteration fetches ``accumulation_steps`` batches, runs ``model(batch)`` (or
-    ``model(**batch)``), which returns a scalar loss or a dict of them, back-propagates their sum
-    and steps the optimizer. The default hooks update the LR, save checkpoints under
+    ``model(**batch)``), which returns a scalar loss, a dict of them or an output with a ``loss``
+    (a Hugging Face ``ModelOutput``), back-propagates the total (see :meth:`compute_losses`) and
+    steps the optimizer. The default hooks update the LR, save checkpoints under
     ``work_dir/checkpoints`` and log to the console, ``log.txt``, TensorBoard and
     ``metrics.jsonl``. Override :meth:`train_one_iter` for anything fancier: the public methods
     it uses keep every feature. SIGTERM or SIGUSR1 saves after the current iteration and exits
     with status 128 + the signal number.
 
     Args:
-        model: Returns a scalar loss tensor or a dict of them; it moves the batch to its device.
+        model: Returns a scalar loss tensor, a dict of them or an output with a ``loss``; it
+            moves the batch to its device.
         optimizer: The optimizer of ``model``'s parameters.
         lr_scheduler: A ``torch.optim.lr_scheduler`` scheduler, an :class:`LRWarmupScheduler`,
             or None for a constant LR.
@@ -622,7 +624,15 @@ class Trainer:
 
     def compute_losses(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Run the model on ``batch`` under :meth:`autocast`; returns the loss to back-propagate
-        and the detached losses to log, ``total_loss`` among them."""
+        and the detached values to log, ``total_loss`` (what is back-propagated) among them.
+
+        The model returns a scalar loss, or an output with a ``loss`` (a mapping such as a
+        Hugging Face ``ModelOutput``, or an object with a ``loss`` attribute), or a dict of
+        losses. An output's ``loss`` is the total, back-propagated alone and logged (also as
+        ``total_loss``); the mapping's other 0-d tensors are logged as metrics, never added to
+        it, and the rest (logits, hidden states, caches, None) is left alone. A dict without
+        ``loss`` is losses, each logged, whose sum is back-propagated; its values without a
+        gradient beside ones with are metrics, not losses."""
         with self.autocast():
             out = self.model(**batch) if self._unpack_batch_dict else self.model(batch)
         if isinstance(out, torch.Tensor):  # the loss
@@ -630,17 +640,50 @@ class Trainer:
         return _total_loss(out)
 
 
-def _total_loss(losses: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The sum of a dict of losses to back-propagate, and the detached values to log; values
-    without a gradient beside ones with are metrics, not losses."""
-    if not isinstance(losses, dict) or not losses:
+def _total_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The loss to back-propagate from a model's output other than a tensor, and the detached
+    values to log, as :meth:`Trainer.compute_losses` says."""
+    mapping = isinstance(out, Mapping)
+    loss = out.get("loss") if mapping else getattr(out, "loss", None)
+    if loss is None and not (mapping and out):
         raise TypeError(
-            f"model must return a loss or a non-empty dict of losses, got {type(losses).__name__}."
+            "model must return a loss, a dict of losses or an output with a 'loss', "
+            f"got {type(out).__name__}."
         )
-    for name, value in losses.items():
+    if loss is not None:
+        # Hugging Face's and Lightning's convention: `loss` is the total (an MoE model's
+        # aux_loss is in it already), so nothing is added to it
+        if not isinstance(loss, torch.Tensor):
+            raise TypeError(
+                f"The model's 'loss' must be a scalar tensor, got {type(loss).__name__}."
+            )
+        if loss.numel() != 1:
+            raise ValueError(
+                f"The model's 'loss' must be a scalar tensor, got shape {tuple(loss.shape)}."
+            )
+        logged = {
+            name: value.detach()
+            for name, value in (out.items() if mapping else ())
+            if isinstance(value, torch.Tensor) and value.dim() == 0
+        }
+        logged["loss"] = logged["total_loss"] = loss.detach()
+        return loss, logged
+    # a dict of losses: what is not a loss (logits, say) goes beside a `loss`, the total
+    fix = (
+        "return it beside the total loss in a 'loss' entry, back-propagated alone "
+        "(a Hugging Face model has one when the batch has labels)"
+    )
+    for name, value in out.items():
         if not isinstance(value, torch.Tensor):
-            raise TypeError(f"Loss {name!r} must be a scalar tensor, got {type(value).__name__}.")
-    logged = {name: value.detach() for name, value in losses.items()}
+            raise TypeError(
+                f"Loss {name!r} must be a scalar tensor, got {type(value).__name__}: {fix}."
+            )
+        if value.numel() != 1:
+            raise ValueError(
+                f"Loss {name!r} must be a scalar tensor, got shape {tuple(value.shape)}: {fix}."
+            )
+    logged = {name: value.detach() for name, value in out.items()}
+    losses = dict(out)
     if any(value.requires_grad for value in losses.values()):
         losses = {name: value for name, value in losses.items() if value.requires_grad}
     first, *rest = losses.values()
