@@ -310,7 +310,7 @@ def scheduled(tmp_path, scheduler, stream=False, **kwargs):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     loader = DataLoader(Stream(), batch_size=4) if stream else tiny_loader(64)
     if "max_iters" not in kwargs:
-        kwargs["max_epochs"] = 3
+        kwargs.setdefault("max_epochs", 3)
     kwargs.setdefault("checkpoint_period", 0)
     return Trainer(
         model, optimizer, scheduler(optimizer), loader, work_dir=tmp_path, log_period=16, **kwargs
@@ -334,6 +334,8 @@ def scheduled(tmp_path, scheduler, stream=False, **kwargs):
             r"by_epoch=True .*ChainedScheduler .*48 steps",
         ),
         (lambda o: StepLR(o, 10), {"warmup_t": 48, "warmup_by_epoch": True}, r"warmup_by_epoch"),
+        # a first try cut short: 2 of the per-iteration schedule's 48 steps
+        (lambda o: CosineAnnealingLR(o, 48), {"max_iters": 32}, r"by_epoch=True .* 2 times"),
         # per-epoch horizons stepped per iteration: T_max=3 is over at iteration 3 of 48
         (
             lambda o: CosineAnnealingLR(o, T_max=3),
@@ -370,6 +372,8 @@ def test_a_schedule_stepped_against_its_horizon_is_refused_at_start(
         (lambda o: CosineAnnealingLR(o, T_max=4), {}),  # a bit longer than the run, on purpose
         (lambda o: CosineAnnealingLR(o, T_max=60), {"by_epoch": False}),
         (lambda o: MultiStepLR(o, [1, 2]), {}),  # milestones inside the run
+        # a first try of 1 epoch (16 iterations) of a schedule of 10 epochs
+        (lambda o: CosineAnnealingLR(o, T_max=10), {"max_epochs": 1}),
         (lambda o: MultiStepLR(o, [24, 40]), {"by_epoch": False}),
         (lambda o: OneCycleLR(o, 0.1, total_steps=3), {}),
         (lambda o: OneCycleLR(o, 0.1, total_steps=48), {"by_epoch": False}),

@@ -251,28 +251,31 @@ def schedule_horizon(scheduler: Any) -> Optional[int]:
     return None
 
 
-def check_steps(scheduler: LRWarmupScheduler, epochs: Optional[int], iters: int) -> None:
-    """Refuse a schedule that a run of ``epochs`` (None: a stream's, unknown) and ``iters``
-    would step in a unit its horizon contradicts (docs/arguments.md, "How the schedule steps"):
-    a horizon nearer, by ratio, to the run's count in the other unit than to the count
-    ``by_epoch`` gives; one stepped per iteration may be short if it is a warmup (ends at the
-    base LR). And a OneCycleLR that the run would step past ``total_steps``, where it raises."""
+def check_steps(
+    scheduler: LRWarmupScheduler, epochs: Optional[int], iters: int, epoch_len: Optional[int]
+) -> None:
+    """Refuse a schedule that a run of ``epochs`` of ``epoch_len`` iterations (None: a
+    stream's, unknown) and ``iters`` in all would step in a unit its horizon contradicts
+    (docs/arguments.md, "How the schedule steps"): a horizon of at least an epoch's iterations
+    counts iterations (stepped per epoch, it must fit in the run's epochs); one shorter than an
+    epoch (and the run) counts epochs, unless it is a warmup (ends at the base LR). And a
+    OneCycleLR that the run would step past ``total_steps``, where it raises."""
     torch_scheduler = scheduler.torch_scheduler
     horizon = schedule_horizon(torch_scheduler)
     by_epoch = scheduler.by_epoch
     steps = epochs if by_epoch else iters
     run = f"{epochs} epochs ({iters} iterations)" if epochs else f"{iters} iterations"
     said = f"by_epoch={by_epoch} steps {type(torch_scheduler).__name__} {steps} times in {run}"
-    if horizon is not None and epochs is not None:
+    if horizon is not None and epochs is not None and epoch_len is not None:
         warmup = isinstance(torch_scheduler, ConstantLR) or (
             isinstance(torch_scheduler, LinearLR) and torch_scheduler.end_factor == 1
         )
-        if by_epoch and horizon * horizon > epochs * iters:
+        if by_epoch and epochs < horizon and epoch_len <= horizon:
             raise ValueError(
                 f"{said}, but its horizon of {horizon} steps counts iterations: pass "
                 f"by_epoch=False, or build it for {epochs} epochs."
             )
-        if not by_epoch and horizon * horizon < epochs * iters and not warmup:
+        if not by_epoch and horizon < min(epoch_len, iters) and not warmup:
             raise ValueError(
                 f"{said}, but its horizon of {horizon} steps counts epochs: pass by_epoch=True, "
                 f"or build it for {iters} iterations."
@@ -283,11 +286,13 @@ def check_steps(scheduler: LRWarmupScheduler, epochs: Optional[int], iters: int)
             f"total_steps={steps}."
         )
     warmup_t = scheduler.warmup_t
-    if scheduler.warmup_by_epoch and epochs is not None and warmup_t * warmup_t > epochs * iters:
-        raise ValueError(
-            f"warmup_by_epoch=True counts warmup_t={warmup_t} in epochs, but {warmup_t} is nearer "
-            f"this run's {iters} iterations than its {epochs} epochs: pass warmup_by_epoch=False."
-        )
+    if scheduler.warmup_by_epoch and epochs is not None and epoch_len is not None:
+        if epochs < warmup_t and epoch_len <= warmup_t:
+            raise ValueError(
+                f"warmup_by_epoch=True counts warmup_t={warmup_t} in epochs, past this run's "
+                f"{epochs} epochs and as long as an epoch's {epoch_len} iterations: pass "
+                "warmup_by_epoch=False."
+            )
 
 
 def describe_steps(scheduler: LRWarmupScheduler, epochs: Optional[int], iters: int) -> str:

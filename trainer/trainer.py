@@ -155,7 +155,8 @@ class Trainer:
                 warmup_factor,
                 optimizer=optimizer,
             )
-        check_steps(lr_scheduler, self.max_epochs, self.max_iters)  # before it steps wrongly
+        # before it steps in a unit its horizon contradicts
+        check_steps(lr_scheduler, self.max_epochs, self.max_iters, self.epoch_len)
         self.lr_scheduler = lr_scheduler
         self._unpack_batch_dict = unpack_batch_dict
 
