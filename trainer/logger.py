@@ -48,7 +48,7 @@ def is_terminal(stream: Any) -> bool:
 
 def in_notebook() -> bool:
     """Whether this runs in a Jupyter kernel (IPython's ``ZMQInteractiveShell``), where a
-    progress bar shows as a widget (or a line of text) above the cell's output."""
+    progress bar shows as a widget (or a line of text) in the cell's output."""
     ipython = sys.modules.get("IPython")  # a kernel has imported it: no need to import it here
     shell = ipython.get_ipython() if ipython is not None else None
     return type(shell).__name__ == "ZMQInteractiveShell"

@@ -32,7 +32,8 @@ class ProgressBarHook(HookBase):
 
     Args:
         interval: Seconds between redraws.
-        stream: Where to draw (``sys.stderr``, where the log lines go, by default).
+        stream: Where to draw (``sys.stderr``, where the log lines go, by default); a notebook's
+            widget shows in the cell's output.
 
     Example::
 
