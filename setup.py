@@ -32,7 +32,8 @@ setup(
     # every name imported from it as Any
     package_data={"trainer": ["py.typed"]},
     python_requires=">=3.9",
-    install_requires=["torch>=2.4", "numpy", "tensorboard", "tabulate"],
+    # tqdm: the progress bar, on a terminal and in a notebook (small, no dependencies of its own)
+    install_requires=["torch>=2.4", "numpy", "tensorboard", "tabulate", "tqdm>=4.66"],
     extras_require={
         # setuptools: tests/test_packaging.py builds the wheel with it, without a download
         "dev": [
@@ -53,6 +54,10 @@ setup(
             # tests/test_transformers.py: Hugging Face models trained as they are (checked with
             # 4.46.3 and 5.24.0)
             "transformers>=4.46",
+            # a notebook run in a Jupyter kernel, its progress bar a widget
+            "nbclient",
+            "ipykernel",
+            "ipywidgets",
         ],
         "examples": ["scikit-learn"],
         # `mkdocs build --strict` builds the site in docs/ (.ci/run does)

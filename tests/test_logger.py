@@ -110,9 +110,9 @@ def test_log_files_are_not_written_through_a_symbolic_link(tmp_path):
     assert not target.exists()
 
 
-def test_setup_logger_and_the_live_line_live_in_the_logger_module():
+def test_setup_logger_and_the_console_checks_live_in_the_logger_module():
     import trainer
-    from trainer.logger import LiveLine, draws_safely_on, setup_logger
+    from trainer.logger import draws_safely_on, in_notebook, setup_logger
 
     assert setup_logger is trainer.setup_logger  # core-pytorch-utils' cpu.logger path
-    assert {LiveLine.__module__, draws_safely_on.__module__} == {"trainer.logger"}
+    assert {in_notebook.__module__, draws_safely_on.__module__} == {"trainer.logger"}

@@ -1,19 +1,21 @@
 """Console and file logging for the ``trainer`` package, :func:`setup_logger` for your own scripts,
-and the live line a progress bar draws below the log records."""
+and the progress bar kept below the log records."""
 
 import contextlib
 import logging
 import os
 import sys
-import threading
 from collections.abc import Iterator
 from typing import Any, Optional
 
+from tqdm.auto import tqdm
+
 __all__ = [
-    "LiveLine",
+    "LOG_POINT",
     "TRACEBACK_FOLLOWS",
     "draws_safely_on",
     "ensure_console_logging",
+    "in_notebook",
     "is_terminal",
     "log_file_path",
     "log_to_file",
@@ -31,29 +33,38 @@ _DATE_FORMAT = "%m/%d %H:%M:%S"
 # on the console, Python prints it once, as the exception leaves the program.
 TRACEBACK_FOLLOWS = "trainer_traceback_follows"
 
-#: The progress bar's ``LiveLine`` while drawn (else None), redrawn below each console record.
-live_line: Any = None
+# A log point's console line is logged with ``extra={LOG_POINT: True}``: in a notebook, the
+# progress bar stands for it on the console (log.txt has it all the same).
+LOG_POINT = "trainer_log_point"
+
+#: The progress bar (a ``tqdm``) while drawn, else None: kept below each console record.
+live_bar: Any = None
 
 
 def is_terminal(stream: Any) -> bool:
-    """Whether ``stream`` is a terminal (where a live line can be drawn)."""
+    """Whether ``stream`` is a terminal (where a progress bar can be drawn)."""
     return callable(getattr(stream, "isatty", None)) and stream.isatty()
+
+
+def in_notebook() -> bool:
+    """Whether this runs in a Jupyter kernel (IPython's ``ZMQInteractiveShell``), where a
+    progress bar shows as a widget (or a line of text) in the cell's output."""
+    ipython = sys.modules.get("IPython")  # a kernel has imported it: no need to import it here
+    shell = ipython.get_ipython() if ipython is not None else None
+    return type(shell).__name__ == "ZMQInteractiveShell"
 
 
 class _ConsoleHandler(logging.StreamHandler):
     def emit(self, record: logging.LogRecord) -> None:
         if record.exc_info and getattr(record, TRACEBACK_FOLLOWS, False):
             record = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None})
-        line = live_line
-        if line is None or line.stream is not self.stream:
+        if live_bar is None:
             super().emit(record)
-            return
-        with line.lock:  # a record from another thread (a save's) waits for a redraw to end
-            drawn = line.text
-            line.erase()
-            super().emit(record)
-            if drawn:
-                line.show(drawn)  # the live line again, below the record
+        elif not (getattr(record, LOG_POINT, False) and in_notebook()):
+            # clears the bars on this stream, and draws them again below the record; tqdm's lock
+            # makes a record from another thread (a save's) and a redraw wait for each other
+            with tqdm.external_write_mode(file=self.stream):
+                super().emit(record)
 
 
 def _console_handler() -> logging.Handler:
@@ -174,42 +185,9 @@ def log_file_path(output: str, rank: int = 0) -> str:
     return rank_log_file(output if is_file else os.path.join(output, "log.txt"), rank)
 
 
-class LiveLine:
-    """The console's last line, redrawn in place, which the records of this package's console
-    handler clear and draw again below them while it is ``trainer.logger.live_line``."""
-
-    def __init__(self, stream: Any) -> None:
-        self.stream = stream
-        self.text = ""
-        # held while the line or a record is written: records come from other threads too
-        self.lock = threading.RLock()
-
-    def show(self, text: str) -> None:
-        """Draw ``text`` over the line."""
-        with self.lock:
-            self.text = text
-            self.stream.write("\r" + text + "\x1b[K")
-            self.stream.flush()
-
-    def finish(self) -> None:
-        """End the line where it is: the next one starts below it."""
-        with self.lock:
-            if self.text:
-                self.stream.write("\n")
-                self.stream.flush()
-                self.text = ""
-
-    def erase(self) -> None:
-        """Clear the line and forget it: nothing is drawn again until :meth:`show`."""
-        with self.lock:
-            if self.text:
-                self.stream.write("\r\x1b[K")
-            self.text = ""
-
-
 def draws_safely_on(stream: Any) -> bool:
     """Whether every handler that prints the trainer's records on ``stream`` is this package's
-    console handler, which clears a live line and draws it again below each record."""
+    console handler, which clears the progress bar and draws it again below each record."""
     log = logging.getLogger("trainer")
     handlers = log.handlers + (logging.getLogger().handlers if log.propagate else [])
     return all(

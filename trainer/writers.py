@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .checkpoint_io import atomic_write
-from .logger import open_no_follow, refuse_link
+from .logger import LOG_POINT, open_no_follow, refuse_link
 from .misc import check_type
 
 logger = logging.getLogger("trainer.hooks.logger_hook")
@@ -143,7 +143,7 @@ class ConsoleWriter(MetricWriter):
         device = next(trainer.model.parameters()).device
         if device.type == "cuda":  # reads the allocator's counters: no device sync
             parts.append(f"max_mem {torch.cuda.max_memory_allocated(device) / 2**20:.0f}M")
-        logger.info("  ".join(parts))
+        logger.info("  ".join(parts), extra={LOG_POINT: True})
 
 
 class TensorBoardWriter(MetricWriter):
@@ -244,7 +244,7 @@ class JSONLinesWriter(MetricWriter):
 # and MLflowWriter alike): the seed (random unless set, and a resume restores every RNG from the
 # checkpoint), the torch version (the machine's), the work_dir (the same folder, perhaps moved).
 _NOT_SETTINGS = ("seed", "torch", "work_dir")
-# Drawn only on a terminal: it comes and goes with where the output goes.
+# Drawn only on a terminal or in a notebook: it comes and goes with where the output goes.
 _TERMINAL_HOOKS = ("ProgressBarHook",)
 
 

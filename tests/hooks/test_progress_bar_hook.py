@@ -3,10 +3,16 @@ import io
 import logging
 import os
 import re
+import sys
 import threading
+import types
 
+import pytest
+from tqdm.auto import tqdm
+
+import trainer.logger as trainer_logging
+from trainer import HookBase
 from trainer.hooks import ProgressBarHook
-from trainer.hooks.progress_bar_hook import LiveLine
 from trainer.logger import _console_handler
 
 from conftest import FakeClock, Tick
@@ -17,44 +23,54 @@ class Terminal(io.StringIO):
         return True
 
 
-def drawn_lines(output):
-    """The screen's lines: each redraw (\\r) overwrites the line it is on."""
-    return [line.split("\r")[-1].replace("\x1b[K", "") for line in output.split("\n")]
+def screen(output):
+    """The lines a terminal (or a notebook's output area) shows: a carriage return goes back to
+    the line's start, and what follows it overwrites what was there."""
+    lines = []
+    for line in output.split("\n"):
+        shown = ""
+        for part in line.split("\r"):
+            shown = part + shown[len(part) :]
+        lines.append(shown.rstrip())
+    return lines
 
 
 def test_the_bar_draws_each_epoch_on_a_terminal_a_few_times_a_second(make_trainer, monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr("trainer.hooks.progress_bar_hook.time", clock)
-    monkeypatch.setattr("shutil.get_terminal_size", lambda fallback: os.terminal_size((80, 24)))
+    monkeypatch.setattr("tqdm.std.time", clock.time)  # tqdm's clock, for the it/s
     terminal = Terminal()
     trainer = make_trainer(max_epochs=2, log_period=4)
     trainer.register_hooks([Tick(clock, 0.05), ProgressBarHook(interval=0.2, stream=terminal)])
     trainer.train()
     output = terminal.getvalue()
-    # at most one redraw per 0.2 s (4 iterations of 0.05 s), plus each epoch's last one
-    assert output.count("\r") == 2 * (2 + 1)
-    epoch_1, epoch_2, rest = drawn_lines(output)
+    # each epoch: its start, at most one redraw per 0.2 s (4 iterations of 0.05 s: 2), its end,
+    # and its line left standing
+    assert output.count("\r") == 2 * (1 + 2 + 1 + 1)
+    epoch_1, epoch_2, rest = screen(output)
     loss = trainer.metric_storage.value_maybe_smooth("total_loss")  # as of the last log point
-    assert re.fullmatch(r"epoch 1/2 \[#+\] 8/8  20 it/s  ETA 0:00:00  loss [\d.]+", epoch_1)
-    assert re.fullmatch(r"epoch 2/2 \[#+\] 8/8  20 it/s  ETA 0:00:00  loss (.+)", epoch_2)
-    assert epoch_2.endswith(f"loss {loss:.4g}") and len(epoch_1) == len(epoch_2) == 79  # width
-    first_draw = output.split("\r")[1]  # after 1 of 8 iterations: 1/8 of the bar
-    assert re.fullmatch(r"epoch 1/2 \[(#*)(-*)\] 1/8  20 it/s  ETA 0:00:00\x1b\[K", first_draw)
+    assert re.fullmatch(r"epoch 1/2 \|#+\| 8/8 \[20.00it/s, ETA 0:00:00, loss [\d.]+\]", epoch_1)
+    assert re.fullmatch(r"epoch 2/2 \|#+\| 8/8 \[20.00it/s, ETA 0:00:00, loss (.+)\]", epoch_2)
+    assert epoch_2.endswith(f"loss {loss:.4g}]")
+    first_draw = output.split("\r")[2]  # after 1 of 8 iterations (the 1st: at the epoch's start)
+    assert re.fullmatch(r"epoch 1/2 \|#.{9}\| 1/8 \[20.00it/s, ETA 0:00:00\] *", first_draw)
     assert rest == ""  # each epoch's line ended, and nothing after
+    assert trainer_logging.live_bar is None  # the log records no longer clear it
 
 
 def test_the_bar_shows_the_eta_of_the_run_and_a_stream_without_a_total(make_trainer, monkeypatch):
     clock = FakeClock()
     monkeypatch.setattr("trainer.hooks.progress_bar_hook.time", clock)
+    monkeypatch.setattr("tqdm.std.time", clock.time)
     terminal = Terminal()
     stream = [batch for batch in make_trainer(max_epochs=1).data_loader]  # 8 batches
     trainer = make_trainer(max_iters=12, loader=iter_forever(stream), log_period=4)
     trainer.register_hooks([Tick(clock, 1.0), ProgressBarHook(interval=0.1, stream=terminal)])
     trainer.train()
-    lines = terminal.getvalue().split("\r")
+    draws = terminal.getvalue().split("\r")
     # after 3 of 12 iterations of 1 s, 9 more take 9 s; no bar and no total in a stream
-    assert lines[3] == "epoch 1 [3]  1 it/s  ETA 0:00:09\x1b[K"
-    assert drawn_lines(terminal.getvalue())[0].startswith("epoch 1 [12]  1 it/s  ETA 0:00:00")
+    assert draws[4].rstrip() == "epoch 1 3it [ 1.00it/s, ETA 0:00:09]"
+    assert screen(terminal.getvalue())[0].startswith("epoch 1 12it [ 1.00it/s, ETA 0:00:00, loss")
 
 
 class iter_forever:
@@ -88,32 +104,27 @@ def test_on_a_terminal_the_bar_is_a_default_hook_that_unregisters(make_trainer, 
 
 @contextlib.contextmanager
 def drawing_on(terminal, monkeypatch):
-    """(a logger printing on ``terminal`` through the console handler, the live line there)"""
+    """(a logger printing on ``terminal`` through the console handler, the bar there)"""
     monkeypatch.setattr("sys.stderr", terminal)
     handler = _console_handler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     log = logging.getLogger("trainer.test_bar")
     log.addHandler(handler)
-    line = LiveLine(terminal)
-    monkeypatch.setattr("trainer.logger.live_line", line)
+    bar = tqdm(total=4, file=terminal, bar_format="{desc}")
+    monkeypatch.setattr("trainer.logger.live_bar", bar)
     try:
-        yield log, line
+        yield log, bar
     finally:
         log.removeHandler(handler)
+        bar.close()
 
 
 def test_a_log_line_clears_the_bar_and_draws_it_again_below(monkeypatch):
     terminal = Terminal()
-    with drawing_on(terminal, monkeypatch) as (log, line):
-        line.show("epoch 1 [##--] 2/4")
+    with drawing_on(terminal, monkeypatch) as (log, bar):
+        bar.set_description_str("epoch 1 [##--] 2/4")
         log.warning("a log line")
-        line.finish()
-    assert terminal.getvalue() == (
-        "\repoch 1 [##--] 2/4\x1b[K"  # the bar
-        "\r\x1b[Ka log line\n"  # cleared, the log line
-        "\repoch 1 [##--] 2/4\x1b[K\n"  # the bar again, then ended
-    )
-    assert drawn_lines(terminal.getvalue()) == ["a log line", "epoch 1 [##--] 2/4", ""]
+    assert screen(terminal.getvalue()) == ["a log line", "epoch 1 [##--] 2/4", ""]
 
 
 class HeldTerminal(Terminal):
@@ -134,21 +145,118 @@ def test_a_record_from_another_thread_is_never_drawn_over_by_the_bar(monkeypatch
     """A checkpoint's "Saved ... (on disk)" comes from the writer thread: while it is written,
     the bar's redraw from the training thread waits, so the record keeps a line of its own."""
     terminal = HeldTerminal("saved")
-    with drawing_on(terminal, monkeypatch) as (log, line):
-        line.show("epoch 1 [#---] 1/4")
+    with drawing_on(terminal, monkeypatch) as (log, bar):
+        bar.set_description_str("epoch 1 [#---] 1/4")
         writer = threading.Thread(target=log.warning, args=("saved",))
         writer.start()
         assert terminal.writing.wait(timeout=60)  # the record is being written
-        redraw = threading.Thread(target=line.show, args=("epoch 1 [##--] 2/4",))
+        redraw = threading.Thread(target=bar.set_description_str, args=("epoch 1 [##--] 2/4",))
         redraw.start()
         redraw.join(timeout=0.2)  # it cannot end while the record is written
         terminal.go.set()
         writer.join()
         redraw.join()
-        line.finish()
-    assert terminal.getvalue() == (
-        "\repoch 1 [#---] 1/4\x1b[K"  # the bar
-        "\r\x1b[Ksaved\n"  # cleared, the record
-        "\repoch 1 [#---] 1/4\x1b[K"  # the bar again below it
-        "\repoch 1 [##--] 2/4\x1b[K\n"  # then the redraw, which waited
+    assert screen(terminal.getvalue()) == ["saved", "epoch 1 [##--] 2/4", ""]
+
+
+class ZMQInteractiveShell:
+    """IPython's shell in a Jupyter kernel, by its name: what tqdm and the trainer look for."""
+
+
+def test_in_a_notebook_one_bar_stands_for_the_log_points_lines(make_trainer, monkeypatch):
+    """In a notebook without ipywidgets (tqdm draws text there, as here), and with it (a widget:
+    test_a_notebook_shows_one_progress_display), the console keeps one bar for the run and
+    every line but the log points'."""
+    shell = ZMQInteractiveShell()
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: shell))
+    console = io.StringIO()  # a kernel's stderr is not a terminal
+    monkeypatch.setattr("sys.stderr", console)
+    handler = _console_handler()  # what a notebook's trainer prints on, on stderr
+    logging.getLogger("trainer").addHandler(handler)
+    try:
+        trainer = make_trainer(max_epochs=2, log_period=2)  # 16 iterations: 8 log points
+        assert "ProgressBarHook (priority 91)" in trainer.hooks.info()
+        trainer.register_hook(Warn())
+        trainer.train()
+    finally:
+        logging.getLogger("trainer").removeHandler(handler)
+    shown = screen(console.getvalue())
+    assert [line for line in shown if line.startswith("epoch")] == [shown[-2]]  # one, last
+    assert re.fullmatch(r"epoch 2/2 \|#+\| 8/8 \[.*it/s, ETA 0:00:00, loss [\d.]+\]", shown[-2])
+    assert not any(" iter " in line for line in shown)  # no log point's line
+    assert any("WARNING]: careful" in line for line in shown)
+    assert any("Start training with iteration 1 of 16" in line for line in shown)
+    assert any("Run summary" in line for line in shown)
+    log = open(trainer.log_file).read()
+    assert len(re.findall(r"INFO\]: epoch \d/2 \[\d/8\]  iter \d+/16", log)) == 8  # all in log.txt
+
+
+class Warn(HookBase):
+    def after_iter(self):
+        if self.trainer.cur_iter == 5:
+            logging.getLogger("trainer.test_bar").warning("careful")
+
+
+NOTEBOOK_CELL = """
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+from trainer import Trainer
+
+class Regression(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 1)
+
+    def forward(self, batch):
+        x, y = batch
+        return nn.functional.mse_loss(self.linear(x), y)
+
+torch.manual_seed(0)
+data = TensorDataset(torch.randn(400, 4), torch.randn(400, 1))
+model = Regression()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+trainer = Trainer(model, optimizer, None, DataLoader(data, batch_size=4), max_epochs=2,
+                  log_period=10, checkpoint_period=0, work_dir="work_dir")
+trainer.train()
+trainer.cur_iter + 1
+"""
+
+WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
+@pytest.mark.slow
+def test_a_notebook_shows_one_progress_display(tmp_path):
+    """Runs a notebook as Jupyter does (a kernel, nbclient) with this trainer: 200 iterations,
+    20 log points."""
+    pytest.importorskip("ipykernel", reason="ipykernel (the dev extra) is not installed")
+    nbformat = pytest.importorskip("nbformat", reason="nbformat (the dev extra) is missing")
+    nbclient = pytest.importorskip("nbclient", reason="nbclient (the dev extra) is missing")
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(NOTEBOOK_CELL)])
+    client = nbclient.NotebookClient(
+        notebook,
+        timeout=120,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+        store_widget_state=True,
     )
+    package = os.path.dirname(os.path.dirname(trainer_logging.__file__))  # this `trainer`
+    client.execute(env={**os.environ, "PYTHONPATH": package})
+    outputs = notebook.cells[0].outputs
+    assert outputs[-1]["data"]["text/plain"] == "200"  # the run finished
+    stderr = "".join(out["text"] for out in outputs if out.get("name") == "stderr")
+    shown = screen(stderr)  # what the notebook shows of the stream
+    assert any("Start training with iteration 1 of 200" in line for line in shown)
+    assert not any(" iter " in line for line in shown)  # no log point's line
+    widgets = [out for out in outputs if WIDGET in out.get("data", {})]
+    if widgets:  # ipywidgets installed: one widget, its final state the last epoch's end
+        assert len(widgets) == 1 and not any(line.startswith("epoch") for line in shown)
+        state = notebook.metadata["widgets"]["application/vnd.jupyter.widget-state+json"]
+        models = [model["state"] for model in state["state"].values()]
+        bars = [m for m in models if m.get("_model_name") == "FloatProgressModel"]
+        assert [(bar["value"], bar["max"]) for bar in bars] == [(100, 100)]
+        texts = [m["value"] for m in models if m.get("_model_name") == "HTMLModel"]
+        assert any(text.startswith("epoch\u20072/2") for text in texts)  # spaces: U+2007
+    else:  # tqdm draws text: one line, the last epoch's
+        assert len([line for line in shown if line.startswith("epoch")]) == 1
+        assert any(re.match(r"epoch 2/2 \|.+\| 100/100", line) for line in shown)

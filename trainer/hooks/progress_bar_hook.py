@@ -1,33 +1,43 @@
-"""A live progress bar on a terminal: a line per epoch, redrawn a few times a second."""
+"""A live progress bar, tqdm's: on a terminal a line per epoch, in a Jupyter notebook one display
+for the run."""
 
-import shutil
 import sys
 import time
-from typing import Optional, TextIO
+from typing import Any, Optional, TextIO
+
+from tqdm.auto import tqdm
 
 from .. import logger as trainer_logging
 from ..distributed import is_main_process
-from ..logger import LiveLine, draws_safely_on, is_terminal
+from ..logger import draws_safely_on, in_notebook, is_terminal
 from ..misc import NUMBER, check_type
 from ..writers import time_left
 from .hookbase import HookBase, Priority
 
+# what the bar shows: with an epoch's length known, and in a stream, whose passes have none
+_FORMAT = "{desc} |{bar}| {n_fmt}/{total_fmt} [{rate_fmt}{postfix}]"
+_STREAM_FORMAT = "{desc} {n_fmt}it [{rate_fmt}{postfix}]"
+
 
 class ProgressBarHook(HookBase):
-    """Draws the epoch's progress on the console when it is a terminal, on rank 0: iterations
-    done of the epoch's, iterations per second, the ETA of the run and the smoothed loss as of
-    the last log point (so it reads nothing from the device). It redraws at most every
-    ``interval`` seconds, and each epoch's line stays when the epoch ends. Log lines print above
-    it; ``log.txt`` is the same as without it. On files, CI logs, notebooks that are not
-    terminals, and other ranks, it draws nothing: the log lines are what they get.
+    """Draws the epoch's progress with tqdm on rank 0, on a terminal or in a Jupyter notebook:
+    iterations done of the epoch's, iterations per second, the ETA of the run and the smoothed
+    loss as of the last log point (so it reads nothing from the device). It redraws at most
+    every ``interval`` seconds. On a terminal each epoch's line stays when the epoch ends, and
+    log lines print above the bar. In a notebook one display for the run (a widget with
+    ipywidgets installed, else a line of text) stands for the log points' lines, which go to
+    ``log.txt`` and the other writers only; the other records print. ``log.txt`` is the same
+    either way. On files, CI logs and other ranks it draws nothing: the log lines are what they
+    get.
 
     Args:
         interval: Seconds between redraws.
-        stream: Where to draw (``sys.stderr``, where the log lines go, by default).
+        stream: Where to draw (``sys.stderr``, where the log lines go, by default); a notebook's
+            widget shows in the cell's output.
 
     Example::
 
-        >>> hook = ProgressBarHook()  # the Trainer registers one on a terminal
+        >>> hook = ProgressBarHook()  # the Trainer registers one on a terminal or in a notebook
     """
 
     priority = Priority.LOGGER + 1  # after LoggerHook: the log point's loss is fresh
@@ -38,89 +48,89 @@ class ProgressBarHook(HookBase):
             raise ValueError(f"interval must be a number of seconds > 0, got {interval!r}.")
         self._interval = interval
         self._stream = stream
-        self._line: Optional[LiveLine] = None  # while drawing
+        self._drawing = False
+        self._bar: Any = None  # a tqdm bar: on a terminal the epoch's, in a notebook the run's
         self._next_draw = 0.0
         self._loss = ""
         self._train_start = 0.0
-        self._epoch_start = (0.0, 0)  # (time, iterations done) when the epoch (or run) began
 
     @staticmethod
     def wanted(stream: Optional[TextIO] = None) -> bool:
-        """Whether a bar would show: on rank 0, on a terminal."""
-        return is_main_process() and is_terminal(stream or sys.stderr)
+        """Whether a bar would show: on rank 0, on a terminal or in a Jupyter notebook."""
+        return is_main_process() and (is_terminal(stream or sys.stderr) or in_notebook())
 
     def before_train(self) -> None:
-        """Start drawing, if the console is a terminal that only this package's console handler
-        prints on (a handler of your own there would print over the bar)."""
+        """Start drawing, if the console is a terminal (or a notebook) that only this package's
+        console handler prints on (a handler of your own there would print over the bar)."""
         stream = self._stream or sys.stderr
-        if self.wanted(stream) and draws_safely_on(stream):
-            self._train_start = time.perf_counter()
-            self._line = trainer_logging.live_line = LiveLine(stream)
+        self._drawing = self.wanted(stream) and draws_safely_on(stream)
+        self._train_start = time.perf_counter()
 
     def before_epoch(self) -> None:
-        """A new line for the epoch, drawn at its first iteration's end."""
-        if self._line is not None:
-            self._epoch_start = (time.perf_counter(), self._done_in_epoch())
-            self._next_draw = 0.0
+        """Start the epoch's bar: on a terminal a new line, in a notebook the same display."""
+        if not self._drawing:
+            return
+        trainer = self.trainer
+        done = trainer.progress.position[1]  # 0, or where a resumed run goes on in the epoch
+        if trainer.max_epochs is None:
+            desc, total, bar_format = f"epoch {trainer.cur_epoch + 1}", None, _STREAM_FORMAT
+        else:
+            desc = f"epoch {trainer.cur_epoch + 1}/{trainer.max_epochs}"
+            total, bar_format = trainer.progress.epoch_iters, _FORMAT
+        if self._bar is None:
+            self._bar = trainer_logging.live_bar = tqdm(
+                desc=desc,
+                total=total,
+                initial=done,
+                file=self._stream or sys.stderr,
+                bar_format=bar_format,
+                dynamic_ncols=True,
+            )
+        else:  # a notebook's one display, for the run (a resumed epoch was the first)
+            self._bar.initial = 0
+            self._bar.set_description_str(desc, refresh=False)
+            self._bar.reset(total)
+        self._next_draw = 0.0
 
     def after_iter(self) -> None:
         """Take the loss at log points; redraw when ``interval`` has passed."""
-        if self._line is None:
+        if self._bar is None:
             return
         trainer = self.trainer
         done = trainer.cur_iter + 1
         if done % trainer.log_period == 0 or done == trainer.max_iters:
             storage = trainer.metric_storage  # flushed at this log point already: no sync
             if "total_loss" in storage:
-                self._loss = f"  loss {storage.value_maybe_smooth('total_loss'):.4g}"
+                self._loss = f", loss {storage.value_maybe_smooth('total_loss'):.4g}"
         now = time.perf_counter()
         if now >= self._next_draw:
-            self._draw(self._line, now)
+            self._draw(now)
 
     def after_epoch(self) -> None:
-        """Leave the epoch's final line on the screen."""
-        if self._line is not None:
-            self._draw(self._line, time.perf_counter())
-            self._line.finish()
+        """Draw the epoch's final state; on a terminal, leave its line on the screen."""
+        if self._bar is None:
+            return
+        self._draw(time.perf_counter())
+        if not in_notebook():
+            self._close(leave=True)
 
     def after_train(self) -> None:
         """Stop drawing: the last line stays, unless training did not finish (a traceback or
-        the Ctrl-C line comes next)."""
-        if self._line is None:
-            return
-        if self.trainer.progress.outcome == "finished":
-            self._line.finish()
-        else:
-            self._line.erase()
-        self._line = None
-        trainer_logging.live_line = None
+        the Ctrl-C line comes next; a notebook's bar turns red where it stopped)."""
+        if self._bar is not None:
+            self._close(leave=self.trainer.progress.outcome == "finished")
 
-    def _draw(self, line: LiveLine, now: float) -> None:
+    def _close(self, leave: bool) -> None:
+        self._bar.leave = leave
+        self._bar.close()
+        self._bar = trainer_logging.live_bar = None
+
+    def _draw(self, now: float) -> None:
         self._next_draw = now + self._interval
-        line.show(self._text(now))
-
-    def _done_in_epoch(self) -> int:
-        epoch, done = self.trainer.progress.position
-        return done if epoch == self.trainer.cur_epoch else self.trainer.inner_iter + 1
-
-    def _text(self, now: float) -> str:
         trainer = self.trainer
-        done_in_epoch = self._done_in_epoch()
-        started, done_before = self._epoch_start
-        rate = (done_in_epoch - done_before) / max(now - started, 1e-9)
         done = trainer.cur_iter + 1
         eta = time_left(
             now - self._train_start, done - trainer.start_iter, trainer.max_iters - done
         )
-        tail = f"  {rate:.3g} it/s  ETA {eta}{self._loss}"
-        if trainer.max_epochs is None:  # a stream: its passes have no known length
-            return f"epoch {trainer.cur_epoch + 1} [{done_in_epoch}]{tail}"
-        total = trainer.progress.epoch_iters
-        head = f"epoch {trainer.cur_epoch + 1}/{trainer.max_epochs} "
-        tail = f" {done_in_epoch}/{total}{tail}"
-        width = shutil.get_terminal_size((100, 20)).columns - 1
-        bar_width = width - len(head) - len(tail) - 2
-        if bar_width >= 10:
-            filled = bar_width * min(done_in_epoch, total) // total
-            head += "[" + "#" * filled + "-" * (bar_width - filled) + "]"
-        return (head + tail)[:width]
+        self._bar.n = trainer.inner_iter + 1
+        self._bar.set_postfix_str(f"ETA {eta}{self._loss}")  # and redraw
