@@ -16,7 +16,7 @@ class BestCheckpointHook(HookBase):
     evaluation metric ``metric`` reaches a new best (a NaN never is one).
 
     The first evaluation that lacks ``metric`` (a misspelt name) is warned about, naming the
-    results that came (see :func:`~trainer.hooks.metric_watch.warn_if_missing`).
+    results that came (see ``trainer.hooks.metric_watch.warn_if_missing``).
 
     The save waits for the end of the iteration or epoch (after the LR update and the regular
     checkpoint), so ``best.pth`` resumes exactly too. The best value is saved in checkpoints,
@@ -95,6 +95,6 @@ class BestCheckpointHook(HookBase):
         return {"best": self._saved_best}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what [`state_dict`][] returned."""
         self._watch.load_state_dict(state)
         self._saved_best = state["best"]
