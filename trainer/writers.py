@@ -368,9 +368,10 @@ class MLflowWriter(_TrackerWriter):
 
     Args:
         tracking_uri: Where MLflow keeps its runs: a tracking server's URL (a server that does
-            not answer within 5 s fails the start), ``file:./mlruns`` (MLflow 3 asks for
-            ``MLFLOW_ALLOW_FILE_STORE=true`` to use a folder)...; None: MLflow's default
-            (``MLFLOW_TRACKING_URI``).
+            not answer within 5 s fails the start), ``sqlite:///mlflow.db`` (a local database,
+            the store MLflow recommends), ``file:./mlruns`` (a folder: a store MLflow 3 keeps
+            in maintenance, used only with ``MLFLOW_ALLOW_FILE_STORE=true``)...; None: MLflow's
+            default (``MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db``).
         experiment_name: The run's experiment, created if missing.
         run_name: The run's name; None: MLflow makes one up.
     """
