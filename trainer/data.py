@@ -298,9 +298,9 @@ class UnsizedDataStream(DataStream):
 
     def has_next(self, n: int) -> bool:
         """Whether the current pass has the ``n`` batches of another iteration, fetched now
-        ([`next_batch`][] returns them); a pass that ends with fewer drops them, as a loader
-        with a length drops what is left over. Under torchrun every rank ends the pass when one
-        rank's ends (a CPU flag over gloo, no device sync)."""
+        ([`next_batch`][DataStream.next_batch] returns them); a pass that ends with fewer
+        drops them, as a loader with a length drops what is left over. Under torchrun every
+        rank ends the pass when one rank's ends (a CPU flag over gloo, no device sync)."""
         start = time.perf_counter()
         if self._iter is None:
             self._iter = self._start_pass()
