@@ -47,9 +47,11 @@ setup(
             "import-linter>=2.1",
             "setuptools>=70.1",
             "torchdata>=0.8",
-            # the tracker writers' tests: MLflow's file store, W&B offline, whose files the
-            # tests read with `wandb leet inspect`
+            # the tracker writers' tests: MLflow's SQLite store (as the mlflow extra), W&B
+            # offline, whose files the tests read with `wandb leet inspect`
             "mlflow-skinny>=3.0",
+            "sqlalchemy>=1.4,<3",
+            "alembic<2,!=1.10.0",
             "wandb>=0.31",
             # tests/test_transformers.py: Hugging Face models trained as they are (checked with
             # 4.46.3 and 5.24.0)
@@ -64,8 +66,10 @@ setup(
         "docs": ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26"],
         # StatefulDataLoader: checkpointed through its own state, IterableDatasets included
         "torchdata": ["torchdata>=0.8"],
-        # trainer.writers.MLflowWriter: MLflow's client (the full `mlflow` package includes it)
-        "mlflow": ["mlflow-skinny>=3.0"],
+        # trainer.writers.MLflowWriter: MLflow's client (the full `mlflow` package includes it),
+        # and what its SQLite store, the one MLflow recommends and its default, needs beside it
+        # (the full package's pins)
+        "mlflow": ["mlflow-skinny>=3.0", "sqlalchemy>=1.4,<3", "alembic<2,!=1.10.0"],
         # trainer.writers.WandbWriter: a resumed run rewinds the W&B run (resume_from, 0.17.1)
         "wandb": ["wandb>=0.17.1"],
     },

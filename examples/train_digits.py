@@ -15,6 +15,7 @@ one. Rerunning resumes from the latest checkpoint in ``--work-dir``.
 
 import argparse
 import logging
+import os
 
 import torch
 from sklearn.datasets import load_digits
@@ -82,6 +83,13 @@ def main() -> float:
 
     rank, world_size = init_distributed()
     setup_logger("train_digits", rank=rank)
+    if "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it to 1 for its workers
+        # A network this small runs about as fast on one intra-op thread (6.8 s against 6.2 s
+        # on 2 idle cores), and two wait for each other at every operation when another job
+        # holds a core: 2 to 40 times slower (docs/performance.md, "Small models on a shared
+        # CPU").
+        torch.set_num_threads(1)
+        logger.info("One intra-op thread for this small network (OMP_NUM_THREADS=N sets N).")
     set_random_seed(args.seed + rank)  # per-rank dropout; the data split uses args.seed alone
     # init_distributed bound this process to its GPU, if any
     device = (

@@ -83,3 +83,9 @@ def test_import_time_reports_the_cost_and_leaves_dcp_unimported():
     out = run(os.path.join(BENCHMARKS, "import_time.py"), "--runs", "1")
     assert re.search(r"import trainer after import torch: median \d+ ms \(\d+-\d+ ms, 1 fresh", out)
     assert out.rstrip().endswith("torch.distributed.checkpoint not imported")
+
+
+def test_beside_cpu_job_reports_the_example_beside_a_busy_process():
+    script = os.path.join(BENCHMARKS, "beside_cpu_job.py")
+    out = run(script, "--runs", "1", "--epochs", "1", "--where", "beside")  # one run: ~4 s
+    assert re.search(r"^default, beside 1 CPU-bound job\(s\): median [\d.]+ s \(", out, re.M)

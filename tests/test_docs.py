@@ -354,3 +354,27 @@ def test_readme_links_into_docs_resolve():
     for path, anchor in links:
         assert os.path.exists(os.path.join(ROOT, path)), path
         assert not anchor or anchor in anchors(path), f"{path}#{anchor}"
+
+
+# ----------------------------------------------------------------------------------------------
+# The API page: the docstrings' cross-references are links
+
+
+@pytest.mark.slow  # starts mkdocs
+def test_api_page_renders_cross_references_as_links_that_resolve(tmp_path):
+    """Docstrings cross-reference in mkdocs-autorefs' syntax (``[`state_dict`][]``, resolved
+    from where the docstring stands): on the built API page each is a link to an anchor of the
+    page, and no Sphinx role (``:meth:`x```) is left as raw text."""
+    pytest.importorskip("mkdocstrings_handlers.python", reason="the docs extra is not installed")
+    cmd = [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-d", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]  # strict: an unresolved reference fails
+    page = (tmp_path / "api" / "index.html").read_text(encoding="utf-8")
+    assert re.findall(r":(?:meth|class|func|attr|mod|exc|data|obj):<code>", page) == []
+    links = re.findall(r'<a class="autorefs[^"]*"[^>]*href="([^"]*)"', page)
+    anchors_on_page = set(re.findall(r' id="([^"]+)"', page))
+    assert len(links) > 60
+    assert {link for link in links if link.lstrip("#") not in anchors_on_page} == set()
+    # a method's docstring names a method of its class: the link goes to that method
+    restore = page.split('id="trainer.hooks.HookBase.load_state_dict"', 1)[1]
+    assert restore.split("</p>", 1)[0].count('href="#trainer.hooks.HookBase.state_dict"') == 1

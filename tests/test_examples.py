@@ -41,6 +41,8 @@ def test_train_digits_reaches_95_percent_and_readmes_commands_pass_after_each_ot
     script = os.path.join("examples", "train_digits.py")
     output = run([sys.executable, script], cwd=checkout)
     assert final_accuracy(output) >= 0.95
+    # one intra-op thread unless OMP_NUM_THREADS says: two spin-wait beside another busy job
+    assert ("One intra-op thread" in output) == ("OMP_NUM_THREADS" not in os.environ)
     assert os.path.isfile(checkout / "work_dir" / "digits" / "checkpoints" / "epoch_15.pth")
     docs = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow"]
     assert " passed" in run(docs + ["tests/test_docs.py"], cwd=checkout)  # else run() fails

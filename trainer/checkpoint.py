@@ -1,4 +1,4 @@
-"""Checkpoints as one idea: named things with ``state_dict()`` (:class:`Checkpointer`), written
+"""Checkpoints as one idea: named things with ``state_dict()`` ([`Checkpointer`][]), written
 in one of two formats (a file, ``checkpoint_io.FileFormat``; a folder of shards,
 ``sharded_checkpoint.ShardedFormat``, imported by the runs that use it), published atomically
 under a name in ``work_dir/checkpoints`` with ``latest.txt`` naming the newest, and read back
@@ -79,7 +79,7 @@ class Checkpointer:
 
     A checkpoint holds the model's weights, the optimizer's state, the progress, the config, each
     rank's RNG states, and the ``state_dict()`` of each of ``checkpointables`` and of what
-    :meth:`register` adds, under its name. Contents: docs/checkpoints.md.
+    [`register`][] adds, under its name. Contents: docs/checkpoints.md.
 
     Args:
         ckpt_dir: Where the checkpoints and ``latest.txt`` are.
@@ -171,7 +171,7 @@ class Checkpointer:
         return f"iter_{self._progress.iter + 1}.pth"
 
     def path(self, file_name: str) -> str:
-        """Where the checkpoint ``file_name`` is: in :attr:`ckpt_dir` (a name leading out of it
+        """Where the checkpoint ``file_name`` is: in ``ckpt_dir`` (a name leading out of it
         is refused)."""
         check_file_name("file_name", file_name)
         return os.path.join(self.ckpt_dir, file_name)
@@ -183,7 +183,7 @@ class Checkpointer:
         return {**self._config, "classes": {"optimizer": type(self._optimizer).__name__, **classes}}
 
     def state_dict(self) -> dict[str, Any]:
-        """Every part's ``state_dict()``, tensors live, but the RNG states (:meth:`save`'s)."""
+        """Every part's ``state_dict()``, tensors live, but the RNG states ([`save`][]'s)."""
         return {
             "progress": self._progress.state_dict(self._batch_size),
             "config": self.config(),
@@ -206,9 +206,9 @@ class Checkpointer:
         """Save the whole state as ``ckpt_dir/file_name`` and point ``latest.txt`` at it.
 
         Training waits only while the state is copied to CPU memory; rank 0 writes the file (or,
-        :attr:`sharded`, every rank its shards) in the background under a temporary name,
+        [`sharded`][], every rank its shards) in the background under a temporary name,
         renames it into place and calls ``then()`` once it is durable. The next save,
-        :meth:`wait` and the end of ``train()`` raise a failed write's ``OSError``. Every rank
+        [`wait`][] and the end of ``train()`` raise a failed write's ``OSError``. Every rank
         calls this; rank 0 gets the path (other ranks None).
         """
         path = self.path(file_name)
@@ -264,7 +264,7 @@ class Checkpointer:
             then()
 
     def newest_on_disk(self) -> tuple[Optional[str], int]:
-        """:attr:`last_path` and the iterations done that it holds (for the Ctrl-C line)."""
+        """[`last_path`][] and the iterations done that it holds (for the Ctrl-C line)."""
         return self.last_path, self._last_done
 
     def _refuse_unloadable(self, file_name: str, state: dict[str, Any]) -> None:
@@ -364,7 +364,7 @@ class Checkpointer:
         all_gather("cleaned up", group=self._cpu.group)  # the others then list checkpoints
 
     def set_aside(self) -> None:
-        """On rank 0, move what :attr:`ckpt_dir` holds (an earlier run's checkpoints and
+        """On rank 0, move what [`ckpt_dir`][] holds (an earlier run's checkpoints and
         ``latest.txt``) into a new ``ckpt_dir/previous/<date_time>/``, for a run that starts
         afresh: none of them is resumed by a fallback of the new run, nor deleted. Every rank
         calls it, and waits for it."""

@@ -38,7 +38,7 @@ ASIDE_SUFFIX = TEMP_SUFFIX + ".old"  # of a checkpoint moved aside while another
 
 
 class Background:
-    """Runs one function at a time on a thread; :meth:`submit` and :meth:`wait` raise what the
+    """Runs one function at a time on a thread; [`submit`][] and [`wait`][] raise what the
     previous one raised. Not a daemon: an exiting interpreter finishes a checkpoint write."""
 
     def __init__(self, name: str) -> None:
@@ -80,7 +80,7 @@ class Background:
 
 def atomic_write(path: str, write: Callable[[Any], Any]) -> None:
     """Write ``path`` through ``write(binary file)`` so that it is untouched or complete: a
-    temporary file beside it, fsynced, then :func:`replace`-d. The file gets the permissions
+    temporary file beside it, fsynced, then [`replace`][]-d. The file gets the permissions
     the umask gives any new file."""
     temp = temp_path(path)
     try:
@@ -179,7 +179,7 @@ class UnloadableState(TypeError):
 def walk(obj: Any, tensor: Callable[[tuple, torch.Tensor], Any], path: tuple = ()) -> Any:
     """``obj`` rebuilt by what it holds (never by ``type(obj)(items)``), ``tensor(path, t)`` in
     place of each tensor ``t``; NumPy bools, ints and float64s as Python numbers. Anything else
-    raises :class:`UnloadableState`."""
+    raises [`UnloadableState`][]."""
     kind = type(obj)
     if kind in _ATOMS:
         return obj
@@ -205,7 +205,7 @@ def named_tensors(state: Any) -> list[tuple[str, torch.Tensor]]:
 
 
 def copy_to_cpu(state: Any) -> Any:
-    """A copy of ``state`` that training cannot change, as plain data (see :func:`walk`); CUDA
+    """A copy of ``state`` that training cannot change, as plain data (see [`walk`][]); CUDA
     tensors are copied through pinned memory, with one sync for all."""
     copied_from_cuda: set[torch.device] = set()
 
@@ -420,7 +420,7 @@ def parameters(module: nn.Module) -> set[str]:
 
 
 def refuse_non_finite(bad: list[str], path: str) -> None:
-    """Raise a RuntimeError naming ``path`` if ``bad`` names tensors (see :func:`bad_tensors`)."""
+    """Raise a RuntimeError naming ``path`` if ``bad`` names tensors (see [`bad_tensors`][])."""
     if bad:
         raise RuntimeError(f"Checkpoint {path!r} holds NaN or infinite values in {bad[:5]}.")
 

@@ -1,5 +1,5 @@
-"""The data a run trains on: :class:`DataStream`, passes over a data loader (any iterable) that a
-mid-epoch resume continues exactly, its :class:`UnsizedDataStream` for a loader without a length,
+"""The data a run trains on: [`DataStream`][], passes over a data loader (any iterable) that a
+mid-epoch resume continues exactly, its [`UnsizedDataStream`][] for a loader without a length,
 and the state of every random number generator that training depends on.
 
 A pass that runs its course ends as ``for batch in loader`` does: its left-over batches (fewer than
@@ -54,7 +54,7 @@ _LOADER_OPTIONS = (
 
 class DataStream:
     """Passes over a data loader (any iterable), one per epoch, that a mid-epoch resume continues
-    exactly (:meth:`resume`); :func:`data_stream` makes one. ``cpu``: the trainer's gloo group.
+    exactly ([`resume`][]); [`data_stream`][] makes one. ``cpu``: the trainer's gloo group.
     """
 
     sized = True  # False for an UnsizedDataStream, whose has_next() ends its passes
@@ -113,7 +113,7 @@ class DataStream:
         return True
 
     def put_back(self, batches: list[Any]) -> None:
-        """Give ``batches`` at the next calls of :meth:`next_batch`, before the pass's own."""
+        """Give ``batches`` at the next calls of [`next_batch`][], before the pass's own."""
         self._ahead.extendleft(reversed(batches))
 
     def release(self) -> None:
@@ -286,7 +286,7 @@ _END = object()  # what next() returns at the end of a pass
 
 
 class UnsizedDataStream(DataStream):
-    """Passes that end when the loader's iterator does, which :meth:`has_next` finds out by
+    """Passes that end when the loader's iterator does, which [`has_next`][] finds out by
     fetching an iteration's batches ahead."""
 
     sized = False
@@ -298,9 +298,9 @@ class UnsizedDataStream(DataStream):
 
     def has_next(self, n: int) -> bool:
         """Whether the current pass has the ``n`` batches of another iteration, fetched now
-        (:meth:`next_batch` returns them); a pass that ends with fewer drops them, as a loader
-        with a length drops what is left over. Under torchrun every rank ends the pass when one
-        rank's ends (a CPU flag over gloo, no device sync)."""
+        ([`next_batch`][DataStream.next_batch] returns them); a pass that ends with fewer
+        drops them, as a loader with a length drops what is left over. Under torchrun every
+        rank ends the pass when one rank's ends (a CPU flag over gloo, no device sync)."""
         start = time.perf_counter()
         if self._iter is None:
             self._iter = self._start_pass()
@@ -358,7 +358,7 @@ def loader_length(data_loader: Any) -> Optional[int]:
 
 def data_stream(data_loader: Any, cpu: Optional[CpuGroup], *, sized: bool) -> DataStream:
     """The passes over ``data_loader``: an ``UnsizedDataStream`` unless ``sized`` (the loader has
-    a length, as :func:`loader_length` tells)."""
+    a length, as [`loader_length`][] tells)."""
     return DataStream(data_loader, cpu) if sized else UnsizedDataStream(data_loader, cpu)
 
 
@@ -426,7 +426,7 @@ class _Skipping:
 
 def get_rng_state(extra_generators: tuple[torch.Generator, ...] = ()) -> dict[str, Any]:
     """The state of every RNG that training depends on, as plain data and tensors (loadable with
-    ``weights_only=True``); :func:`set_rng_state` restores it."""
+    ``weights_only=True``); [`set_rng_state`][] restores it."""
     version, internal, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state()
     return {
@@ -441,7 +441,7 @@ def get_rng_state(extra_generators: tuple[torch.Generator, ...] = ()) -> dict[st
 def set_rng_state(
     state: dict[str, Any], extra_generators: tuple[torch.Generator, ...] = ()
 ) -> None:
-    """Restore what :func:`get_rng_state` returned."""
+    """Restore what [`get_rng_state`][] returned."""
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     kind, keys, pos, has_gauss, cached = state["numpy"]

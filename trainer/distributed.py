@@ -75,7 +75,7 @@ def all_gather(obj: Any, group: Any = None) -> list[Any]:
 
 def gather(obj: Any, dst: int = 0, group: Any = None) -> list[Any]:
     """Every rank's picklable ``obj`` on rank ``dst``, ``[]`` on the others (``group``: as in
-    :func:`all_gather`)."""
+    [`all_gather`][])."""
     if get_world_size() == 1:
         return [obj]
     out: Optional[list[Any]] = [None] * get_world_size() if get_rank() == dst else None
@@ -112,7 +112,7 @@ def raise_on_every_rank(
     """Every rank's picklable ``value``, on every rank, unless a rank has an ``error``: then every
     rank raises at once, so that none goes on alone into a collective the others never join. The
     rank with the error raises it, the others a ``RuntimeError`` with its message that names
-    that rank (``group``: as in :func:`all_gather`)."""
+    that rank (``group``: as in [`all_gather`][])."""
     values = [value]
     if get_world_size() > 1:
         everyone = all_gather((None if error is None else str(error), value), group)
@@ -127,8 +127,8 @@ def raise_on_every_rank(
 
 class CpuGroup:
     """A gloo group of every rank for the trainer's own collectives while it trains, released
-    when :meth:`open` ends (docs/internals.md: gloo teardown). ``group`` is None outside
-    :meth:`open` and in one process, where the default group serves."""
+    when [`open`][] ends (docs/internals.md: gloo teardown). ``group`` is None outside
+    [`open`][] and in one process, where the default group serves."""
 
     group: Any = None
 
@@ -188,7 +188,7 @@ def init_distributed(backend: Optional[str] = None, timeout_s: float = 600.0) ->
 
 
 def destroy_distributed() -> None:
-    """Tear down what :func:`init_distributed` joined: call it at the end of a torchrun script,
+    """Tear down what [`init_distributed`][] joined: call it at the end of a torchrun script,
     after ``main()`` has returned. A no-op in one process. Not a barrier of the default group,
     which could abort the exiting process (docs/internals.md: gloo teardown)."""
     if not (dist.is_available() and dist.is_initialized()):

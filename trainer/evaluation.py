@@ -29,7 +29,7 @@ def evaluate(
     model: nn.Module, data_loader: Any, metric_fn: MetricFn, group: Any = None
 ) -> dict[str, float]:
     """The mean of ``metric_fn(model, batch)``'s per-sample values over every sample of
-    ``data_loader``, each counted once; see :meth:`Trainer.evaluate`.
+    ``data_loader``, each counted once; see [`Trainer.evaluate`][].
 
     Under torchrun every rank calls it. A ``DistributedSampler`` gives each rank its shard, and
     the samples it repeats to make the shards equal are not counted; any other loader is shared:

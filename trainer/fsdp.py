@@ -55,7 +55,7 @@ def load_full_model_state(model: nn.Module, state: dict[str, Any], strict: bool)
 
 
 def load_full_optimizer_state(model: nn.Module, optimizer: Optimizer, state: dict) -> None:
-    """Load an optimizer state dict keyed by parameter names (from :func:`full_state_dicts`, or
+    """Load an optimizer state dict keyed by parameter names (from [`full_state_dicts`][], or
     this rank's shards of one from a sharded checkpoint)."""
     from torch.distributed.checkpoint import state_dict as dcp
 

@@ -1,4 +1,4 @@
-"""One metric's series: :class:`HistoryBuffer` (core-pytorch-utils' ``cpu.history_buffer``)."""
+"""One metric's series: [`HistoryBuffer`][] (core-pytorch-utils' ``cpu.history_buffer``)."""
 
 import functools
 import operator
@@ -14,7 +14,7 @@ class HistoryBuffer:
     """Tracks a series of numbers: the latest one, a window mean and global statistics.
 
     Args:
-        window_size: How many recent values :attr:`avg` averages over.
+        window_size: How many recent values [`avg`][] averages over.
     """
 
     def __init__(self, window_size: int = 20) -> None:
@@ -72,7 +72,7 @@ class HistoryBuffer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what [`state_dict`][] returned."""
         check_int("window_size", state["window_size"], minimum=1)
         self._window = deque(state["window"], maxlen=state["window_size"])
         self._count = state["count"]

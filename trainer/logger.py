@@ -1,4 +1,4 @@
-"""Console and file logging for the ``trainer`` package, :func:`setup_logger` for your own scripts,
+"""Console and file logging for the ``trainer`` package, [`setup_logger`][] for your own scripts,
 and the progress bar kept below the log records."""
 
 import contextlib
@@ -85,7 +85,7 @@ class _FileHandler(logging.FileHandler):
 
 def open_no_follow(path: str, append: bool) -> Any:
     """Open text file ``path`` to append or overwrite, refusing a symbolic link
-    (:func:`open_fd_no_follow`)."""
+    ([`open_fd_no_follow`][])."""
     fd = open_fd_no_follow(path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC))
     return os.fdopen(fd, "a" if append else "w", encoding="utf-8")
 

@@ -40,8 +40,8 @@ class LRWarmupScheduler:
     - ``"factor"``: the regular LR times a factor going linearly from ``warmup_factor`` to 1.
     - ``"auto"``: linear from ``base_lr * warmup_factor`` to the regular LR at the end of warmup.
 
-    Call :meth:`iter_update` after every iteration and :meth:`epoch_update` after every epoch
-    (:class:`~trainer.hooks.LRUpdateHook` does both).
+    Call [`iter_update`][] after every iteration and [`epoch_update`][] after every epoch
+    ([`LRUpdateHook`][hooks.LRUpdateHook] does both).
 
     Args:
         torch_scheduler: The scheduler to wrap, or None for a constant regular LR.
@@ -122,7 +122,7 @@ class LRWarmupScheduler:
 
     @property
     def changes_per_iter(self) -> bool:
-        """Whether :meth:`iter_update` can change the LR (else it only counts ``last_iter``)."""
+        """Whether [`iter_update`][] can change the LR (else it only counts ``last_iter``)."""
         return not self.by_epoch or (self.warmup_t > 0 and not self.warmup_by_epoch)
 
     def iter_update(self) -> None:
@@ -155,7 +155,7 @@ class LRWarmupScheduler:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned and set the optimizer's LRs to match."""
+        """Restore what [`state_dict`][] returned and set the optimizer's LRs to match."""
         self.last_iter = state["last_iter"]
         self.last_epoch = state["last_epoch"]
         self.regular_lrs = list(state["regular_lrs"])

@@ -1,4 +1,4 @@
-"""Metrics: :class:`MetricStorage`, a :class:`~trainer.HistoryBuffer` per name, with the values
+"""Metrics: [`MetricStorage`][], a [`HistoryBuffer`][] per name, with the values
 still waiting on their device for the next log point."""
 
 import contextlib
@@ -15,8 +15,8 @@ from .misc import check_int
 
 
 class MetricStorage(Mapping):
-    """A mapping from metric name to :class:`HistoryBuffer`, with each metric's latest iteration.
-    :meth:`add` keeps scalar tensors on their device until :meth:`flush` copies them in one
+    """A mapping from metric name to [`HistoryBuffer`][], with each metric's latest iteration.
+    [`add`][] keeps scalar tensors on their device until [`flush`][] copies them in one
     transfer (reduced over ranks if ``reduce``; a non-finite ``check_finite`` value raises
     ``FloatingPointError``).
 
@@ -56,7 +56,7 @@ class MetricStorage(Mapping):
     def update(self, iter: Optional[int] = None, smooth: bool = True, **values: float) -> None:
         """Add one number per metric name, produced at iteration index ``iter`` (``cur_iter``,
         from 0; None: count each metric's updates). ``smooth``: whether
-        :attr:`values_maybe_smooth` reports the window mean or the latest value; a metric keeps
+        [`values_maybe_smooth`][] reports the window mean or the latest value; a metric keeps
         the choice of its first update."""
         self._update(iter, smooth, values)
 
@@ -116,7 +116,7 @@ class MetricStorage(Mapping):
         return {"window_size": self._window_size, "metrics": metrics}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Replace the content with what :meth:`state_dict` returned, and drop what is pending."""
+        """Replace the content with what [`state_dict`][] returned, and drop what is pending."""
         self._window_size = state["window_size"]
         for table in (self._buffers, self._latest_iter, self._smooth, self._pending):
             table.clear()
@@ -133,8 +133,8 @@ class MetricStorage(Mapping):
         reduce: bool = False,
     ) -> None:
         """Record values of iteration ``iter``: this rank's own numbers (not ``reduce``-d or
-        ``check_finite``) at once, as :meth:`update` does; scalar tensors and the rest at the next
-        :meth:`flush` (a one-element tensor is reshaped and detached; what is neither a number
+        ``check_finite``) at once, as [`update`][] does; scalar tensors and the rest at the next
+        [`flush`][] (a one-element tensor is reshaped and detached; what is neither a number
         nor a one-element tensor with a value raises, naming the metric)."""
         if self._recording is not None:
             options = {"smooth": smooth, "check_finite": check_finite, "reduce": reduce}
@@ -164,7 +164,7 @@ class MetricStorage(Mapping):
 
     @contextlib.contextmanager
     def recording(self) -> Iterator[list["Logged"]]:
-        """For the block, keep what :meth:`add` is given in the list yielded, as ``(metrics,
+        """For the block, keep what [`add`][] is given in the list yielded, as ``(metrics,
         options)``, instead of adding it: what a CUDA graph's capture logs, which each replay
         adds again."""
         self._recording = []

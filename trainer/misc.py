@@ -1,5 +1,5 @@
 """Small helpers that the trainer, the hooks and scripts share: argument type checks, the model
-without its wrappers, :func:`collect_env`, :func:`set_random_seed` and the work_dir lock
+without its wrappers, [`collect_env`][], [`set_random_seed`][] and the work_dir lock
 (core-pytorch-utils' ``cpu.misc`` path)."""
 
 import contextlib
@@ -102,7 +102,7 @@ def plain_names(module: nn.Module, keys: Optional[Iterable[str]] = None) -> dict
 
 
 def plain_state_dict(module: nn.Module) -> dict[str, Any]:
-    """``module.state_dict()`` under the uncompiled model's names (see :func:`plain_names`)."""
+    """``module.state_dict()`` under the uncompiled model's names (see [`plain_names`][])."""
     state = module.state_dict()
     names = plain_names(module)
     if all(key == name for key, name in names.items()):
@@ -197,7 +197,7 @@ class WorkDirLock:
 
     @contextlib.contextmanager
     def held(self) -> Iterator[None]:
-        """Hold the lock for the block; :attr:`problem` says if another run has it."""
+        """Hold the lock for the block; [`problem`][] says if another run has it."""
         fd = self._acquire() if fcntl is not None else None
         try:
             yield

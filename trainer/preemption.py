@@ -89,13 +89,13 @@ class Preemption:
 
     @property
     def pending(self) -> bool:
-        """Whether :meth:`agreed_signal` is due after this iteration: this process caught a signal,
+        """Whether [`agreed_signal`][] is due after this iteration: this process caught a signal,
         or under torchrun, where the ranks check every ``check_period`` iterations."""
         return self.caught is not None or self._agreement is not None
 
     def agreed_signal(self, iteration: int, write_failed: bool = False) -> int:
         """The signal that every rank stops for after ``iteration``, 0 to go on, or
-        :data:`WRITE_FAILED` when a rank's checkpoint write failed (learnt like a signal)."""
+        [`WRITE_FAILED`][] when a rank's checkpoint write failed (learnt like a signal)."""
         local = WRITE_FAILED if write_failed else (self.caught or 0)
         return local if self._agreement is None else self._agreement.check(iteration, local)
 
@@ -112,7 +112,7 @@ class Preemption:
 
 
 class _Agreement:
-    """The ranks' checks: :meth:`check` starts one and returns the previous one's result."""
+    """The ranks' checks: [`check`][] starts one and returns the previous one's result."""
 
     def __init__(self, check_period: int, cpu: CpuGroup) -> None:
         self._check_period = check_period
@@ -145,7 +145,7 @@ class Interrupt:
     """Ctrl-C (SIGINT) while training, caught in the main thread. The first one stops training at
     once, as Python's own handler does (a ``KeyboardInterrupt``), yet the checkpoint write in
     flight finishes, since it holds finished iterations, and ``train()`` ends in order; then
-    :meth:`catching` logs one line naming the newest checkpoint on disk and exits with status
+    [`catching`][] logs one line naming the newest checkpoint on disk and exits with status
     130. A second Ctrl-C meanwhile is ignored, as Lightning does: a launcher passes on the
     terminal's Ctrl-C, which reaches its workers too, and the copy must not abandon the write.
     If the first did not stop training (code that caught its ``KeyboardInterrupt``), the second

@@ -1,4 +1,4 @@
-"""Where training is: :class:`Progress`, and where a checkpoint's position goes on when the
+"""Where training is: [`Progress`][], and where a checkpoint's position goes on when the
 number of processes or the batch size changed."""
 
 import dataclasses
@@ -34,7 +34,7 @@ class Progress:
     error: Optional[BaseException] = None  # the exception that ended this train(), if any
 
     def begin_epoch(self) -> None:
-        """Enter the epoch of :attr:`position` (its first iteration, or where it was left)."""
+        """Enter the epoch of [`position`][] (its first iteration, or where it was left)."""
         self.epoch = self.position[0]
         self.epoch_start = self.iter + 1 - self.position[1]
 
@@ -53,7 +53,7 @@ class Progress:
     @property
     def outcome(self) -> str:
         """How ``train()`` ended, for the hooks' ``after_train``: ``"failed"`` (an exception
-        ended it), ``"finished"`` (every iteration done, or :meth:`Trainer.stop`), else
+        ended it), ``"finished"`` (every iteration done, or [`Trainer.stop`][]), else
         ``"killed"`` (a preemption signal or Ctrl-C ended it early)."""
         if self.error is not None:
             return "failed"
@@ -71,7 +71,7 @@ class Progress:
         return self.saved == (self.position, self.stopped)
 
     def stay_stopped(self, continue_after_stop: bool) -> bool:
-        """At the start of a run: whether it resumed where :meth:`Trainer.stop` ended one and so
+        """At the start of a run: whether it resumed where [`Trainer.stop`][] ended one and so
         stays stopped (unless ``continue_after_stop``)."""
         self.stopped = self.saved == (self.position, True) and not continue_after_stop
         return self.stopped

@@ -87,7 +87,7 @@ class ShardedFormat:
 
     @property
     def in_background(self) -> bool:
-        """Whether writes run on the writer's thread: in one process, or on :attr:`write_group`
+        """Whether writes run on the writer's thread: in one process, or on [`write_group`][]
         (outside ``train()`` under torchrun they are done when ``write`` returns)."""
         return self.write_group is not None or not dist.is_initialized()
 
@@ -384,7 +384,7 @@ def _layout(name: str) -> torch.layout:
 
 class _SafeReader(dcp.FileSystemReader):
     """DCP's reader of a folder (through ``files``, its files opened once, if given), whose
-    ``.metadata`` is read by :class:`_MetadataUnpickler` (DCP's own uses ``pickle.load``) and
+    ``.metadata`` is read by [`_MetadataUnpickler`][] (DCP's own uses ``pickle.load``) and
     may name files of the folder only."""
 
     def __init__(self, path: str, files: Optional[_Folder] = None) -> None:
@@ -485,7 +485,7 @@ def _read_weights(files: _Folder) -> dict[str, torch.Tensor]:
 def _load_checked(
     state: dict[str, Any], files: _Folder, group: Any = None, alone: bool = False
 ) -> None:
-    """:func:`_dcp_load`, while a thread checks the shards' bytes against the manifest, each
+    """[`_dcp_load`][], while a thread checks the shards' bytes against the manifest, each
     rank a share of them unless it reads ``alone``. Damage that any rank finds is what every
     rank raises, rather than the error DCP made of it."""
     shards = sorted(name for name in files.sums if name != ".metadata")

@@ -104,7 +104,7 @@ class StepTools:
 
     @contextlib.contextmanager
     def counting_skips(self) -> Iterator[None]:
-        """For the block, tell :attr:`skipped` from the optimizer's step: the GradScaler calls
+        """For the block, tell [`skipped`][] from the optimizer's step: the GradScaler calls
         ``step()`` only for finite gradients, except a fused optimizer's, which it hands the inf
         flag as ``found_inf``."""
         if not self.scaling:

@@ -1,4 +1,4 @@
-"""The :class:`Trainer`: the loop, the step's public building blocks, and the hooks around them.
+"""The [`Trainer`][]: the loop, the step's public building blocks, and the hooks around them.
 What it holds (progress, metrics, checkpoints, hooks) lives in the modules beside it."""
 
 import contextlib
@@ -49,10 +49,10 @@ class Trainer:
 
     Each iteration fetches ``accumulation_steps`` batches, runs ``model(batch)`` (or
     ``model(**batch)``), which returns a scalar loss, a dict of them or an output with a ``loss``
-    (a Hugging Face ``ModelOutput``), back-propagates the total (see :meth:`compute_losses`) and
+    (a Hugging Face ``ModelOutput``), back-propagates the total (see [`compute_losses`][]) and
     steps the optimizer. The default hooks update the LR, save checkpoints under
     ``work_dir/checkpoints`` and log to the console, ``log.txt``, TensorBoard and
-    ``metrics.jsonl``. Override :meth:`train_one_iter` for anything fancier: the public methods
+    ``metrics.jsonl``. Override [`train_one_iter`][] for anything fancier: the public methods
     it uses keep every feature. SIGTERM or SIGUSR1 saves after the current iteration and exits
     with status 128 + the signal number.
 
@@ -60,7 +60,7 @@ class Trainer:
         model: Returns a scalar loss tensor, a dict of them or an output with a ``loss``; it
             moves the batch to its device.
         optimizer: The optimizer of ``model``'s parameters.
-        lr_scheduler: A ``torch.optim.lr_scheduler`` scheduler, an :class:`LRWarmupScheduler`,
+        lr_scheduler: A ``torch.optim.lr_scheduler`` scheduler, an [`LRWarmupScheduler`][],
             or None for a constant LR.
         data_loader: Any iterable of batches; one without a length needs ``max_iters``.
         max_epochs: Train this many epochs (pass exactly one of ``max_epochs``, ``max_iters``).
@@ -78,7 +78,7 @@ class Trainer:
             horizon (``T_max``, ``total_steps``, ...) counts the other unit is refused.
         warmup_t: The warmup's length in iterations (epochs with ``warmup_by_epoch``); 0: none.
         warmup_by_epoch: Count ``warmup_t`` in epochs.
-        warmup_mode: ``"fix"``, ``"factor"`` or ``"auto"`` (see :class:`LRWarmupScheduler`).
+        warmup_mode: ``"fix"``, ``"factor"`` or ``"auto"`` (see [`LRWarmupScheduler`][]).
         warmup_init_lr: The first LR of ``"fix"`` warmup, >= 0.
         warmup_factor: The starting factor of ``"factor"`` and ``"auto"`` warmup, in [0, 1].
         cuda_graph: Capture the whole step in a CUDA graph after 3 eager iterations.
@@ -236,7 +236,7 @@ class Trainer:
 
     @property
     def start_iter(self) -> int:
-        """The iterations done when this :meth:`train` started (or resumed)."""
+        """The iterations done when this [`train`][] started (or resumed)."""
         return self.progress.start_iter
 
     @property
@@ -271,7 +271,7 @@ class Trainer:
 
     @property
     def cpu_group(self) -> Any:
-        """Under torchrun while :meth:`train` runs, the trainer's gloo group, for hooks' small
+        """Under torchrun while [`train`][] runs, the trainer's gloo group, for hooks' small
         CPU collectives; None otherwise."""
         return self._cpu.group
 
@@ -312,7 +312,7 @@ class Trainer:
     def save_checkpoint(
         self, file_name: str, *, then: Optional[Callable[[], None]] = None
     ) -> Optional[str]:
-        """Save the whole state as ``ckpt_dir/file_name``; see :meth:`Checkpointer.save`."""
+        """Save the whole state as ``ckpt_dir/file_name``; see [`Checkpointer.save`][]."""
         self._storage.flush(every_rank=True)  # so a non-finite loss raises before it is saved
         self._hooks.call("before_save_checkpoint")  # the logs it covers reach the disk first
         return self._checkpointer.save(file_name, then)
@@ -327,7 +327,7 @@ class Trainer:
         revise_keys: Optional[Sequence[tuple[str, str]]] = None,
     ) -> bool:
         """Load the whole state (``resume``) or the weights alone from ``path``, or with
-        ``auto_resume`` from the newest checkpoint that loads; see :meth:`Checkpointer.load`."""
+        ``auto_resume`` from the newest checkpoint that loads; see [`Checkpointer.load`][]."""
         return self._checkpointer.load(path, auto_resume, resume, strict, revise_keys)
 
     # The loop
@@ -340,7 +340,7 @@ class Trainer:
     ) -> None:
         """Train, first resuming from ``resume_from_checkpoint`` or (``auto_resume``) from
         ``work_dir``'s latest checkpoint. ``auto_resume=False`` starts afresh and moves the
-        checkpoints there into ``checkpoints/previous/<date_time>/``. A run that :meth:`stop`
+        checkpoints there into ``checkpoints/previous/<date_time>/``. A run that [`stop`][]
         ended stays stopped unless ``continue_after_stop``."""
         progress = self.progress
         with self._session():
@@ -409,7 +409,7 @@ class Trainer:
     def _act_on_signals(self) -> None:
         """Act on what came during the iteration, once every rank knows of it: a preemption signal
         saves and exits, a failed checkpoint write raises, a Ctrl-C put off stops. Under torchrun
-        the ranks agree every ``preempt_check_period`` iterations (see :class:`Preemption`)."""
+        the ranks agree every ``preempt_check_period`` iterations (see [`Preemption`][])."""
         failed = self._checkpointer.writer.failed
         if not (self._preemption.pending or self._interrupt.put_off or failed):
             return
@@ -439,7 +439,7 @@ class Trainer:
 
     @contextlib.contextmanager
     def _session(self) -> Iterator[None]:
-        """What :meth:`train` holds: rank 0's lock on ``work_dir``, this rank's log file, Ctrl-C
+        """What [`train`][] holds: rank 0's lock on ``work_dir``, this rank's log file, Ctrl-C
         (its line goes there), the gloo group, the checkpoint writes, the preemption signals
         (caught from the start) and the GradScaler's skipped steps."""
         ensure_console_logging("trainer", get_rank())
@@ -559,9 +559,9 @@ class Trainer:
 
     def train_one_iter(self) -> None:
         """Fetch, forward, backward and step once; subclass and override it for anything
-        fancier, with the same building blocks: :meth:`next_batch`, :meth:`compute_losses` (or
-        :meth:`autocast`), :meth:`no_gradient_sync`, :meth:`backward`, :meth:`clip_and_step`
-        and :meth:`log_losses`."""
+        fancier, with the same building blocks: [`next_batch`][], [`compute_losses`][] (or
+        [`autocast`][]), [`no_gradient_sync`][], [`backward`][], [`clip_and_step`][]
+        and [`log_losses`][]."""
         self.optimizer.zero_grad()
         k = self.accumulation_steps
         summed: dict[str, torch.Tensor] = {}
@@ -620,11 +620,11 @@ class Trainer:
     def update_scaler(self) -> None:
         """Adjust the float16 loss scale now, for an optimizer that steps twice in an iteration
         (GradScaler asks for it between the two); the trainer does it after each
-        :meth:`train_one_iter`."""
+        [`train_one_iter`][]."""
         self._step.update_scaler()
 
     def compute_losses(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Run the model on ``batch`` under :meth:`autocast`; returns the loss to back-propagate
+        """Run the model on ``batch`` under [`autocast`][]; returns the loss to back-propagate
         and the detached values to log, ``total_loss`` (what is back-propagated) among them.
 
         The model returns a scalar loss, or an output with a ``loss`` (a mapping such as a
@@ -643,7 +643,7 @@ class Trainer:
 
 def _total_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss to back-propagate from a model's output other than a tensor, and the detached
-    values to log, as :meth:`Trainer.compute_losses` says."""
+    values to log, as [`Trainer.compute_losses`][] says."""
     mapping = isinstance(out, Mapping)
     loss = out.get("loss") if mapping else getattr(out, "loss", None)
     if loss is None and not (mapping and out):

@@ -27,13 +27,13 @@ _SUFFIX = ".trainer"  # the end of the trainer's event file names
 
 
 class MetricWriter:
-    """Receives metrics from ``LoggerHook``: override :meth:`write`, and :meth:`close` if the
+    """Receives metrics from ``LoggerHook``: override [`write`][], and [`close`][] if the
     writer holds a resource (see docs/logging.md). Writers of your own run on rank 0 only; what
-    :meth:`state_dict` returns is saved in the checkpoints (rank 0's) and given back to
-    :meth:`load_state_dict` on resume, before :meth:`start`. A writer that records how training
-    ended (as the trackers mark their runs) reads ``trainer.progress.outcome`` in :meth:`close`:
+    [`state_dict`][] returns is saved in the checkpoints (rank 0's) and given back to
+    [`load_state_dict`][] on resume, before [`start`][]. A writer that records how training
+    ended (as the trackers mark their runs) reads ``trainer.progress.outcome`` in [`close`][]:
     ``"finished"``, ``"failed"`` or ``"killed"``, keeping ``trainer.progress`` from
-    :meth:`start`."""
+    [`start`][]."""
 
     #: Only at log points (the console line), not for an evaluation's results.
     log_points_only = False
@@ -64,10 +64,10 @@ class MetricWriter:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned (from the checkpoint resumed from)."""
+        """Restore what [`state_dict`][] returned (from the checkpoint resumed from)."""
 
     def load_history(self, rows: list[dict[str, Any]]) -> None:
-        """Given before :meth:`start`: the rows of ``work_dir/metrics.jsonl`` (``iter``,
+        """Given before [`start`][]: the rows of ``work_dir/metrics.jsonl`` (``iter``,
         ``epoch`` and the metrics) up to ``start_iter``, which a resumed run logged before its
         checkpoint, for a writer whose store may have lost some (a process killed outright loses
         what it had not sent); none where ``LoggerHook`` writes no metrics.jsonl, or where its
@@ -147,7 +147,7 @@ class ConsoleWriter(MetricWriter):
 
 
 class TensorBoardWriter(MetricWriter):
-    """Scalars in TensorBoard event files under ``log_dir`` (tagged by :func:`tensorboard_tag`)
+    """Scalars in TensorBoard event files under ``log_dir`` (tagged by [`tensorboard_tag`][])
     ending in ``.trainer``: a run that starts after ``start_iter`` iterations drops their events
     of later steps (those it writes again), and changes no other event file.
 
@@ -368,9 +368,10 @@ class MLflowWriter(_TrackerWriter):
 
     Args:
         tracking_uri: Where MLflow keeps its runs: a tracking server's URL (a server that does
-            not answer within 5 s fails the start), ``file:./mlruns`` (MLflow 3 asks for
-            ``MLFLOW_ALLOW_FILE_STORE=true`` to use a folder)...; None: MLflow's default
-            (``MLFLOW_TRACKING_URI``).
+            not answer within 5 s fails the start), ``sqlite:///mlflow.db`` (a local database,
+            the store MLflow recommends), ``file:./mlruns`` (a folder: a store MLflow 3 keeps
+            in maintenance, used only with ``MLFLOW_ALLOW_FILE_STORE=true``)...; None: MLflow's
+            default (``MLFLOW_TRACKING_URI``, else ``sqlite:///mlflow.db``).
         experiment_name: The run's experiment, created if missing.
         run_name: The run's name; None: MLflow makes one up.
     """

@@ -24,11 +24,11 @@ class BestCheckpointHook(HookBase):
     With ``top_k`` > 1 each is a file of its own, named by the iteration and the value:
     ``best-iter=1200-val_acc=0.9312.pth`` for ``file_name="best.pth"``. A file is never renamed
     (a path you copied keeps its meaning); a result better than the worst kept is saved, and
-    the worst is deleted once the new one is on disk. :attr:`best_checkpoint` is the best's
-    path, :attr:`best_checkpoints` maps each kept path to its value, best first.
+    the worst is deleted once the new one is on disk. [`best_checkpoint`][] is the best's
+    path, [`best_checkpoints`][] maps each kept path to its value, best first.
 
     The first evaluation that lacks ``metric`` (a misspelt name) is warned about, naming the
-    results that came (see :func:`~trainer.hooks.metric_watch.warn_if_missing`).
+    results that came (see ``trainer.hooks.metric_watch.warn_if_missing``).
 
     The save waits for the end of the iteration or epoch (after the LR update and the regular
     checkpoint), so a best checkpoint resumes exactly too. The kept files and values are saved
@@ -155,7 +155,7 @@ class BestCheckpointHook(HookBase):
         return {"best": best, "kept": [[name, value] for name, value in self._kept]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned; a name that is not a file of this hook's
+        """Restore what [`state_dict`][] returned; a name that is not a file of this hook's
         in ``ckpt_dir`` is ignored with a warning, never deleted."""
         best = state["best"]
         kept = state.get("kept", [[self._file_name, best]] if best is not None else [])

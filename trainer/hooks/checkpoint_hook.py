@@ -140,7 +140,7 @@ class CheckpointHook(HookBase):
         return {"saved": list(self._saved)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned; a name leading out of ``ckpt_dir`` is
+        """Restore what [`state_dict`][] returned; a name leading out of ``ckpt_dir`` is
         ignored with a warning, never deleted."""
         self._saved = []
         for name in state["saved"]:

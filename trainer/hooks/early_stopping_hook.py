@@ -21,7 +21,7 @@ class EarlyStoppingHook(HookBase):
     A NaN value is never an improvement: it counts towards ``patience``.
 
     The first evaluation that lacks ``metric`` (a misspelt name) is warned about, naming the
-    results that came (see :func:`~trainer.hooks.metric_watch.warn_if_missing`).
+    results that came (see ``trainer.hooks.metric_watch.warn_if_missing``).
 
     Args:
         metric: The evaluation metric to watch.
@@ -77,6 +77,6 @@ class EarlyStoppingHook(HookBase):
         return {**self._watch.state_dict(), "bad_evals": self._bad_evals}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what [`state_dict`][] returned."""
         self._watch.load_state_dict(state)
         self._bad_evals = state["bad_evals"]

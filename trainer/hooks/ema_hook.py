@@ -17,7 +17,7 @@ class EMAHook(HookBase):
 
     The average is saved in checkpoints and resumed exactly. Inside ``with ema.swapped():``
     the model holds the average, and on leaving it (an error included) its own weights again:
-    evaluate there, or call :meth:`evaluate`. Export it with :meth:`ema_state_dict`. Under
+    evaluate there, or call [`evaluate`][]. Export it with [`ema_state_dict`][]. Under
     torchrun every rank holds the same weights, and so the same average; models sharded with
     ``fully_shard`` are not supported.
 

@@ -24,7 +24,7 @@ class EvalHook(HookBase):
     Two forms:
 
     - ``EvalHook(period, data_loader=..., metric_fn=...)`` evaluates exactly, through
-      :meth:`Trainer.evaluate`: the mean of ``metric_fn(model, batch)``'s per-sample values
+      [`Trainer.evaluate`][]: the mean of ``metric_fn(model, batch)``'s per-sample values
       over every sample of ``data_loader``, each counted once, also under torchrun.
     - ``EvalHook(period, eval_func)`` calls ``eval_func()``, with the model in eval mode (every
       module put back in its mode after), and logs the dict of numbers it returns.
@@ -86,7 +86,7 @@ class EvalHook(HookBase):
         return {"names": sorted(self._names)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what [`state_dict`][] returned."""
         self._names = set(state["names"])
 
     def after_iter_period(self) -> int:

@@ -67,7 +67,7 @@ class HookBase:
         """Called before every ``train_one_iter``."""
 
     def after_iter(self) -> None:
-        """Called after every ``train_one_iter`` (see :meth:`after_iter_period`)."""
+        """Called after every ``train_one_iter`` (see [`after_iter_period`][])."""
 
     def after_eval(self, results: dict[str, float]) -> None:
         """Called with the numbers an ``EvalHook`` just logged (the same on every rank)."""
@@ -76,8 +76,8 @@ class HookBase:
         """Called on every rank before a checkpoint is saved: put on disk what it covers."""
 
     def after_iter_period(self) -> int:
-        """Call :meth:`after_iter` after every N-th iteration (and the last); 0: never. Asked at
-        registration and when :meth:`Trainer.train` starts."""
+        """Call [`after_iter`][] after every N-th iteration (and the last); 0: never. Asked at
+        registration and when [`Trainer.train`][] starts."""
         return 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -85,7 +85,7 @@ class HookBase:
         return {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what [`state_dict`][] returned."""
 
     @property
     def class_name(self) -> str:
@@ -103,7 +103,7 @@ class HookBase:
 
     @property
     def checkpointable(self) -> bool:
-        """Whether the hook overrides :meth:`state_dict` and so has state to save."""
+        """Whether the hook overrides [`state_dict`][] and so has state to save."""
         return type(self).state_dict is not HookBase.state_dict
 
     def every_n_epochs(self, n: int) -> bool:

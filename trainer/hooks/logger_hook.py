@@ -38,8 +38,8 @@ class LoggerHook(HookBase):
     Args:
         period: Iterations between log points: the trainer's ``log_period`` (None), where the
             values it writes are flushed; another period is refused when training starts.
-        writers: More :class:`~trainer.writers.MetricWriter` objects, such as
-            :class:`~trainer.writers.MLflowWriter` and :class:`~trainer.writers.WandbWriter`
+        writers: More [`MetricWriter`][] objects, such as
+            [`MLflowWriter`][writers.MLflowWriter] and [`WandbWriter`][writers.WandbWriter]
             (rank 0 only; their state, a tracker's run id, goes in the checkpoints).
         tensorboard: Write TensorBoard files.
         metrics_jsonl: Write ``work_dir/metrics.jsonl``.
@@ -235,7 +235,7 @@ class LoggerHook(HookBase):
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what [`state_dict`][] returned."""
         self._evals = {name: dict(entry) for name, entry in state["evals"]["metrics"].items()}
         written = state.get("written")
         self._resumed_written = None if written is None else dict(written)

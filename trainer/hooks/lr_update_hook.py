@@ -16,10 +16,10 @@ class LRUpdateHook(HookBase):
 
     Args:
         plateau_metric: The metric ReduceLROnPlateau judges, stepping at an epoch end only when
-            a new value was logged (by an :class:`EvalHook`, which runs first). None: ``"Eval
+            a new value was logged (by an [`EvalHook`][], which runs first). None: ``"Eval
             Metric"``, as core-pytorch-utils, raising at the first epoch end if none was logged.
             The first evaluation that lacks a named one is warned about (see
-            :func:`~trainer.hooks.metric_watch.warn_if_missing`).
+            ``trainer.hooks.metric_watch.warn_if_missing``).
 
     Example::
 
@@ -79,5 +79,5 @@ class LRUpdateHook(HookBase):
         return {"metric_count": self._metric_count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what [`state_dict`][] returned."""
         self._metric_count = state["metric_count"]

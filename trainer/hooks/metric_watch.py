@@ -58,7 +58,7 @@ class MetricWatch:
     Args:
         metric: A name that the ``EvalHook``'s function returns.
         mode: ``"max"`` (higher is better, e.g. accuracy) or ``"min"`` (e.g. a loss); None
-            infers it from the name (:func:`infer_mode`) and refuses a name that does not tell.
+            infers it from the name ([`infer_mode`][]) and refuses a name that does not tell.
         min_delta: How much better a value must be to count as an improvement.
 
     Example::
@@ -136,7 +136,7 @@ def record_results(
 ) -> None:
     """Keep in ``record`` the final and best value of every result of an evaluation after
     ``iters`` iterations, with the iteration of the best (the best judged by the name, see
-    :func:`infer_mode`; none for a name that does not tell)."""
+    [`infer_mode`][]; none for a name that does not tell)."""
     for name, value in results.items():
         entry = record.setdefault(name, {"best": None, "best_iter": None})
         entry["final"] = value

@@ -80,7 +80,8 @@ class HookRegistry:
     def start(self) -> None:
         """List each event's handlers (skipping HookBase's no-ops and the ``after_iter`` of
         period 0) and zero the times: at each change, and when a run starts, since a hook's
-        :meth:`~HookBase.after_iter_period` may have changed since it was registered."""
+        [`after_iter_period`][HookBase.after_iter_period] may have changed since it was
+        registered."""
         periods = {i: _period(h) for i, h in enumerate(self._hooks) if _overrides(h, "after_iter")}
         self._handlers: dict[str, list[tuple[int, Callable]]] = {
             event: [
@@ -147,11 +148,11 @@ class HookRegistry:
         return totals
 
     def state_dict(self) -> dict[str, Any]:
-        """The states of the hooks with state, keyed as :meth:`checkpointable` keys them."""
+        """The states of the hooks with state, keyed as [`checkpointable`][] keys them."""
         return {key: hook.state_dict() for key, hook in self.checkpointable().items()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Give each hook its state from :meth:`state_dict`; one without keeps its own."""
+        """Give each hook its state from [`state_dict`][]; one without keeps its own."""
         for key, hook in self.checkpointable().items():
             if key in state:
                 hook.load_state_dict(state[key])
