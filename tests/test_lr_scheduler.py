@@ -1,3 +1,4 @@
+import functools
 import io
 import json
 
@@ -21,6 +22,7 @@ from torch.optim.lr_scheduler import (
 from torch.utils.data import DataLoader
 
 from trainer import HookBase, LRWarmupScheduler, Trainer
+from trainer.lr_scheduler import check_steps
 
 from conftest import TinyModel, tiny_dataset, tiny_loader
 
@@ -414,6 +416,54 @@ def test_a_schedule_stepped_as_its_horizon_counts_trains_to_the_end(tmp_path, sc
 def test_a_schedule_of_unknown_horizon_is_never_refused(tmp_path, scheduler, by_epoch):
     scheduled(tmp_path, scheduler, by_epoch=by_epoch)
     scheduled(tmp_path, lambda o: ReduceLROnPlateau(o), by_epoch=True)
+
+
+def linear_decay(step, num_training_steps):
+    return max(0.0, 1 - step / num_training_steps)
+
+
+@pytest.mark.parametrize(
+    "scheduler, by_epoch, epochs, epoch_len, iters, refused",
+    [
+        # max_iters within the first epoch: a schedule built for those iterations
+        (lambda o: OneCycleLR(o, 1.0, total_steps=1000), True, 1, 5000, 1000, True),
+        (lambda o: CosineAnnealingLR(o, 3000), True, 2, 2000, 3000, True),
+        # transformers' get_scheduler: a LambdaLR of a partial that carries its length
+        (
+            lambda o: LambdaLR(o, functools.partial(linear_decay, num_training_steps=48)),
+            True,
+            3,
+            16,
+            48,
+            True,
+        ),
+        (
+            lambda o: LambdaLR(o, functools.partial(linear_decay, num_training_steps=48)),
+            False,
+            3,
+            16,
+            48,
+            False,
+        ),
+        # per-epoch milestones past a run whose epochs are short
+        (lambda o: MultiStepLR(o, [100, 150]), True, 120, 98, 120 * 98, False),
+        # per-iteration decays that hold their end, ending before an epoch does
+        (lambda o: MultiStepLR(o, [600, 900]), False, 1, 2000, 1000, False),
+        (lambda o: LinearLR(o, 1.0, 0.1, total_iters=200), False, 5, 1000, 5000, False),
+        # a cosine shorter than an epoch, stepped per iteration, climbs again in the epoch
+        (lambda o: CosineAnnealingLR(o, 200), False, 5, 1000, 5000, True),
+    ],
+)
+def test_where_a_horizon_counts_iterations_and_where_epochs(
+    scheduler, by_epoch, epochs, epoch_len, iters, refused
+):
+    optimizer = torch.optim.SGD(TinyModel().parameters(), lr=0.1)
+    warmup = LRWarmupScheduler(scheduler(optimizer), by_epoch, epoch_len, optimizer=optimizer)
+    if refused:
+        with pytest.raises(ValueError, match=f"by_epoch={by_epoch} "):
+            check_steps(warmup, epochs, iters, epoch_len)
+    else:
+        check_steps(warmup, epochs, iters, epoch_len)
 
 
 class StopAfter(HookBase):

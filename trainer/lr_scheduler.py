@@ -11,6 +11,7 @@ from torch.optim.lr_scheduler import (
     ChainedScheduler,
     ConstantLR,
     CosineAnnealingLR,
+    LambdaLR,
     LinearLR,
     LRScheduler,
     MultiStepLR,
@@ -232,7 +233,9 @@ def schedule_horizon(scheduler: Any) -> Optional[int]:
     """The steps that ``scheduler``'s schedule spans: OneCycleLR's ``total_steps``,
     CosineAnnealingLR's ``T_max``, LinearLR's, ConstantLR's and PolynomialLR's ``total_iters``,
     MultiStepLR's last milestone, SequentialLR's last milestone plus its last scheduler's horizon,
-    ChainedScheduler's longest; None for a schedule without an end (StepLR, LambdaLR, ...)."""
+    ChainedScheduler's longest, a LambdaLR's ``num_training_steps`` where its functions are
+    ``functools.partial`` objects that carry it (transformers' ``get_scheduler`` builds them so);
+    None for a schedule without an end (StepLR, another LambdaLR, ...)."""
     if isinstance(scheduler, OneCycleLR):
         return scheduler.total_steps
     if isinstance(scheduler, CosineAnnealingLR):
@@ -248,6 +251,9 @@ def schedule_horizon(scheduler: Any) -> Optional[int]:
     if isinstance(scheduler, ChainedScheduler):  # they all step together
         horizons = [schedule_horizon(s) for s in scheduler._schedulers]
         return None if None in horizons else max(horizons)
+    if isinstance(scheduler, LambdaLR):
+        steps = {getattr(f, "keywords", {}).get("num_training_steps") for f in scheduler.lr_lambdas}
+        return steps.pop() if len(steps) == 1 and None not in steps else None
     return None
 
 
@@ -256,29 +262,34 @@ def check_steps(
 ) -> None:
     """Refuse a schedule that a run of ``epochs`` of ``epoch_len`` iterations (None: a
     stream's, unknown) and ``iters`` in all would step in a unit its horizon contradicts
-    (docs/arguments.md, "How the schedule steps"): a horizon of at least an epoch's iterations
-    counts iterations (stepped per epoch, it must fit in the run's epochs); one shorter than an
-    epoch (and the run) counts epochs, unless it is a warmup (ends at the base LR). And a
-    OneCycleLR that the run would step past ``total_steps``, where it raises."""
+    (docs/arguments.md, "How the schedule steps"), and a OneCycleLR that the run would step past
+    ``total_steps``, where it raises."""
     torch_scheduler = scheduler.torch_scheduler
     horizon = schedule_horizon(torch_scheduler)
     by_epoch = scheduler.by_epoch
     steps = epochs if by_epoch else iters
-    run = f"{epochs} epochs ({iters} iterations)" if epochs else f"{iters} iterations"
-    said = f"by_epoch={by_epoch} steps {type(torch_scheduler).__name__} {steps} times in {run}"
+    run = f"{_count(epochs, 'epoch')} ({iters} iterations)" if epochs else f"{iters} iterations"
+    said = f"by_epoch={by_epoch} steps {type(torch_scheduler).__name__} {_count(steps, 'time')}"
+    said += f" in {run}"
     if horizon is not None and epochs is not None and epoch_len is not None:
         warmup = isinstance(torch_scheduler, ConstantLR) or (
             isinstance(torch_scheduler, LinearLR) and torch_scheduler.end_factor == 1
         )
-        if by_epoch and epochs < horizon and epoch_len <= horizon:
+        holds = isinstance(torch_scheduler, (LinearLR, MultiStepLR, PolynomialLR))  # its end
+        if by_epoch and _counts_iterations(horizon, epochs, iters, epoch_len):
             raise ValueError(
-                f"{said}, but its horizon of {horizon} steps counts iterations: pass "
-                f"by_epoch=False, or build it for {epochs} epochs."
+                f"{said}, but its horizon of {horizon} steps counts iterations (past the run's "
+                "epochs, at least an epoch's and half the run's iterations): pass by_epoch=False, "
+                f"or build it for {_count(epochs, 'epoch')}."
             )
-        if not by_epoch and horizon < min(epoch_len, iters) and not warmup:
+        # Stepped per iteration, a horizon shorter than an epoch counts epochs if the run's
+        # epochs hold it, or if the schedule does not hold its end value (a cosine climbs
+        # again); a warmup may be as short as it likes.
+        short = horizon < min(epoch_len, iters) and not warmup
+        if not by_epoch and short and (horizon <= epochs or not holds):
             raise ValueError(
-                f"{said}, but its horizon of {horizon} steps counts epochs: pass by_epoch=True, "
-                f"or build it for {iters} iterations."
+                f"{said}, but its horizon of {horizon} steps is shorter than an epoch: it counts "
+                f"epochs: pass by_epoch=True, or build it for {iters} iterations."
             )
     if isinstance(torch_scheduler, OneCycleLR) and steps and steps > torch_scheduler.total_steps:
         raise ValueError(
@@ -287,12 +298,22 @@ def check_steps(
         )
     warmup_t = scheduler.warmup_t
     if scheduler.warmup_by_epoch and epochs is not None and epoch_len is not None:
-        if epochs < warmup_t and epoch_len <= warmup_t:
+        if _counts_iterations(warmup_t, epochs, iters, epoch_len):
             raise ValueError(
-                f"warmup_by_epoch=True counts warmup_t={warmup_t} in epochs, past this run's "
-                f"{epochs} epochs and as long as an epoch's {epoch_len} iterations: pass "
-                "warmup_by_epoch=False."
+                f"warmup_by_epoch=True counts warmup_t={warmup_t} in epochs, but it counts "
+                f"iterations (past the run's {_count(epochs, 'epoch')}, at least an epoch's and "
+                f"half the run's {iters} iterations): pass warmup_by_epoch=False."
             )
+
+
+def _counts_iterations(horizon: int, epochs: int, iters: int, epoch_len: int) -> bool:
+    """Whether a horizon stepped per epoch is one of iterations: past the run's epochs, at least
+    an epoch's iterations (or the run's, if shorter), and at least half the run's iterations."""
+    return epochs < horizon and min(epoch_len, iters) <= horizon and iters <= 2 * horizon
+
+
+def _count(n: Optional[int], unit: str) -> str:
+    return "once" if unit == "time" and n == 1 else f"{n} {unit}{'' if n == 1 else 's'}"
 
 
 def describe_steps(scheduler: LRWarmupScheduler, epochs: Optional[int], iters: int) -> str:
