@@ -13,7 +13,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from torch import nn
 
-from trainer import HookBase, Trainer
+from trainer import EvalHook, HookBase, Trainer
 
 from conftest import RecordLR, TinyModel, build, count_host_reads, tiny_loader
 
@@ -151,8 +151,8 @@ class ReturnsWhat(nn.Module):
         (lambda w: "loss", TypeError, r"model must return .* got str"),
         (lambda w: {}, TypeError, r"model must return .* got dict"),
         (lambda w: {"a": 1.0}, TypeError, r"'a'.* got float"),
-        (lambda w: {"loss": 1.0}, TypeError, r"'loss'.* got float"),
-        (lambda w: {"loss": w * 2}, ValueError, r"'loss'.* shape \(3,\)"),
+        (lambda w: {"loss": 1.0}, TypeError, r"'loss'.* got float.*not .*\.item\(\)"),
+        (lambda w: {"loss": w * 2}, ValueError, r"'loss'.* shape \(3,\).*\.mean\(\)"),
         (lambda w: types.SimpleNamespace(loss=None), TypeError, r"model must return .* got"),
     ],
 )
@@ -206,12 +206,100 @@ def test_an_output_with_a_loss_trains_on_the_loss_alone(make_trainer, tmp_path, 
     for key, value in weights(alone).items():  # aux_loss not added again, logits not summed
         assert torch.equal(value, weights(trainer)[key])
     storage = trainer.metric_storage
-    expected = {"total_loss", "loss"} | ({"aux_loss"} if wrap is dict else set())
-    assert expected <= set(storage) and not {"logits", "hidden", "past"} & set(storage)
-    assert storage["loss"].global_sum == alone.metric_storage["total_loss"].global_sum
-    assert storage["total_loss"].global_sum == storage["loss"].global_sum
+    expected = {"total_loss"} | ({"aux_loss"} if wrap is dict else set())
+    assert expected <= set(storage) and not {"loss", "logits", "hidden", "past"} & set(storage)
+    assert storage["total_loss"].global_sum == alone.metric_storage["total_loss"].global_sum
     if wrap is dict:
-        assert 0 < storage["aux_loss"].latest < storage["loss"].latest
+        assert 0 < storage["aux_loss"].latest < storage["total_loss"].latest
+
+
+class HuggingFaceLike(dict):
+    """A mapping that is not a plain dict, as a Hugging Face ``ModelOutput`` (an OrderedDict)."""
+
+
+@pytest.mark.parametrize(
+    "wrap, warned",
+    [(dict, True), (HuggingFaceLike, False), (types.SimpleNamespace, False)],
+    ids=["dict", "output", "attribute"],
+)
+def test_a_dict_with_a_loss_and_another_with_a_gradient_warns_once(
+    make_trainer, caplog, wrap, warned
+):
+    class LossAndReg(TinyModel):
+        def forward(self, batch):
+            loss = super().forward(batch)
+            return wrap(loss=loss, reg=100 * loss, acc=loss.detach())
+
+    trainer = make_trainer(model=LossAndReg(), max_iters=4)
+    with caplog.at_level(logging.WARNING, logger="trainer"):
+        trainer.train()
+    warnings = [r.getMessage() for r in caplog.records if "'reg'" in r.getMessage()]
+    assert len(warnings) == (1 if warned else 0)  # once, not per iteration
+    if warned:  # says what is trained, and the two ways to train the sum
+        assert "'loss'" in warnings[0] and "'acc'" not in warnings[0]
+        assert "into 'loss'" in warnings[0] and "drop" in warnings[0]
+
+
+@pytest.mark.parametrize("name", ["iter", "epoch", "lr", "grad_norm", "total_loss", "lr/group1"])
+@pytest.mark.parametrize("with_loss", [True, False], ids=["loss", "losses"])
+def test_an_output_named_like_the_trainers_metrics_is_refused(make_trainer, name, with_loss):
+    class Clashing(TinyModel):
+        calls = 0
+
+        def forward(self, batch):
+            loss = super().forward(batch)
+            self.calls += 1
+            out = {"loss" if with_loss else "mse": loss, "acc": loss.detach()}
+            if self.calls == 3:  # a name that appears late is refused too
+                out[name] = torch.tensor(123.0)
+            return out
+
+    trainer = make_trainer(model=Clashing(), clip_grad_norm=1.0, max_iters=4, log_period=1)
+    with pytest.raises(ValueError, match=rf"{re.escape(repr(name))}.*rename") as error:
+        trainer.train()
+    assert trainer.cur_iter == 2  # at the iteration that returned it, before anything is logged
+    assert error.value.args[0].count("\n") < 3
+    assert trainer.metric_storage["total_loss"].count == 2
+
+
+def test_a_nan_metric_is_logged_and_only_the_loss_is_nan_checked(make_trainer, tmp_path):
+    class MaskedAccuracy(TinyModel):
+        def forward(self, batch):
+            loss = super().forward(batch)
+            empty = torch.zeros(0)
+            return {"loss": loss, "masked_acc": empty.mean(), "ok": torch.tensor(True)}
+
+    trainer = make_trainer(model=MaskedAccuracy(), max_iters=4, log_period=2, accumulation_steps=2)
+    trainer.train()
+    storage = trainer.metric_storage
+    assert storage["masked_acc"].count == 4 and math.isnan(storage["masked_acc"].latest)
+    assert "ok" not in storage  # a bool is no metric: summed with bool + it would log 0.5
+    assert math.isfinite(storage["total_loss"].latest)
+
+    class NaNLoss(MaskedAccuracy):
+        def forward(self, batch):
+            out = super().forward(batch)
+            return {**out, "loss": out["loss"] * math.nan}
+
+    trainer = make_trainer(model=NaNLoss(), max_iters=4, log_period=2, work_dir=tmp_path / "nan")
+    with pytest.raises(FloatingPointError, match=r"iteration 1 .*'total_loss': nan"):
+        trainer.train()
+
+
+def test_an_eval_metric_named_loss_beside_a_model_output_with_a_loss(make_trainer):
+    class Output(LossAndOutputs):
+        def forward(self, batch):
+            return HuggingFaceLike(super().forward(batch))
+
+    def metric_fn(model, batch):  # as transformers' Trainer names it before its eval_ prefix
+        x, y = batch
+        return {"loss": (model.linear(x) - y).pow(2).mean(1)}
+
+    trainer = make_trainer(model=Output(), max_iters=4, log_period=2)
+    trainer.register_hook(EvalHook(2, data_loader=tiny_loader(), metric_fn=metric_fn))
+    trainer.train()
+    storage = trainer.metric_storage
+    assert storage["loss"].count == 2 and storage["total_loss"].count == 4
 
 
 def test_dict_losses_are_summed_and_each_logged(make_trainer):

@@ -32,11 +32,12 @@ from .hooks import (
 from .hooks.registry import HookRegistry
 from .logger import ensure_console_logging, log_to_file, rank_log_file
 from .lr_scheduler import LRWarmupScheduler, check_steps, describe_steps
-from .metric_storage import MetricStorage
+from .metric_storage import TRAINER_METRICS, MetricStorage
 from .misc import WorkDirLock, collect_env, unwrapped
 from .preemption import WRITE_FAILED, Interrupt, Preemption
 from .progress import Progress
 from .step import StepTools
+from .writers import PER_GROUP, ROW_KEYS
 
 logger = logging.getLogger(__name__)
 
@@ -159,6 +160,7 @@ class Trainer:
         check_steps(lr_scheduler, self.max_epochs, self.max_iters, self.epoch_len)
         self.lr_scheduler = lr_scheduler
         self._unpack_batch_dict = unpack_batch_dict
+        self._output_names: frozenset[str] = frozenset()  # what compute_losses checked last
 
         # What the step's building blocks share: autocast, the GradScaler, clipping, DDP/FSDP2
         device = args.model_device(model)
@@ -572,8 +574,12 @@ class Trainer:
                 loss, losses = self.compute_losses(batch)  # 2. forward, under autocast
                 self.backward(loss / k if k > 1 else loss)  # 3. backward, scaled with float16
             summed = {n: summed[n] + v for n, v in losses.items()} if summed else losses
-        # 4. log the mean over micro-batches, on the device until the next log point: no sync
-        self.log_losses(**{n: v / k for n, v in summed.items()} if k > 1 else summed)
+        # 4. log the mean over micro-batches, on the device until the next log point: no sync;
+        # the loss NaN-checked, the model's other values as metrics (an empty mask's NaN)
+        mean = {n: v / k for n, v in summed.items()} if k > 1 else summed
+        self.log_losses(total_loss=mean.pop("total_loss"))
+        if mean:
+            self.log(self.cur_iter, reduce=True, **mean)
         self.clip_and_step()  # 5. unscale, clip, step (a float16 overflow skips it); logs the norm
         # then the loop adjusts the float16 loss scale, once every optimizer stepped
 
@@ -629,21 +635,27 @@ class Trainer:
 
         The model returns a scalar loss, or an output with a ``loss`` (a mapping such as a
         Hugging Face ``ModelOutput``, or an object with a ``loss`` attribute), or a dict of
-        losses. An output's ``loss`` is the total, back-propagated alone and logged (also as
-        ``total_loss``); the mapping's other 0-d tensors are logged as metrics, never added to
-        it, and the rest (logits, hidden states, caches, None) is left alone. A dict without
-        ``loss`` is losses, each logged, whose sum is back-propagated; its values without a
-        gradient beside ones with are metrics, not losses."""
+        losses. An output's ``loss`` is the total, back-propagated alone and logged as
+        ``total_loss``; the mapping's other floating-point 0-d tensors are logged as metrics,
+        never added to it (a plain dict's with a gradient is warned of, once), and the rest
+        (logits, hidden states, caches, None, bools) is left alone. A dict without ``loss`` is
+        losses, each logged, whose sum is back-propagated; its values without a gradient beside
+        ones with are metrics, not losses. A value named like a metric the trainer logs itself
+        (``iter``, ``lr``, ``grad_norm``, ...) raises ValueError."""
         with self.autocast():
             out = self.model(**batch) if self._unpack_batch_dict else self.model(batch)
         if isinstance(out, torch.Tensor):  # the loss
             return out, {"total_loss": out.detach()}
-        return _total_loss(out)
+        loss, logged = _total_loss(out)
+        if logged.keys() != self._output_names:  # a model's names rarely change: checked once
+            self._output_names = _check_names(out, logged)
+        logged["total_loss"] = loss.detach()
+        return loss, logged
 
 
 def _total_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss to back-propagate from a model's output other than a tensor, and the detached
-    values to log, as [`Trainer.compute_losses`][] says."""
+    values to log besides it, as [`Trainer.compute_losses`][] says."""
     mapping = isinstance(out, Mapping)
     loss = out.get("loss") if mapping else getattr(out, "loss", None)
     if loss is None and not (mapping and out):
@@ -656,18 +668,22 @@ def _total_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         # aux_loss is in it already), so nothing is added to it
         if not isinstance(loss, torch.Tensor):
             raise TypeError(
-                f"The model's 'loss' must be a scalar tensor, got {type(loss).__name__}."
+                f"The model's 'loss' must be a scalar tensor, got {type(loss).__name__}: "
+                "return the tensor, not .item()."
             )
         if loss.numel() != 1:
             raise ValueError(
-                f"The model's 'loss' must be a scalar tensor, got shape {tuple(loss.shape)}."
+                f"The model's 'loss' must be a scalar tensor, got shape {tuple(loss.shape)}: "
+                "reduce it in the model (e.g. .mean())."
             )
-        logged = {
+        logged = {  # a bool would be summed with bool + over micro-batches
             name: value.detach()
             for name, value in (out.items() if mapping else ())
-            if isinstance(value, torch.Tensor) and value.dim() == 0
+            if isinstance(value, torch.Tensor)
+            and value.dim() == 0
+            and value.is_floating_point()
+            and name != "loss"
         }
-        logged["loss"] = logged["total_loss"] = loss.detach()
         return loss, logged
     # a dict of losses: what is not a loss (logits, say) goes beside a `loss`, the total
     fix = (
@@ -683,11 +699,32 @@ def _total_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
             raise ValueError(
                 f"Loss {name!r} must be a scalar tensor, got shape {tuple(value.shape)}: {fix}."
             )
-    logged = {name: value.detach() for name, value in out.items()}
+    logged = {name: value.detach() for name, value in out.items() if value.is_floating_point()}
     losses = dict(out)
     if any(value.requires_grad for value in losses.values()):
         losses = {name: value for name, value in losses.items() if value.requires_grad}
     first, *rest = losses.values()
     total = sum(rest, first)  # not sum(values): 0 + loss would add a kernel to every step
-    logged["total_loss"] = total.detach()
     return total, logged
+
+
+def _check_names(out: Any, logged: dict[str, torch.Tensor]) -> frozenset[str]:
+    """Refuse the names of the values to log that the trainer logs itself; warn of the
+    entries of a plain dict with a gradient beside its ``loss``, which are not trained.
+    Returns the names checked."""
+    for name in logged:  # mixed with the trainer's own, they would log neither
+        if name in ROW_KEYS or name in TRAINER_METRICS or name.startswith(PER_GROUP):
+            raise ValueError(
+                f"The model returned {name!r}, a name the trainer logs itself (iter, epoch, "
+                f"total_loss, lr, grad_norm, ...): rename it, e.g. 'model_{name}'."
+            )
+    # metadata only, no sync; a ModelOutput's aux_loss is in its loss already
+    if type(out) is dict and "loss" in out:
+        untrained = [name for name in logged if out[name].requires_grad]
+        if untrained:
+            logger.warning(
+                f"The model's dict has {', '.join(map(repr, untrained))} with a gradient beside "
+                "'loss': 'loss' is the total, back-propagated alone. To train their sum, add "
+                "them into 'loss', or drop the 'loss' key to have every entry summed."
+            )
+    return frozenset(logged)
