@@ -666,16 +666,9 @@ def _total_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     if loss is not None:
         # Hugging Face's and Lightning's convention: `loss` is the total (an MoE model's
         # aux_loss is in it already), so nothing is added to it
-        if not isinstance(loss, torch.Tensor):
-            raise TypeError(
-                f"The model's 'loss' must be a scalar tensor, got {type(loss).__name__}: "
-                "return the tensor, not .item()."
-            )
-        if loss.numel() != 1:
-            raise ValueError(
-                f"The model's 'loss' must be a scalar tensor, got shape {tuple(loss.shape)}: "
-                "reduce it in the model (e.g. .mean())."
-            )
+        _check_scalar(
+            "The model's 'loss'", loss, "return the tensor, not .item()", "reduce it (e.g. .mean())"
+        )
         logged = {  # a bool would be summed with bool + over micro-batches
             name: value.detach()
             for name, value in (out.items() if mapping else ())
@@ -691,14 +684,7 @@ def _total_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         "(a Hugging Face model has one when the batch has labels)"
     )
     for name, value in out.items():
-        if not isinstance(value, torch.Tensor):
-            raise TypeError(
-                f"Loss {name!r} must be a scalar tensor, got {type(value).__name__}: {fix}."
-            )
-        if value.numel() != 1:
-            raise ValueError(
-                f"Loss {name!r} must be a scalar tensor, got shape {tuple(value.shape)}: {fix}."
-            )
+        _check_scalar(f"Loss {name!r}", value, fix, fix)
     logged = {name: value.detach() for name, value in out.items() if value.is_floating_point()}
     losses = dict(out)
     if any(value.requires_grad for value in losses.values()):
@@ -706,6 +692,16 @@ def _total_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     first, *rest = losses.values()
     total = sum(rest, first)  # not sum(values): 0 + loss would add a kernel to every step
     return total, logged
+
+
+def _check_scalar(what: str, value: Any, fix_type: str, fix_shape: str) -> None:
+    """Refuse a ``value`` to back-propagate that is not a scalar tensor."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{what} must be a scalar tensor, got {type(value).__name__}: {fix_type}.")
+    if value.numel() != 1:
+        raise ValueError(
+            f"{what} must be a scalar tensor, got shape {tuple(value.shape)}: {fix_shape}."
+        )
 
 
 def _check_names(out: Any, logged: dict[str, torch.Tensor]) -> frozenset[str]:
