@@ -2,6 +2,7 @@ import logging
 import os
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -116,3 +117,41 @@ def test_setup_logger_and_the_console_checks_live_in_the_logger_module():
 
     assert setup_logger is trainer.setup_logger  # core-pytorch-utils' cpu.logger path
     assert {in_notebook.__module__, draws_safely_on.__module__} == {"trainer.logger"}
+
+
+class ZMQInteractiveShell:
+    """IPython's shell in a Jupyter kernel (ipykernel's), by its name."""
+
+
+class Shell(ZMQInteractiveShell):
+    """Colab's kernel shell: a subclass."""
+
+
+class DatabricksShell:
+    """A kernel's shell of its own, known by the kernel app in its config."""
+
+    config = {"IPKernelApp": {"connection_file": "kernel.json"}}
+
+
+class TerminalInteractiveShell:
+    """IPython in a terminal: no notebook (the console prints the log points' lines)."""
+
+    config = {"TerminalIPythonApp": {"display_banner": False}}
+
+
+@pytest.mark.parametrize(
+    "shell, notebook",
+    [
+        (ZMQInteractiveShell(), True),
+        (Shell(), True),
+        (DatabricksShell(), True),
+        (TerminalInteractiveShell(), False),
+        (None, False),  # plain Python, IPython imported
+    ],
+)
+def test_a_notebook_is_a_kernels_shell_of_any_class(monkeypatch, shell, notebook):
+    from trainer.logger import in_notebook
+
+    ipython = types.SimpleNamespace(get_ipython=lambda: shell)
+    monkeypatch.setitem(sys.modules, "IPython", ipython)
+    assert in_notebook() is notebook

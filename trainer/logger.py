@@ -47,11 +47,14 @@ def is_terminal(stream: Any) -> bool:
 
 
 def in_notebook() -> bool:
-    """Whether this runs in a Jupyter kernel (IPython's ``ZMQInteractiveShell``), where a
-    progress bar shows as a widget (or a line of text) in the cell's output."""
+    """Whether this runs in a Jupyter kernel, where a progress bar shows as a widget (or a line
+    of text) in the cell's output: IPython's shell there is ipykernel's ``ZMQInteractiveShell``
+    or a subclass (Colab's ``Shell``), or one whose config names the kernel app (``IPKernelApp``,
+    as Databricks' ``DatabricksShell``); a terminal's IPython is not one."""
     ipython = sys.modules.get("IPython")  # a kernel has imported it: no need to import it here
     shell = ipython.get_ipython() if ipython is not None else None
-    return type(shell).__name__ == "ZMQInteractiveShell"
+    kernel = any(cls.__name__ == "ZMQInteractiveShell" for cls in type(shell).__mro__)
+    return kernel or "IPKernelApp" in getattr(shell, "config", {})
 
 
 class _ConsoleHandler(logging.StreamHandler):

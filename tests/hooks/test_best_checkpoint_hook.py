@@ -1,5 +1,6 @@
 """BestCheckpointHook: best.pth at each new best, remembered across resume."""
 
+import logging
 import os
 import re
 import time
@@ -249,3 +250,49 @@ def test_a_crafted_list_of_best_checkpoints_never_deletes_another_file(
 def test_a_bad_top_k_is_refused(top_k, error):
     with pytest.raises(error, match="top_k must be a positive int"):
         BestCheckpointHook("acc", top_k=top_k)
+
+
+def best_files(trainer):
+    return sorted(n for n in os.listdir(trainer.ckpt_dir) if n.startswith("best"))
+
+
+def test_the_state_of_another_metric_is_ignored_and_its_files_are_kept(make_trainer, caplog):
+    """Hook states are keyed by class name in registration order: resumed with a hook of
+    another metric registered first, that hook gets the acc hook's state; it ignores it, and
+    neither adopts nor deletes acc's files."""
+    first = evaluating(make_trainer(max_epochs=4), ACCS, BestCheckpointHook("acc", top_k=3))
+    first.train()
+    acc_files = best_files(first)
+    trainer = make_trainer(max_epochs=5)
+    trainer.register_hook(EvalHook(1, lambda: {"acc": 0.1, "loss": 0.25}))
+    loss = BestCheckpointHook("loss", top_k=2)
+    trainer.register_hooks([loss, BestCheckpointHook("acc", top_k=3)])
+    trainer.train()
+    assert trainer.start_iter == 32
+    assert [os.path.basename(path) for path in loss.best_checkpoints] == [
+        "best-iter=40-loss=0.25.pth"
+    ]
+    assert set(acc_files) < set(best_files(trainer))  # none deleted
+    (warning,) = [r.getMessage() for r in caplog.records if "'acc'" in r.getMessage()]
+    assert "'loss'" in warning
+
+
+def test_the_state_of_another_file_name_is_ignored(caplog):
+    other = BestCheckpointHook("acc", top_k=2)
+    other._kept = [("best-iter=8-acc=0.9.pth", 0.9)]
+    hook = BestCheckpointHook("acc", file_name="top.pth", top_k=2)
+    hook.load_state_dict(other.state_dict())
+    assert hook.state_dict()["kept"] == []
+    assert "'best.pth'" in caplog.text and "'top.pth'" in caplog.text
+
+
+def test_a_lower_top_k_on_resume_names_each_file_it_deletes(make_trainer, caplog):
+    first = evaluating(make_trainer(max_epochs=4), ACCS, BestCheckpointHook("acc", top_k=3))
+    first.train()
+    caplog.clear()
+    accs = [*ACCS[:4], 0.1]  # no new best after the resume
+    resumed = evaluating(make_trainer(max_epochs=5), accs, BestCheckpointHook("acc", top_k=2))
+    resumed.train()
+    assert best_files(resumed) == ["best-iter=16-acc=0.7.pth", "best-iter=32-acc=0.65.pth"]
+    (deleted,) = [r for r in caplog.records if "best-iter=24-acc=0.6.pth" in r.getMessage()]
+    assert deleted.levelno >= logging.INFO

@@ -159,6 +159,62 @@ def test_a_record_from_another_thread_is_never_drawn_over_by_the_bar(monkeypatch
     assert screen(terminal.getvalue()) == ["saved", "epoch 1 [##--] 2/4", ""]
 
 
+class CtrlCTerminal(Terminal):
+    """A terminal whose first write once ``armed`` raises KeyboardInterrupt: a Ctrl-C that lands
+    while the bar draws."""
+
+    armed = False
+
+    def write(self, text):
+        if self.armed:
+            self.armed = False
+            raise KeyboardInterrupt
+        return super().write(text)
+
+
+class CtrlCInTheDraw(HookBase):
+    """Arms the terminal before iteration 5 (the bar draws at its end); when training ends, logs
+    from another thread while the bar is still up, as the checkpoint writer's thread does."""
+
+    priority = ProgressBarHook.priority - 1  # its after_train too: before the bar is closed
+
+    def __init__(self, terminal, log):
+        self.terminal, self.log, self.logged = terminal, log, threading.Event()
+
+    def before_iter(self):
+        self.terminal.armed = self.trainer.cur_iter == 4
+
+    def after_train(self):
+        writer = threading.Thread(target=self.write, daemon=True)
+        writer.start()
+        writer.join(timeout=10)  # not forever, should tqdm's lock be held
+
+    def write(self):
+        self.log.warning("Saved checkpoint (on disk).")
+        self.logged.set()
+
+
+def test_a_ctrl_c_in_the_draw_leaves_tqdms_lock_free(make_trainer, monkeypatch):
+    """tqdm's refresh() releases its lock without try/finally: a Ctrl-C in the draw kept it, and
+    the writer thread's "Saved" record waited for it forever, and train() for the write."""
+    trainer = make_trainer(max_epochs=1)  # on no terminal yet: no bar of its own
+    terminal = CtrlCTerminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    log = logging.getLogger("trainer.test_bar")
+    handler = _console_handler()  # on the terminal, keeping the bar below its records
+    log.addHandler(handler)
+    interrupt = CtrlCInTheDraw(terminal, log)
+    trainer.register_hooks([ProgressBarHook(interval=1e-9, stream=terminal), interrupt])
+    try:
+        with pytest.raises(SystemExit):
+            trainer.train()
+    finally:
+        log.removeHandler(handler)
+    assert interrupt.logged.is_set()
+    assert trainer.cur_iter == 4
+    assert screen(terminal.getvalue())[0].endswith("WARNING]: Saved checkpoint (on disk).")
+
+
 class ZMQInteractiveShell:
     """IPython's shell in a Jupyter kernel, by its name: what tqdm and the trainer look for."""
 

@@ -73,10 +73,15 @@ class BestCheckpointHook(HookBase):
         """Log which way the metric is judged; delete what a resumed run keeps beyond ``top_k``
         (a run stopped before it deleted the file that its last best replaced)."""
         self._watch.log_mode(self.class_name)
-        dropped = [self.trainer.checkpointer.path(name) for name, _ in self._kept[self._top_k :]]
+        dropped = self._kept[self._top_k :]
         self._kept = self._kept[: self._top_k]
         if dropped and is_main_process():  # the rank that writes
-            delete_checkpoints(dropped)
+            for name, value in dropped:  # a lower top_k than the saved run's drops kept files
+                logger.info(
+                    f"Deleting {name} ({self._watch.metric} {value:.5g}): not among the "
+                    f"top_k={self._top_k} best."
+                )
+            delete_checkpoints([self.trainer.checkpointer.path(name) for name, _ in dropped])
 
     def after_eval(self, results: dict[str, float]) -> None:
         """Note a result that enters the best; it is saved when the state is complete."""
@@ -146,17 +151,29 @@ class BestCheckpointHook(HookBase):
         self._kept = self._kept[: self._top_k]
 
     def state_dict(self) -> dict[str, Any]:
-        """The best value saved, and with ``top_k`` > 1 the files kept and their values (a best
-        not saved yet does not count: a run killed before saving it must not take it for
-        saved)."""
+        """The metric and file name, the best value saved, and with ``top_k`` > 1 the files
+        kept and their values (a best not saved yet does not count: a run killed before saving
+        it must not take it for saved)."""
         best = self._kept[0][1] if self._kept else None
-        if self._top_k == 1:
-            return {"best": best}
-        return {"best": best, "kept": [[name, value] for name, value in self._kept]}
+        state = {"metric": self._watch.metric, "file_name": self._file_name, "best": best}
+        if self._top_k > 1:
+            state["kept"] = [[name, value] for name, value in self._kept]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what [`state_dict`][] returned; a name that is not a file of this hook's
-        in ``ckpt_dir`` is ignored with a warning, never deleted."""
+        """Restore what [`state_dict`][] returned. The state of a hook with another metric or
+        file name (hooks' states are matched by class and order) is ignored with a warning:
+        this hook starts afresh, and never adopts nor deletes that hook's files. A name that is
+        not a file of this hook's in ``ckpt_dir`` is ignored with a warning, never deleted."""
+        ours = (self._watch.metric, self._file_name)
+        theirs = (state.get("metric", ours[0]), state.get("file_name", ours[1]))  # older: ours
+        if theirs != ours:
+            logger.warning(
+                f"{self.class_name}(metric={ours[0]!r}, file_name={ours[1]!r}) ignores the "
+                f"saved state of one with metric={theirs[0]!r}, file_name={theirs[1]!r}: it "
+                "starts afresh, and leaves those files alone."
+            )
+            return
         best = state["best"]
         kept = state.get("kept", [[self._file_name, best]] if best is not None else [])
         self._kept = []

@@ -19,6 +19,20 @@ _FORMAT = "{desc} |{bar}| {n_fmt}/{total_fmt} [{rate_fmt}{postfix}]"
 _STREAM_FORMAT = "{desc} {n_fmt}it [{rate_fmt}{postfix}]"
 
 
+class _Bar(tqdm):
+    """tqdm's bar (on a terminal, or a notebook's), whose redraw releases tqdm's lock even when
+    the draw raises: tqdm's own ``refresh()`` has no try/finally, so a Ctrl-C landing in the draw
+    kept the lock, and the next log record from another thread (the checkpoint writer's "Saved")
+    waited for it forever, and ``train()`` for that write. Every redraw goes through here (the
+    bar's start, ``reset``, ``set_postfix_str``, ``update``)."""
+
+    def refresh(self, nolock: bool = False, lock_args: Any = None) -> Any:
+        if nolock:  # the caller holds the lock (tqdm.external_write_mode)
+            return super().refresh(nolock=True)
+        with self.get_lock():
+            return super().refresh(nolock=True)
+
+
 class ProgressBarHook(HookBase):
     """Draws the epoch's progress with tqdm on rank 0, on a terminal or in a Jupyter notebook:
     iterations done of the epoch's, iterations per second, the ETA of the run and the smoothed
@@ -78,7 +92,7 @@ class ProgressBarHook(HookBase):
             desc = f"epoch {trainer.cur_epoch + 1}/{trainer.max_epochs}"
             total, bar_format = trainer.progress.epoch_iters, _FORMAT
         if self._bar is None:
-            self._bar = trainer_logging.live_bar = tqdm(
+            self._bar = trainer_logging.live_bar = _Bar(
                 desc=desc,
                 total=total,
                 initial=done,
