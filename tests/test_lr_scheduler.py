@@ -422,6 +422,11 @@ def linear_decay(step, num_training_steps):
     return max(0.0, 1 - step / num_training_steps)
 
 
+def linear_decay_phases(step, num_warmup_steps, num_stable_steps, num_decay_steps):
+    end = num_warmup_steps + num_stable_steps
+    return 1.0 if step < end else max(0.0, 1 - (step - end) / num_decay_steps)
+
+
 @pytest.mark.parametrize(
     "scheduler, by_epoch, epochs, epoch_len, iters, refused",
     [
@@ -444,6 +449,20 @@ def linear_decay(step, num_training_steps):
             16,
             48,
             False,
+        ),
+        # warmup_stable_decay's: its phases, 2 + 36 + 10 steps
+        (
+            lambda o: LambdaLR(
+                o,
+                functools.partial(
+                    linear_decay_phases, num_warmup_steps=2, num_stable_steps=36, num_decay_steps=10
+                ),
+            ),
+            True,
+            3,
+            16,
+            48,
+            True,
         ),
         # per-epoch milestones past a run whose epochs are short
         (lambda o: MultiStepLR(o, [100, 150]), True, 120, 98, 120 * 98, False),

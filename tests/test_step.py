@@ -154,6 +154,8 @@ class ReturnsWhat(nn.Module):
         (lambda w: {"loss": 1.0}, TypeError, r"'loss'.* got float.*not .*\.item\(\)"),
         (lambda w: {"loss": w * 2}, ValueError, r"'loss'.* shape \(3,\).*\.mean\(\)"),
         (lambda w: types.SimpleNamespace(loss=None), TypeError, r"model must return .* got"),
+        (lambda w: {"loss": None, "logits": w}, TypeError, r"'loss' is None.*labels"),
+        (lambda w: {"mse": w.sum(), "acc": 0.5}, TypeError, r"'acc'.* float.*trainer\.log\(\)"),
     ],
 )
 def test_wrong_model_output_raises(make_trainer, out, error, message):
@@ -172,7 +174,34 @@ def test_a_dict_of_losses_with_an_output_that_is_not_one_is_refused_naming_it(ma
     trainer = make_trainer(model=WithLogits())
     with pytest.raises(ValueError, match=r"'logits'.* shape \(4, 1\).*'loss' entry") as error:
         trainer.train()
-    assert "mean" not in str(error.value)  # never advise reducing what is not a loss
+    # reducing is advised for a loss left unreduced only, never for logits
+    assert "a loss: reduce it" in str(error.value)
+    assert "another output (logits): return it beside" in str(error.value)
+
+
+@pytest.mark.parametrize("accumulation_steps, error", [(1, None), (2, ValueError)])
+def test_entries_that_vary_between_micro_batches_are_refused_naming_them(
+    make_trainer, accumulation_steps, error
+):
+    class Varying(TinyModel):
+        calls = 0
+
+        def forward(self, batch):
+            x, y = batch
+            Varying.calls += 1
+            losses = {"mse": nn.functional.mse_loss(self.linear(x), y)}
+            if Varying.calls % 2 == 0:  # l1 in every other micro-batch
+                losses["l1"] = nn.functional.l1_loss(self.linear(x), y)
+            return losses
+
+    trainer = make_trainer(model=Varying(), accumulation_steps=accumulation_steps)
+    if error is None:
+        trainer.train()  # iterations may return other entries
+    else:
+        with pytest.raises(
+            error, match=r"returned 'l1' for some micro-batches.*accumulation_steps"
+        ):
+            trainer.train()
 
 
 class LossAndOutputs(TinyModel):

@@ -252,9 +252,18 @@ def schedule_horizon(scheduler: Any) -> Optional[int]:
         horizons = [schedule_horizon(s) for s in scheduler._schedulers]
         return None if None in horizons else max(horizons)
     if isinstance(scheduler, LambdaLR):
-        steps = {getattr(f, "keywords", {}).get("num_training_steps") for f in scheduler.lr_lambdas}
+        steps = {_training_steps(getattr(f, "keywords", {})) for f in scheduler.lr_lambdas}
         return steps.pop() if len(steps) == 1 and None not in steps else None
     return None
+
+
+def _training_steps(keywords: dict[str, Any]) -> Optional[int]:
+    """The steps of a transformers schedule's ``partial``: ``num_training_steps``, or the
+    phases of warmup_stable_decay's."""
+    if "num_training_steps" in keywords:
+        return keywords["num_training_steps"]
+    phases = ("num_warmup_steps", "num_stable_steps", "num_decay_steps")
+    return sum(keywords[k] for k in phases) if all(k in keywords for k in phases) else None
 
 
 def check_steps(

@@ -573,7 +573,16 @@ class Trainer:
             with self.no_gradient_sync(skip=micro_step < k - 1):
                 loss, losses = self.compute_losses(batch)  # 2. forward, under autocast
                 self.backward(loss / k if k > 1 else loss)  # 3. backward, scaled with float16
-            summed = {n: summed[n] + v for n, v in losses.items()} if summed else losses
+            if not summed:
+                summed = losses
+            elif summed.keys() == losses.keys():
+                summed = {n: summed[n] + v for n, v in losses.items()}
+            else:
+                odd = ", ".join(map(repr, sorted(summed.keys() ^ losses.keys())))
+                raise ValueError(
+                    f"The model returned {odd} for some micro-batches of an iteration only: with "
+                    "accumulation_steps > 1 each micro-batch must return the same entries."
+                )
         # 4. log the mean over micro-batches, on the device until the next log point: no sync;
         # the loss NaN-checked, the model's other values as metrics (an empty mask's NaN)
         mean = {n: v / k for n, v in summed.items()} if k > 1 else summed
@@ -657,6 +666,11 @@ def _total_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """The loss to back-propagate from a model's output other than a tensor, and the detached
     values to log besides it, as [`Trainer.compute_losses`][] says."""
     mapping = isinstance(out, Mapping)
+    if mapping and "loss" in out and out["loss"] is None:
+        raise TypeError(
+            "The model's 'loss' is None: return the loss (a Hugging Face model computes it only "
+            "when the batch has labels)."
+        )
     loss = out.get("loss") if mapping else getattr(out, "loss", None)
     if loss is None and not (mapping and out):
         raise TypeError(
@@ -679,12 +693,20 @@ def _total_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         }
         return loss, logged
     # a dict of losses: what is not a loss (logits, say) goes beside a `loss`, the total
-    fix = (
+    beside = (
         "return it beside the total loss in a 'loss' entry, back-propagated alone "
         "(a Hugging Face model has one when the batch has labels)"
     )
+    # a plain dict's entry may be a loss left unreduced; a ModelOutput's is an output (logits)
+    unreduced = "a loss: reduce it in the model (e.g. .mean()); another output (logits): "
+    shape_fix = (unreduced if type(out) is dict else "") + beside
     for name, value in out.items():
-        _check_scalar(f"Loss {name!r}", value, fix, fix)
+        _check_scalar(
+            f"Loss {name!r}",
+            value,
+            f"a number to log goes to trainer.log(); else {beside}",
+            shape_fix,
+        )
     logged = {name: value.detach() for name, value in out.items() if value.is_floating_point()}
     losses = dict(out)
     if any(value.requires_grad for value in losses.values()):
