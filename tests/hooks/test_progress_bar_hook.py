@@ -6,6 +6,7 @@ import re
 import sys
 import threading
 import types
+import warnings
 
 import pytest
 from tqdm.auto import tqdm
@@ -213,6 +214,90 @@ def test_a_ctrl_c_in_the_draw_leaves_tqdms_lock_free(make_trainer, monkeypatch):
     assert interrupt.logged.is_set()
     assert trainer.cur_iter == 4
     assert screen(terminal.getvalue())[0].endswith("WARNING]: Saved checkpoint (on disk).")
+
+
+class FailAfter(HookBase):
+    """Raises ``error`` at the end of iteration ``iteration`` (an index)."""
+
+    def __init__(self, iteration, error):
+        self.iteration, self.error = iteration, error
+
+    def after_iter(self):
+        if self.trainer.cur_iter == self.iteration:
+            raise self.error
+
+
+@pytest.mark.parametrize("error, ends", [(RuntimeError("boom"), RuntimeError),
+                                         (KeyboardInterrupt(), SystemExit)])  # fmt: skip
+def test_a_run_that_stops_early_draws_the_bar_where_it_stopped(make_trainer, error, ends):
+    """Drawn last at iteration 1 of the epoch (the next redraw is a long way off), the bar shows
+    the iterations done when a failure or Ctrl-C ends training (a notebook's widget turns red
+    there), before it is closed."""
+    terminal = Terminal()
+    trainer = make_trainer(max_epochs=2)  # 8 iterations an epoch
+    trainer.register_hooks([ProgressBarHook(interval=1e9, stream=terminal), FailAfter(13, error)])
+    with pytest.raises(ends):
+        trainer.train()
+    drawn, blanks, rest = terminal.getvalue().split("\r")[-3:]
+    assert re.match(r"epoch 2/2 \|#+.*\| 6/8 \[", drawn)  # iteration 14: the epoch's 6th
+    assert blanks == " " * len(drawn.rstrip()) and rest == ""  # then erased, as before
+
+
+class WarnAt(HookBase):
+    """Warns at iteration ``iteration`` (an index), from the training thread or another one, as
+    a model's forward does (a torch UserWarning)."""
+
+    def __init__(self, iteration, thread):
+        self.iteration, self.thread = iteration, thread
+
+    def after_iter(self):
+        if self.trainer.cur_iter == self.iteration:
+            warn = lambda: warnings.warn("careful with that axe", stacklevel=1)  # noqa: E731
+            if self.thread:
+                worker = threading.Thread(target=warn)
+                worker.start()
+                worker.join()
+            else:
+                warn()
+
+
+@pytest.mark.parametrize("thread", [False, True])
+def test_a_warning_prints_above_the_bar_not_on_its_line(make_trainer, monkeypatch, thread):
+    """``warnings`` writes to stderr itself: while the bar is drawn it goes the log records' way
+    (the bar cleared, the warning written, the bar drawn again below), and when the bar ends
+    ``warnings.showwarning`` is Python's again."""
+    trainer = make_trainer(max_epochs=1)  # on no terminal yet: no bar of its own
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    # Python writes a warning on stderr itself (pytest records them instead: undone here)
+    write = lambda message: sys.stderr.write(warnings._formatwarnmsg(message))  # noqa: E731
+    monkeypatch.setattr("warnings._showwarnmsg_impl", write)
+    showwarning = warnings.showwarning
+    trainer.register_hooks([ProgressBarHook(interval=1e-9, stream=terminal), WarnAt(3, thread)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        trainer.train()
+    shown = screen(terminal.getvalue())
+    warned = [i for i, line in enumerate(shown) if "UserWarning: careful with that axe" in line]
+    assert len(warned) == 1 and shown[warned[0]].startswith(__file__)  # a line of its own
+    assert re.match(r"epoch 1/1 \|#+\| 8/8 \[", shown[-2]) and shown[-1] == ""  # bar below
+    assert warnings.showwarning is showwarning
+
+
+def test_the_bar_leaves_a_showwarning_set_since_in_place(make_trainer, monkeypatch):
+    monkeypatch.setattr("sys.stderr", Terminal())
+    mine = []
+
+    class SetShowwarning(HookBase):
+        def after_iter(self):
+            warnings.showwarning = lambda *args, **kwargs: mine.append(args[0])
+
+    monkeypatch.setattr("warnings.showwarning", warnings.showwarning)  # restored after the test
+    trainer = make_trainer(max_epochs=1)  # on a terminal: with a bar
+    trainer.register_hook(SetShowwarning())
+    trainer.train()
+    warnings.warn("after the run", stacklevel=1)
+    assert [str(message) for message in mine] == ["after the run"]
 
 
 class ZMQInteractiveShell:
