@@ -401,3 +401,60 @@ def test_a_notebook_shows_one_progress_display(tmp_path):
     else:  # tqdm draws text: one line, the last epoch's
         assert len([line for line in shown if line.startswith("epoch")]) == 1
         assert any(re.match(r"epoch 2/2 \|.+\| 100/100", line) for line in shown)
+
+
+STOPPED_CELL = (
+    NOTEBOOK_CELL.replace("trainer.train()\ntrainer.cur_iter + 1\n", "").replace(
+        'work_dir="work_dir"', 'work_dir="{work_dir}"'
+    )
+    + """
+import os, signal
+from trainer import HookBase
+
+class StopAt(HookBase):
+    def after_iter(self):
+        if self.trainer.cur_iter == 113:  # epoch 2, its 14th iteration of 100
+            {stop}
+
+trainer.register_hook(StopAt())
+trainer.train()
+"""
+)
+
+
+@pytest.mark.slow
+def test_in_a_notebook_a_failure_or_ctrl_c_leaves_the_bar_where_it_stopped(tmp_path):
+    """A failure, then the kernel's interrupt (SIGINT, as the stop button sends): each cell ends
+    with its exception (a KeyboardInterrupt, not SystemExit(130)), its bar red at 14/100."""
+    pytest.importorskip("ipykernel", reason="ipykernel (the dev extra) is not installed")
+    nbformat = pytest.importorskip("nbformat", reason="nbformat (the dev extra) is missing")
+    nbclient = pytest.importorskip("nbclient", reason="nbclient (the dev extra) is missing")
+    stops = ['raise RuntimeError("boom")', "os.kill(os.getpid(), signal.SIGINT)"]
+    cells = [STOPPED_CELL.format(work_dir=f"w{i}", stop=stop) for i, stop in enumerate(stops)]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    client = nbclient.NotebookClient(
+        notebook,
+        timeout=120,
+        kernel_name="python3",
+        allow_errors=True,
+        resources={"metadata": {"path": str(tmp_path)}},
+        store_widget_state=True,
+    )
+    package = os.path.dirname(os.path.dirname(trainer_logging.__file__))  # this `trainer`
+    client.execute(env={**os.environ, "PYTHONPATH": package})
+    errors = [
+        [out for out in cell.outputs if out["output_type"] == "error"] for cell in notebook.cells
+    ]
+    assert [[out["ename"] for out in cell] for cell in errors] == [
+        ["RuntimeError"],
+        ["KeyboardInterrupt"],
+    ]
+    state = notebook.metadata.get("widgets", {}).get(
+        "application/vnd.jupyter.widget-state+json", {"state": {}}
+    )
+    models = [model["state"] for model in state["state"].values()]
+    bars = [m for m in models if m.get("_model_name") == "FloatProgressModel"]
+    if bars:  # ipywidgets installed: each cell's widget red where it stopped
+        assert [(bar["value"], bar["max"], bar["bar_style"]) for bar in bars] == [
+            (14, 100, "danger")
+        ] * 2
