@@ -592,6 +592,26 @@ def test_ctrl_c_logs_one_line_exits_130_and_erases_the_progress_bar(make_trainer
     assert blanks == " " * len(drawn.rstrip()) and rest == ""  # the bar's line erased, not left
 
 
+class ZMQInteractiveShell:
+    """IPython's shell in a Jupyter kernel, by its name."""
+
+
+def test_in_a_notebook_ctrl_c_ends_the_cell_as_an_interrupt(make_trainer, tmp_path, monkeypatch):
+    """A kernel shows a KeyboardInterrupt as the usual interrupt; SystemExit(130), right for a
+    shell, would end the cell with "To exit: use 'exit', 'quit', or Ctrl-D." instead."""
+    import types
+
+    shell = ZMQInteractiveShell()
+    monkeypatch.setitem(sys.modules, "IPython", types.SimpleNamespace(get_ipython=lambda: shell))
+    trainer = make_trainer(max_epochs=2)
+    trainer.register_hook(FailAt(10, KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    log = (tmp_path / "work" / "log.txt").read_text()
+    assert log.count("Interrupted (Ctrl-C) in iteration 11 of 16: not saved.") == 1
+    assert trainer.checkpointer.newest_on_disk() == (f"{trainer.ckpt_dir}/epoch_1.pth", 8)
+
+
 class _NoImports:  # a process out of file descriptors cannot open a module's file
     def find_spec(self, name, path=None, target=None):
         raise OSError(24, "Too many open files", name)

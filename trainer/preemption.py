@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .distributed import CpuGroup, get_world_size
+from .logger import in_notebook
 from .progress import Progress
 
 logger = logging.getLogger(__name__)
@@ -146,8 +147,9 @@ class Interrupt:
     once, as Python's own handler does (a ``KeyboardInterrupt``), yet the checkpoint write in
     flight finishes, since it holds finished iterations, and ``train()`` ends in order; then
     [`catching`][] logs one line naming the newest checkpoint on disk and exits with status
-    130. A second Ctrl-C meanwhile is ignored, as Lightning does: a launcher passes on the
-    terminal's Ctrl-C, which reaches its workers too, and the copy must not abandon the write.
+    130 (in a notebook, raises ``KeyboardInterrupt``: the kernel shows its usual interrupt). A
+    second Ctrl-C meanwhile is ignored, as Lightning does: a launcher passes on the terminal's
+    Ctrl-C, which reaches its workers too, and the copy must not abandon the write.
     If the first did not stop training (code that caught its ``KeyboardInterrupt``), the second
     stops it at the end of the iteration. A third exits at once with status 130, for a user
     whose run hangs after the first (an evaluation in ``after_train``, a tracker stalled on the
@@ -171,7 +173,8 @@ class Interrupt:
     @contextlib.contextmanager
     def catching(self) -> Iterator[None]:
         """Catch Ctrl-C for the block, which ends an interrupted run with one line and
-        ``SystemExit(130)``; a ``KeyboardInterrupt`` raised otherwise ends the same way. A
+        ``SystemExit(130)`` (in a Jupyter notebook, a ``KeyboardInterrupt``); a
+        ``KeyboardInterrupt`` raised otherwise ends the same way. A
         handler of the user's, or SIGINT ignored (a background job), stays as it is."""
         self.count = 0
         self.put_off = False
@@ -188,6 +191,8 @@ class Interrupt:
                 interrupted = True
             if interrupted or self.put_off:  # train() waited for the write in flight
                 logger.warning(self._line(*self._checkpoints()))
+                if in_notebook():  # the kernel's usual interrupt, not "To exit: use 'exit'"
+                    raise KeyboardInterrupt from None
                 raise SystemExit(INTERRUPTED) from None
         finally:
             if ours:  # restored so that no handler keeps the trainer alive after train()

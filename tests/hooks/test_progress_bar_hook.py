@@ -6,6 +6,7 @@ import re
 import sys
 import threading
 import types
+import warnings
 
 import pytest
 from tqdm.auto import tqdm
@@ -215,6 +216,90 @@ def test_a_ctrl_c_in_the_draw_leaves_tqdms_lock_free(make_trainer, monkeypatch):
     assert screen(terminal.getvalue())[0].endswith("WARNING]: Saved checkpoint (on disk).")
 
 
+class FailAfter(HookBase):
+    """Raises ``error`` at the end of iteration ``iteration`` (an index)."""
+
+    def __init__(self, iteration, error):
+        self.iteration, self.error = iteration, error
+
+    def after_iter(self):
+        if self.trainer.cur_iter == self.iteration:
+            raise self.error
+
+
+@pytest.mark.parametrize("error, ends", [(RuntimeError("boom"), RuntimeError),
+                                         (KeyboardInterrupt(), SystemExit)])  # fmt: skip
+def test_a_run_that_stops_early_draws_the_bar_where_it_stopped(make_trainer, error, ends):
+    """Drawn last at iteration 1 of the epoch (the next redraw is a long way off), the bar shows
+    the iterations done when a failure or Ctrl-C ends training (a notebook's widget turns red
+    there), before it is closed."""
+    terminal = Terminal()
+    trainer = make_trainer(max_epochs=2)  # 8 iterations an epoch
+    trainer.register_hooks([ProgressBarHook(interval=1e9, stream=terminal), FailAfter(13, error)])
+    with pytest.raises(ends):
+        trainer.train()
+    drawn, blanks, rest = terminal.getvalue().split("\r")[-3:]
+    assert re.match(r"epoch 2/2 \|#+.*\| 6/8 \[", drawn)  # iteration 14: the epoch's 6th
+    assert blanks == " " * len(drawn.rstrip()) and rest == ""  # then erased, as before
+
+
+class WarnAt(HookBase):
+    """Warns at iteration ``iteration`` (an index), from the training thread or another one, as
+    a model's forward does (a torch UserWarning)."""
+
+    def __init__(self, iteration, thread):
+        self.iteration, self.thread = iteration, thread
+
+    def after_iter(self):
+        if self.trainer.cur_iter == self.iteration:
+            warn = lambda: warnings.warn("careful with that axe", stacklevel=1)  # noqa: E731
+            if self.thread:
+                worker = threading.Thread(target=warn)
+                worker.start()
+                worker.join()
+            else:
+                warn()
+
+
+@pytest.mark.parametrize("thread", [False, True])
+def test_a_warning_prints_above_the_bar_not_on_its_line(make_trainer, monkeypatch, thread):
+    """``warnings`` writes to stderr itself: while the bar is drawn it goes the log records' way
+    (the bar cleared, the warning written, the bar drawn again below), and when the bar ends
+    ``warnings.showwarning`` is Python's again."""
+    trainer = make_trainer(max_epochs=1)  # on no terminal yet: no bar of its own
+    terminal = Terminal()
+    monkeypatch.setattr("sys.stderr", terminal)
+    # Python writes a warning on stderr itself (pytest records them instead: undone here)
+    write = lambda message: sys.stderr.write(warnings._formatwarnmsg(message))  # noqa: E731
+    monkeypatch.setattr("warnings._showwarnmsg_impl", write)
+    showwarning = warnings.showwarning
+    trainer.register_hooks([ProgressBarHook(interval=1e-9, stream=terminal), WarnAt(3, thread)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        trainer.train()
+    shown = screen(terminal.getvalue())
+    warned = [i for i, line in enumerate(shown) if "UserWarning: careful with that axe" in line]
+    assert len(warned) == 1 and shown[warned[0]].startswith(__file__)  # a line of its own
+    assert re.match(r"epoch 1/1 \|#+\| 8/8 \[", shown[-2]) and shown[-1] == ""  # bar below
+    assert warnings.showwarning is showwarning
+
+
+def test_the_bar_leaves_a_showwarning_set_since_in_place(make_trainer, monkeypatch):
+    monkeypatch.setattr("sys.stderr", Terminal())
+    mine = []
+
+    class SetShowwarning(HookBase):
+        def after_iter(self):
+            warnings.showwarning = lambda *args, **kwargs: mine.append(args[0])
+
+    monkeypatch.setattr("warnings.showwarning", warnings.showwarning)  # restored after the test
+    trainer = make_trainer(max_epochs=1)  # on a terminal: with a bar
+    trainer.register_hook(SetShowwarning())
+    trainer.train()
+    warnings.warn("after the run", stacklevel=1)
+    assert [str(message) for message in mine] == ["after the run"]
+
+
 class ZMQInteractiveShell:
     """IPython's shell in a Jupyter kernel, by its name: what tqdm and the trainer look for."""
 
@@ -316,3 +401,60 @@ def test_a_notebook_shows_one_progress_display(tmp_path):
     else:  # tqdm draws text: one line, the last epoch's
         assert len([line for line in shown if line.startswith("epoch")]) == 1
         assert any(re.match(r"epoch 2/2 \|.+\| 100/100", line) for line in shown)
+
+
+STOPPED_CELL = (
+    NOTEBOOK_CELL.replace("trainer.train()\ntrainer.cur_iter + 1\n", "").replace(
+        'work_dir="work_dir"', 'work_dir="{work_dir}"'
+    )
+    + """
+import os, signal
+from trainer import HookBase
+
+class StopAt(HookBase):
+    def after_iter(self):
+        if self.trainer.cur_iter == 113:  # epoch 2, its 14th iteration of 100
+            {stop}
+
+trainer.register_hook(StopAt())
+trainer.train()
+"""
+)
+
+
+@pytest.mark.slow
+def test_in_a_notebook_a_failure_or_ctrl_c_leaves_the_bar_where_it_stopped(tmp_path):
+    """A failure, then the kernel's interrupt (SIGINT, as the stop button sends): each cell ends
+    with its exception (a KeyboardInterrupt, not SystemExit(130)), its bar red at 14/100."""
+    pytest.importorskip("ipykernel", reason="ipykernel (the dev extra) is not installed")
+    nbformat = pytest.importorskip("nbformat", reason="nbformat (the dev extra) is missing")
+    nbclient = pytest.importorskip("nbclient", reason="nbclient (the dev extra) is missing")
+    stops = ['raise RuntimeError("boom")', "os.kill(os.getpid(), signal.SIGINT)"]
+    cells = [STOPPED_CELL.format(work_dir=f"w{i}", stop=stop) for i, stop in enumerate(stops)]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    client = nbclient.NotebookClient(
+        notebook,
+        timeout=120,
+        kernel_name="python3",
+        allow_errors=True,
+        resources={"metadata": {"path": str(tmp_path)}},
+        store_widget_state=True,
+    )
+    package = os.path.dirname(os.path.dirname(trainer_logging.__file__))  # this `trainer`
+    client.execute(env={**os.environ, "PYTHONPATH": package})
+    errors = [
+        [out for out in cell.outputs if out["output_type"] == "error"] for cell in notebook.cells
+    ]
+    assert [[out["ename"] for out in cell] for cell in errors] == [
+        ["RuntimeError"],
+        ["KeyboardInterrupt"],
+    ]
+    state = notebook.metadata.get("widgets", {}).get(
+        "application/vnd.jupyter.widget-state+json", {"state": {}}
+    )
+    models = [model["state"] for model in state["state"].values()]
+    bars = [m for m in models if m.get("_model_name") == "FloatProgressModel"]
+    if bars:  # ipywidgets installed: each cell's widget red where it stopped
+        assert [(bar["value"], bar["max"], bar["bar_style"]) for bar in bars] == [
+            (14, 100, "danger")
+        ] * 2

@@ -3,6 +3,7 @@ for the run."""
 
 import sys
 import time
+import warnings
 from typing import Any, Optional, TextIO
 
 from tqdm.auto import tqdm
@@ -67,6 +68,7 @@ class ProgressBarHook(HookBase):
         self._next_draw = 0.0
         self._loss = ""
         self._train_start = 0.0
+        self._showwarning: Any = None  # warnings.showwarning before the bar was drawn
 
     @staticmethod
     def wanted(stream: Optional[TextIO] = None) -> bool:
@@ -100,6 +102,7 @@ class ProgressBarHook(HookBase):
                 bar_format=bar_format,
                 dynamic_ncols=True,
             )
+            self._showwarning, warnings.showwarning = warnings.showwarning, self._show_warning
         else:  # a notebook's one display, for the run (a resumed epoch was the first)
             self._bar.initial = 0
             self._bar.set_description_str(desc, refresh=False)
@@ -131,13 +134,29 @@ class ProgressBarHook(HookBase):
     def after_train(self) -> None:
         """Stop drawing: the last line stays, unless training did not finish (a traceback or
         the Ctrl-C line comes next; a notebook's bar turns red where it stopped)."""
-        if self._bar is not None:
-            self._close(leave=self.trainer.progress.outcome == "finished")
+        if self._bar is None:
+            return
+        # drawn up to `interval` ago: drawn again at the iterations done in the epoch (all of
+        # them if it ended), so that a failure's or Ctrl-C's bar (red in a notebook) is true
+        progress = self.trainer.progress
+        epoch, done = progress.position
+        self._bar.n = done if epoch == progress.epoch else progress.inner_iter + 1
+        self._bar.refresh()
+        self._close(leave=progress.outcome == "finished")
 
     def _close(self, leave: bool) -> None:
         self._bar.leave = leave
         self._bar.close()
         self._bar = trainer_logging.live_bar = None
+        if warnings.showwarning == self._show_warning:  # (not one set since)
+            warnings.showwarning = self._showwarning
+
+    def _show_warning(self, *args: Any, **kwargs: Any) -> None:
+        """``warnings.showwarning`` while the bar is drawn: ``warnings`` writes to stderr
+        itself, onto the bar's line; here the bar is cleared first and drawn again below, as
+        for a log record (tqdm's lock keeps a redraw from another thread out meanwhile)."""
+        with tqdm.external_write_mode(file=self._stream or sys.stderr):
+            self._showwarning(*args, **kwargs)
 
     def _draw(self, now: float) -> None:
         self._next_draw = now + self._interval
