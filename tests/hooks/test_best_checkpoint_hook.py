@@ -1,5 +1,6 @@
 """BestCheckpointHook: best.pth at each new best, remembered across resume."""
 
+import glob
 import itertools
 import logging
 import os
@@ -376,3 +377,47 @@ def test_a_best_not_yet_written_when_the_run_ends_is_written_on_resume(
     assert sorted(os.listdir(resumed.ckpt_dir)) == sorted(os.listdir(whole.ckpt_dir))
     for name, model in whole_weights.items():
         assert all(torch.equal(model[k], weights[name][k]) for k in model)
+
+
+# Two hooks, their files
+
+
+def two_hooks(make_trainer, a, b):
+    trainer = make_trainer(max_epochs=1)
+    results = {"loss": 0.5, "acc": 0.5, "val/loss": 0.5, "val_loss": 0.5}
+    trainer.register_hook(EvalHook(1, lambda: results))
+    hooks = [BestCheckpointHook(**a), BestCheckpointHook(**b)]
+    trainer.register_hooks(hooks)
+    return trainer, hooks
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ({"metric": "loss"}, {"metric": "acc"}),  # both best.pth, which held the last saved
+        ({"metric": "loss"}, {"metric": "acc", "top_k": 2}),  # best.pth, and its stem
+        ({"metric": "val/loss", "top_k": 2}, {"metric": "val_loss", "top_k": 3}),  # each
+        # deleted the other's best-iter=N-val_loss=V.pth
+    ],
+)
+def test_two_hooks_that_would_write_the_same_files_are_refused(make_trainer, a, b):
+    trainer, _ = two_hooks(make_trainer, a, b)
+    with pytest.raises(ValueError, match="file_name='best.pth'") as error:
+        trainer.train()
+    assert repr(a["metric"]) in str(error.value) and repr(b["metric"]) in str(error.value)
+    assert not glob.glob(os.path.join(trainer.ckpt_dir, "best*"))
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ({"metric": "loss", "top_k": 2}, {"metric": "acc", "top_k": 2}),
+        ({"metric": "loss"}, {"metric": "acc", "file_name": "best_acc.pth"}),
+    ],
+)
+def test_two_hooks_with_files_of_their_own_are_accepted(make_trainer, a, b):
+    trainer, hooks = two_hooks(make_trainer, a, b)
+    trainer.train()
+    a_files, b_files = (set(hook.best_checkpoints) for hook in hooks)
+    assert len(a_files) == len(b_files) == 1 and not a_files & b_files
+    assert all(os.path.isfile(path) for path in a_files | b_files)

@@ -42,7 +42,9 @@ class BestCheckpointHook(HookBase):
             not tell is refused (docs/evaluation.md has the rule); logged when training starts.
         file_name: The file name in ``trainer.ckpt_dir`` (a sub-folder is made); not one the
             trainer writes itself (``epoch_N.pth``, ``iter_N.pth``, ``latest.txt``, a name ending
-            in ``.tmp``, one in ``previous/``). With ``top_k`` > 1, the stem of the names.
+            in ``.tmp``, one in ``previous/``). With ``top_k`` > 1, the stem of the names. Two
+            hooks that would write the same files are refused when training starts: each needs
+            its own, unless both keep ``top_k`` > 1 of different metrics.
         top_k: How many of the best checkpoints to keep (Lightning's ``save_top_k``).
 
     Example::
@@ -71,8 +73,19 @@ class BestCheckpointHook(HookBase):
         self._warned = False  # that an evaluation lacked the metric
 
     def before_train(self) -> None:
-        """Log which way the metric is judged; delete what a resumed run keeps beyond ``top_k``
-        (a run stopped before it deleted the file that its last best replaced)."""
+        """Refuse another ``BestCheckpointHook`` that would write the same files; log which way
+        the metric is judged; delete what a resumed run keeps beyond ``top_k`` (a run stopped
+        before it deleted the file that its last best replaced)."""
+        for other in self.trainer.hooks:
+            if other is self or not isinstance(other, BestCheckpointHook):
+                continue
+            same_names = 1 in (self._top_k, other._top_k) or self._metric == other._metric
+            if self._file_name == other._file_name and same_names:
+                raise ValueError(
+                    f"Two BestCheckpointHooks, of metric={self._watch.metric!r} and "
+                    f"metric={other._watch.metric!r}, would write the same files of "
+                    f"file_name={self._file_name!r}: give each its own file_name."
+                )
         self._watch.log_mode(self.class_name)
         dropped = self._kept[self._top_k :]
         self._kept = self._kept[: self._top_k]
@@ -114,8 +127,12 @@ class BestCheckpointHook(HookBase):
         """``best-iter=1200-val_acc=0.9312.pth``: the stem of ``file_name``, the iterations done
         and the value."""
         stem, ext = os.path.splitext(self._file_name)
-        metric = re.sub(r"[^A-Za-z0-9_.-]+", "_", self._watch.metric)  # val/acc: no folder
-        return f"{stem}-iter={self.trainer.cur_iter + 1}-{metric}={value:.4g}{ext}"
+        return f"{stem}-iter={self.trainer.cur_iter + 1}-{self._metric}={value:.4g}{ext}"
+
+    @property
+    def _metric(self) -> str:
+        """The metric's name as the names of the top_k > 1 files hold it."""
+        return re.sub(r"[^A-Za-z0-9_.-]+", "_", self._watch.metric)  # val/acc: no folder
 
     def before_epoch(self) -> None:
         """Save the best due that the resumed checkpoint holds (see [`state_dict`][]): the
