@@ -1,5 +1,7 @@
 """BestCheckpointHook: best.pth at each new best, remembered across resume."""
 
+import glob
+import itertools
 import logging
 import os
 import re
@@ -8,8 +10,8 @@ import time
 import pytest
 import torch
 
-from trainer import HookBase
-from trainer.hooks import BestCheckpointHook, EvalHook, best_checkpoint_hook
+from trainer import HookBase, checkpoint
+from trainer.hooks import BestCheckpointHook, CheckpointHook, EvalHook, best_checkpoint_hook
 
 from conftest import evaluating, load
 
@@ -241,8 +243,10 @@ def test_a_crafted_list_of_best_checkpoints_never_deletes_another_file(
     make_trainer, caplog, listed
 ):
     hook = BestCheckpointHook("acc", top_k=2)
-    hook.load_state_dict({"best": 0.9, "kept": [["best-iter=8-acc=0.9.pth", 0.9], [listed, 0.8]]})
+    kept = [["best-iter=8-acc=0.9.pth", 0.9], [listed, 0.8]]
+    hook.load_state_dict({"best": 0.9, "kept": kept, "due": [listed, 0.95]})
     assert hook.state_dict()["kept"] == [["best-iter=8-acc=0.9.pth", 0.9]]
+    assert "due" not in hook.state_dict()
     assert f"Ignoring {listed!r} among the best checkpoints" in caplog.text
 
 
@@ -296,3 +300,124 @@ def test_a_lower_top_k_on_resume_names_each_file_it_deletes(make_trainer, caplog
     assert best_files(resumed) == ["best-iter=16-acc=0.7.pth", "best-iter=32-acc=0.65.pth"]
     (deleted,) = [r for r in caplog.records if "best-iter=24-acc=0.6.pth" in r.getMessage()]
     assert deleted.levelno >= logging.INFO
+
+
+# A best found and not yet written, held in the periodic checkpoint saved just before it
+
+LOSSES = [0.5, 0.4, 0.45, 0.1, 0.35, 0.2, 0.25, 0.15]  # evaluated every 3 iterations of 24
+
+
+def build_top_2_by_iteration(make_trainer, work_dir):
+    """Iteration-based: evaluated and checkpointed every 3 iterations (epochs of 8)."""
+    trainer = make_trainer(max_iters=24, work_dir=work_dir, checkpoint_period=0)
+    trainer.register_hook(CheckpointHook(3, max_to_keep=2, by_epoch=False))
+    trainer.register_hook(EvalHook(3, lambda: {"loss": LOSSES[trainer.cur_iter // 3]}))
+    trainer.register_hook(BestCheckpointHook("loss", top_k=2))
+    return trainer
+
+
+def crash_at_best_save(trainer, n, monkeypatch, landed):
+    """End the run at the n-th best's save, the periodic checkpoint saved just before it
+    durable: before the best's write (a kill while it is written), or (``landed``) once its
+    file is in place, before latest.txt names it."""
+    count = itertools.count(1)
+    save, point = trainer.save_checkpoint, checkpoint.update_latest_pointer
+
+    def crashing_save(name, **kwargs):
+        if name.startswith("best") and next(count) == n:
+            trainer.checkpointer.wait()
+            raise RuntimeError("crash")
+        return save(name, **kwargs)
+
+    def crashing_point(folder, name):
+        if name.startswith("best") and next(count) == n:
+            raise RuntimeError("crash")
+        point(folder, name)
+
+    if landed:
+        monkeypatch.setattr(checkpoint, "update_latest_pointer", crashing_point)
+    else:
+        monkeypatch.setattr(trainer, "save_checkpoint", crashing_save)
+
+
+def kept_weights(trainer):
+    """The kept best checkpoints' names and values, best first, and each file's weights."""
+    (hook,) = [h for h in trainer.hooks if isinstance(h, BestCheckpointHook)]
+    kept = [(os.path.basename(path), value) for path, value in hook.best_checkpoints.items()]
+    return kept, {name: load(os.path.join(trainer.ckpt_dir, name))["model"] for name, _ in kept}
+
+
+@pytest.mark.parametrize("landed", [False, True])
+@pytest.mark.parametrize(
+    "build, n",
+    [
+        (lambda make, work: build_top_3(make, work, 6), 2),  # epoch 2: 0.7, kept to the end
+        (lambda make, work: build_top_3(make, work, 6), 6),  # the last: the rerun is finished
+        (build_top_2_by_iteration, 4),  # mid-epoch, at iteration 12: 0.1, kept to the end
+        (build_top_2_by_iteration, 7),  # the last iteration, with the epoch's end
+    ],
+)
+def test_a_best_not_yet_written_when_the_run_ends_is_written_on_resume(
+    make_trainer, tmp_path, monkeypatch, build, n, landed
+):
+    """The periodic checkpoint of the best's iteration or epoch end, saved before it, left it
+    out: the rerun resumed from there never evaluated it again and kept other files."""
+    whole = build(make_trainer, tmp_path / "whole")
+    whole.train()
+    crashed = build(make_trainer, tmp_path / "resumed")
+    crash_at_best_save(crashed, n, monkeypatch, landed)
+    with pytest.raises(RuntimeError, match="crash"):
+        crashed.train()
+    monkeypatch.undo()
+    resumed = build(make_trainer, tmp_path / "resumed")
+    resumed.train()
+    assert resumed.start_iter > 0
+    (kept, weights), (whole_kept, whole_weights) = kept_weights(resumed), kept_weights(whole)
+    assert kept == whole_kept
+    assert sorted(os.listdir(resumed.ckpt_dir)) == sorted(os.listdir(whole.ckpt_dir))
+    for name, model in whole_weights.items():
+        assert all(torch.equal(model[k], weights[name][k]) for k in model)
+
+
+# Two hooks, their files
+
+
+def two_hooks(make_trainer, a, b):
+    trainer = make_trainer(max_epochs=1)
+    results = {"loss": 0.5, "acc": 0.5, "val/loss": 0.5, "val_loss": 0.5}
+    trainer.register_hook(EvalHook(1, lambda: results))
+    hooks = [BestCheckpointHook(**a), BestCheckpointHook(**b)]
+    trainer.register_hooks(hooks)
+    return trainer, hooks
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ({"metric": "loss"}, {"metric": "acc"}),  # both best.pth, which held the last saved
+        ({"metric": "loss"}, {"metric": "acc", "top_k": 2}),  # best.pth, and its stem
+        ({"metric": "val/loss", "top_k": 2}, {"metric": "val_loss", "top_k": 3}),  # each
+        # deleted the other's best-iter=N-val_loss=V.pth
+    ],
+)
+def test_two_hooks_that_would_write_the_same_files_are_refused(make_trainer, a, b):
+    trainer, _ = two_hooks(make_trainer, a, b)
+    with pytest.raises(ValueError, match="file_name='best.pth'") as error:
+        trainer.train()
+    assert repr(a["metric"]) in str(error.value) and repr(b["metric"]) in str(error.value)
+    assert not glob.glob(os.path.join(trainer.ckpt_dir, "best*"))
+
+
+@pytest.mark.parametrize(
+    "a, b",
+    [
+        ({"metric": "loss", "top_k": 2}, {"metric": "acc", "top_k": 2}),
+        ({"metric": "loss"}, {"metric": "acc", "file_name": "best_acc.pth"}),
+    ],
+)
+def test_two_hooks_with_files_of_their_own_are_accepted(make_trainer, a, b):
+    trainer, hooks = two_hooks(make_trainer, a, b)
+    trainer.train()
+    a_files, b_files = (set(hook.best_checkpoints) for hook in hooks)
+    assert len(a_files) == len(b_files) == 1 and not a_files & b_files
+    assert all(os.path.isfile(path) for path in a_files | b_files)

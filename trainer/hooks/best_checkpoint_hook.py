@@ -32,7 +32,8 @@ class BestCheckpointHook(HookBase):
 
     The save waits for the end of the iteration or epoch (after the LR update and the regular
     checkpoint), so a best checkpoint resumes exactly too. The kept files and values are saved
-    in checkpoints, so a resumed run goes on with the same ones.
+    in checkpoints, so a resumed run goes on with the same ones; a best found but not yet on
+    disk when the run was killed is written first thing.
 
     Args:
         metric: A name that the ``EvalHook``'s function returns.
@@ -41,7 +42,9 @@ class BestCheckpointHook(HookBase):
             not tell is refused (docs/evaluation.md has the rule); logged when training starts.
         file_name: The file name in ``trainer.ckpt_dir`` (a sub-folder is made); not one the
             trainer writes itself (``epoch_N.pth``, ``iter_N.pth``, ``latest.txt``, a name ending
-            in ``.tmp``, one in ``previous/``). With ``top_k`` > 1, the stem of the names.
+            in ``.tmp``, one in ``previous/``). With ``top_k`` > 1, the stem of the names. Two
+            hooks that would write the same files are refused when training starts: each needs
+            its own, unless both keep ``top_k`` > 1 of different metrics.
         top_k: How many of the best checkpoints to keep (Lightning's ``save_top_k``).
 
     Example::
@@ -70,8 +73,19 @@ class BestCheckpointHook(HookBase):
         self._warned = False  # that an evaluation lacked the metric
 
     def before_train(self) -> None:
-        """Log which way the metric is judged; delete what a resumed run keeps beyond ``top_k``
-        (a run stopped before it deleted the file that its last best replaced)."""
+        """Refuse another ``BestCheckpointHook`` that would write the same files; log which way
+        the metric is judged; delete what a resumed run keeps beyond ``top_k`` (a run stopped
+        before it deleted the file that its last best replaced)."""
+        for other in self.trainer.hooks:
+            if other is self or not isinstance(other, BestCheckpointHook):
+                continue
+            same_names = 1 in (self._top_k, other._top_k) or self._metric == other._metric
+            if self._file_name == other._file_name and same_names:
+                raise ValueError(
+                    f"Two BestCheckpointHooks, of metric={self._watch.metric!r} and "
+                    f"metric={other._watch.metric!r}, would write the same files of "
+                    f"file_name={self._file_name!r}: give each its own file_name."
+                )
         self._watch.log_mode(self.class_name)
         dropped = self._kept[self._top_k :]
         self._kept = self._kept[: self._top_k]
@@ -113,8 +127,20 @@ class BestCheckpointHook(HookBase):
         """``best-iter=1200-val_acc=0.9312.pth``: the stem of ``file_name``, the iterations done
         and the value."""
         stem, ext = os.path.splitext(self._file_name)
-        metric = re.sub(r"[^A-Za-z0-9_.-]+", "_", self._watch.metric)  # val/acc: no folder
-        return f"{stem}-iter={self.trainer.cur_iter + 1}-{metric}={value:.4g}{ext}"
+        return f"{stem}-iter={self.trainer.cur_iter + 1}-{self._metric}={value:.4g}{ext}"
+
+    @property
+    def _metric(self) -> str:
+        """The metric's name as the names of the top_k > 1 files hold it."""
+        return re.sub(r"[^A-Za-z0-9_.-]+", "_", self._watch.metric)  # val/acc: no folder
+
+    def before_epoch(self) -> None:
+        """Save the best due that the resumed checkpoint holds (see [`state_dict`][]): the
+        state is the one it was found in. One found at an epoch's last iteration (a preemption's
+        checkpoint there) waits for the epoch's end, as it did."""
+        progress = self.trainer.progress
+        if self._due and progress.position[1] < progress.epoch_iters:
+            self._save()
 
     def after_iter(self) -> None:
         """Save a best found in iteration-based evaluation (at an epoch's end: after it)."""
@@ -124,6 +150,11 @@ class BestCheckpointHook(HookBase):
     def after_epoch(self) -> None:
         """Save a best found in this epoch's evaluation."""
         if self._due:
+            self._save()
+
+    def after_train(self) -> None:
+        """Save a due best that a finished run resumed with (its last, whose save was cut)."""
+        if self._due and self.trainer.progress.outcome == "finished":
             self._save()
 
     @property
@@ -151,13 +182,16 @@ class BestCheckpointHook(HookBase):
         self._kept = self._kept[: self._top_k]
 
     def state_dict(self) -> dict[str, Any]:
-        """The metric and file name, the best value saved, and with ``top_k`` > 1 the files
-        kept and their values (a best not saved yet does not count: a run killed before saving
-        it must not take it for saved)."""
+        """The metric and file name, the best value saved, with ``top_k`` > 1 the files kept
+        and their values, and a best found but not saved yet as ``due``. A periodic checkpoint
+        of the same iteration or epoch end is saved before the best: a run killed while the
+        best is written resumes from it, and writes the best due first thing."""
         best = self._kept[0][1] if self._kept else None
         state = {"metric": self._watch.metric, "file_name": self._file_name, "best": best}
         if self._top_k > 1:
             state["kept"] = [[name, value] for name, value in self._kept]
+        if self._due:
+            state["due"] = list(self._due)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -176,14 +210,19 @@ class BestCheckpointHook(HookBase):
             return
         best = state["best"]
         kept = state.get("kept", [[self._file_name, best]] if best is not None else [])
-        self._kept = []
-        for name, value in kept:
-            try:
-                check_file_name("kept", name)
-                ours = not written_by_trainer(name)
-            except (TypeError, ValueError):
-                ours = False
-            if not ours:
-                logger.warning(f"Ignoring {name!r} among the best checkpoints the state lists.")
-                continue
-            self._kept.append((name, value))
+        self._kept = [(name, value) for name, value in kept if _may_be_ours(name)]
+        due = state.get("due")
+        self._due = (due[0], due[1]) if due and _may_be_ours(due[0]) else None
+
+
+def _may_be_ours(name: Any) -> bool:
+    """Whether ``name``, from a loaded state, can be a best checkpoint in ``ckpt_dir``; one that
+    cannot is ignored with a warning, never written nor deleted."""
+    try:
+        check_file_name("kept", name)
+        if not written_by_trainer(name):
+            return True
+    except (TypeError, ValueError):
+        pass
+    logger.warning(f"Ignoring {name!r} among the best checkpoints the state lists.")
+    return False
