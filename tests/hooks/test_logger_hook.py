@@ -12,7 +12,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from trainer import HookBase
-from trainer.hooks import EvalHook
+from trainer.hooks import BestCheckpointHook, EvalHook
 from trainer.writers import MetricWriter
 
 from conftest import FakeClock, Tick, communicate, cpu_env, popen, read_scalars
@@ -203,6 +203,17 @@ def test_the_summary_table_gives_the_time_by_hook_and_the_evaluated_metrics(
     (summary,) = [r.getMessage() for r in caplog.records if "Run summary" in r.getMessage()]
     assert "no iteration to train: iteration 16 of 16" in summary
     assert "final 0.8, best 0.9 (after iteration 8)" in summary
+
+
+def test_the_summarys_best_follows_the_mode_a_hook_judges_the_metric_by(make_trainer, caplog):
+    scores = iter([3.0, 1.0, 7.0])  # "score" alone tells no mode: the hook's is "min"
+    trainer = make_trainer(max_epochs=3)
+    trainer.register_hooks(
+        [EvalHook(1, lambda: {"score": next(scores)}), BestCheckpointHook("score", mode="min")]
+    )
+    trainer.train()
+    (summary,) = [r.getMessage() for r in caplog.records if "Run summary" in r.getMessage()]
+    assert "final 7, best 1 (after iteration 16)" in summary
 
 
 def jsonl_iters(trainer):

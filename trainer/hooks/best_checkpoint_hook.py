@@ -72,6 +72,11 @@ class BestCheckpointHook(HookBase):
         self._due: Optional[tuple[str, float]] = None  # a result that enters, not saved yet
         self._warned = False  # that an evaluation lacked the metric
 
+    @property
+    def metric_watch(self) -> MetricWatch:
+        """What judges ``metric``: its name and ``mode`` (the run summary's best follows it)."""
+        return self._watch
+
     def before_train(self) -> None:
         """Refuse another ``BestCheckpointHook`` that would write the same files; log which way
         the metric is judged; delete what a resumed run keeps beyond ``top_k`` (a run stopped

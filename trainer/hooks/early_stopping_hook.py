@@ -47,6 +47,11 @@ class EarlyStoppingHook(HookBase):
         self._bad_evals = 0  # evaluations since the last improvement
         self._warned = False  # that an evaluation lacked the metric
 
+    @property
+    def metric_watch(self) -> MetricWatch:
+        """What judges ``metric``: its name and ``mode`` (the run summary's best follows it)."""
+        return self._watch
+
     def before_train(self) -> None:
         """Log which way the metric is judged."""
         self._watch.log_mode(self.class_name)

@@ -181,7 +181,9 @@ class LoggerHook(HookBase):
     def after_eval(self, results: dict[str, float]) -> None:
         """Write an evaluation's results, in a row of their own (not the console line: the
         ``EvalHook`` logs its own), and keep their final and best values for the summary."""
-        record_results(self._evals, results, self.trainer.cur_iter + 1)
+        watches = [getattr(hook, "metric_watch", None) for hook in self.trainer.hooks]
+        modes = {watch.metric: watch.mode for watch in watches if watch is not None}
+        record_results(self._evals, results, self.trainer.cur_iter + 1, modes)
         self._write(log_point=False, names=set(results))
 
     def after_train(self) -> None:

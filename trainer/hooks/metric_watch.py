@@ -132,15 +132,19 @@ def warn_if_missing(hook: Any, argument: str, metric: str, results: dict[str, fl
 
 
 def record_results(
-    record: dict[str, dict[str, Any]], results: dict[str, float], iters: int
+    record: dict[str, dict[str, Any]],
+    results: dict[str, float],
+    iters: int,
+    modes: dict[str, str],
 ) -> None:
     """Keep in ``record`` the final and best value of every result of an evaluation after
-    ``iters`` iterations, with the iteration of the best (the best judged by the name, see
-    [`infer_mode`][]; none for a name that does not tell)."""
+    ``iters`` iterations, with the iteration of the best (the best judged by ``modes``, the
+    modes hooks judge metrics by, else by the name, see [`infer_mode`][]; none for a name that
+    does not tell)."""
     for name, value in results.items():
         entry = record.setdefault(name, {"best": None, "best_iter": None})
         entry["final"] = value
-        mode = infer_mode(name)
+        mode = modes.get(name) or infer_mode(name)
         if mode is not None:
             watch = MetricWatch(name, mode)
             watch.best = entry["best"]
