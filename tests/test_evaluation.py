@@ -269,7 +269,8 @@ def test_eval_hook_logs_exact_results_and_best_checkpoint_judges_them(
     events = EventAccumulator(trainer.tb_log_dir)
     events.Reload()
     assert [e.step for e in events.Scalars("eval/val_se")] == [8, 16, 24]
-    assert re.search(r"\nval_se +final [\d.]+\n", caplog.text)  # the summary table's rows
+    # the summary table's rows: the best as BestCheckpointHook judges it (mode="min")
+    assert re.search(r"\nval_se +final [\d.]+, best [\d.]+ \(after iteration \d+\)\n", caplog.text)
     assert re.search(r"\nbest checkpoint +\S+/best\.pth\n", caplog.text)
     assert os.path.exists(os.path.join(trainer.ckpt_dir, "best.pth"))
     # test after training, with the best weights first: one line each

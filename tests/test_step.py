@@ -155,7 +155,7 @@ class ReturnsWhat(nn.Module):
         (lambda w: {"loss": w * 2}, ValueError, r"'loss'.* shape \(3,\).*\.mean\(\)"),
         (lambda w: types.SimpleNamespace(loss=None), TypeError, r"model must return .* got"),
         (lambda w: {"loss": None, "logits": w}, TypeError, r"'loss' is None.*labels"),
-        (lambda w: {"mse": w.sum(), "acc": 0.5}, TypeError, r"'acc'.* float.*trainer\.log\(\)"),
+        (lambda w: {"mse": w.sum(), "acc": 0.5}, TypeError, r"'acc'.* float.*as a tensor"),
     ],
 )
 def test_wrong_model_output_raises(make_trainer, out, error, message):

@@ -581,7 +581,8 @@ class Trainer:
                 odd = ", ".join(map(repr, sorted(summed.keys() ^ losses.keys())))
                 raise ValueError(
                     f"The model returned {odd} for some micro-batches of an iteration only: with "
-                    "accumulation_steps > 1 each micro-batch must return the same entries."
+                    "accumulation_steps > 1 each micro-batch must return the same entries (a 0 "
+                    "tensor, torch.zeros(()), where one has none), or pass accumulation_steps=1."
                 )
         # 4. log the mean over micro-batches, on the device until the next log point: no sync;
         # the loss NaN-checked, the model's other values as metrics (an empty mask's NaN)
@@ -704,7 +705,7 @@ def _total_loss(out: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         _check_scalar(
             f"Loss {name!r}",
             value,
-            f"a number to log goes to trainer.log(); else {beside}",
+            "return it as a tensor (not .item()): one of 0-d without a gradient is a metric",
             shape_fix,
         )
     logged = {name: value.detach() for name, value in out.items() if value.is_floating_point()}

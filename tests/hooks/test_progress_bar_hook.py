@@ -458,3 +458,17 @@ def test_in_a_notebook_a_failure_or_ctrl_c_leaves_the_bar_where_it_stopped(tmp_p
         assert [(bar["value"], bar["max"], bar["bar_style"]) for bar in bars] == [
             (14, 100, "danger")
         ] * 2
+
+
+def test_a_warning_in_a_forked_worker_never_waits_for_the_bars_lock():
+    """A DataLoader worker forked while a thread of the parent held tqdm's lock (the checkpoint
+    writer's log line, tqdm's monitor) has that lock held forever: it shows warnings as before."""
+    shown = []
+    hook = ProgressBarHook()
+    hook._showwarning = lambda *args, **kwargs: shown.append(args[0])
+    hook._pid = os.getpid() + 1  # drawn by another process: this one is a forked worker
+    with tqdm.get_lock():  # held, as by the parent's thread at the fork
+        worker = threading.Thread(target=hook._show_warning, args=("careful", UserWarning, "f", 1))
+        worker.start()
+        worker.join(timeout=10)
+    assert not worker.is_alive() and shown == ["careful"]

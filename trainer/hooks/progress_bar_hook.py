@@ -1,6 +1,7 @@
 """A live progress bar, tqdm's: on a terminal a line per epoch, in a Jupyter notebook one display
 for the run."""
 
+import os
 import sys
 import time
 import warnings
@@ -69,6 +70,7 @@ class ProgressBarHook(HookBase):
         self._loss = ""
         self._train_start = 0.0
         self._showwarning: Any = None  # warnings.showwarning before the bar was drawn
+        self._pid = 0  # the process that drew the bar (not a forked worker)
 
     @staticmethod
     def wanted(stream: Optional[TextIO] = None) -> bool:
@@ -102,7 +104,9 @@ class ProgressBarHook(HookBase):
                 bar_format=bar_format,
                 dynamic_ncols=True,
             )
-            self._showwarning, warnings.showwarning = warnings.showwarning, self._show_warning
+            if warnings.showwarning != self._show_warning:  # (restored to ours since)
+                self._showwarning, warnings.showwarning = warnings.showwarning, self._show_warning
+                self._pid = os.getpid()
         else:  # a notebook's one display, for the run (a resumed epoch was the first)
             self._bar.initial = 0
             self._bar.set_description_str(desc, refresh=False)
@@ -133,7 +137,7 @@ class ProgressBarHook(HookBase):
 
     def after_train(self) -> None:
         """Stop drawing: the last line stays, unless training did not finish (a traceback or
-        the Ctrl-C line comes next; a notebook's bar turns red where it stopped)."""
+        the Ctrl-C line comes next; a notebook's bar turns red where it stopped within an epoch)."""
         if self._bar is None:
             return
         # drawn up to `interval` ago: drawn again at the iterations done in the epoch (all of
@@ -155,6 +159,9 @@ class ProgressBarHook(HookBase):
         """``warnings.showwarning`` while the bar is drawn: ``warnings`` writes to stderr
         itself, onto the bar's line; here the bar is cleared first and drawn again below, as
         for a log record (tqdm's lock keeps a redraw from another thread out meanwhile)."""
+        if os.getpid() != self._pid:  # a forked DataLoader worker: tqdm's lock may be held
+            self._showwarning(*args, **kwargs)  # forever there, by a thread of the parent's
+            return
         with tqdm.external_write_mode(file=self._stream or sys.stderr):
             self._showwarning(*args, **kwargs)
 
