@@ -37,7 +37,7 @@ from .misc import WorkDirLock, collect_env, unwrapped
 from .preemption import WRITE_FAILED, Interrupt, Preemption
 from .progress import Progress
 from .step import StepTools
-from .writers import PER_GROUP, ROW_KEYS
+from .writers import trainer_writes
 
 logger = logging.getLogger(__name__)
 
@@ -732,7 +732,7 @@ def _check_names(out: Any, logged: dict[str, torch.Tensor]) -> frozenset[str]:
     entries of a plain dict with a gradient beside its ``loss``, which are not trained.
     Returns the names checked."""
     for name in logged:  # mixed with the trainer's own, they would log neither
-        if name in ROW_KEYS or name in TRAINER_METRICS or name.startswith(PER_GROUP):
+        if trainer_writes(name) or name in TRAINER_METRICS:
             raise ValueError(
                 f"The model returned {name!r}, a name the trainer logs itself (iter, epoch, "
                 f"total_loss, lr, grad_norm, ...): rename it, e.g. 'model_{name}'."

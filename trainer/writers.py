@@ -94,6 +94,12 @@ PER_GROUP = ("lr/", "grad_norm/")
 _GROUP_LR = re.compile(r"lr/group[0-9]+")  # an LR the console line leaves out
 
 
+def trainer_writes(name: str) -> bool:
+    """Whether metrics.jsonl's rows hold ``name`` from the trainer itself: a row key (``iter``,
+    ``epoch``) or a metric per parameter group or optimizer (``lr/...``, ``grad_norm/...``)."""
+    return name in ROW_KEYS or name.startswith(PER_GROUP)
+
+
 def tensorboard_tag(name: str, evaluated: bool) -> str:
     """The TensorBoard tag of metric ``name``: ``eval/`` for an evaluation's result, ``time/``
     for a time, ``train/`` for the rest, the trainer's metrics per parameter group or optimizer

@@ -11,7 +11,7 @@ from ..distributed import get_world_size
 from ..evaluation import eval_mode
 from ..metric_storage import TRAINER_METRICS, reduce_over_ranks
 from ..misc import check_int, check_type
-from ..writers import PER_GROUP, ROW_KEYS, tensorboard_tag
+from ..writers import tensorboard_tag, trainer_writes
 from .hookbase import HookBase, Priority
 
 logger = logging.getLogger(__name__)
@@ -152,7 +152,7 @@ class EvalHook(HookBase):
         tags = {tensorboard_tag(name, name in evaluated): name for name in others}
         source = "eval_func" if self._eval_func else "metric_fn"
         for name in sorted(new):
-            if name in ROW_KEYS or name.startswith(PER_GROUP):  # in metrics.jsonl's rows
+            if trainer_writes(name):  # in metrics.jsonl's rows
                 raise ValueError(
                     f"{source} returned {name!r}, a name the trainer writes itself (iter, epoch, "
                     f"lr/..., grad_norm/...): rename it, e.g. 'val_{name}'."
